@@ -165,14 +165,25 @@ class BlockManager:
     def num_cached_tokens(self, seq) -> int:
         """How much of seq's prefix the cache holds; at least one token is always left to compute,
         because the last one's logits are needed to sample."""
+        return len(self._cached_prefix_blocks(seq)) * self.block_size
+
+    def _cached_prefix_blocks(self, seq) -> list[int]:
         if not self.enable_prefix_caching:
-            return 0
+            return []
         self.update_hashes(seq)
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        n = 0
-        while n < max_blocks and seq.block_hashes[n] in self.hash_to_block:
-            n += 1
-        return n * self.block_size
+        blocks = []
+        while len(blocks) < max_blocks and seq.block_hashes[len(blocks)] in self.hash_to_block:
+            blocks.append(self.hash_to_block[seq.block_hashes[len(blocks)]])
+        return blocks
+
+    def admission_cost(self, seq, num_new_tokens: int) -> tuple[int, int]:
+        """(cached tokens, free blocks consumed) to admit seq and compute num_new_tokens after its
+        cached prefix. Reviving an evictable cached block takes it off the free count too."""
+        hits = self._cached_prefix_blocks(seq)
+        cached = len(hits) * self.block_size
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return cached, self.blocks_needed(cached + num_new_tokens) - len(hits) + revived
 
     def take_cached_prefix(self, seq) -> int:
         """On admission: take every cached block that matches seq's prefix and skip its prefill."""

@@ -52,13 +52,16 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {archs[0]!r}: nanoserve runs {list(supported)}")
         eos = cfg.get("eos_token_id")
         heads = cfg["num_attention_heads"]
+        # transformers >= 5 nests rope settings in "rope_parameters"; older configs keep them on top
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),

@@ -115,7 +115,11 @@ def _load_extension(kind):
     if kind == "cpu":
         cpp_extension.load(
             name="nanoserve_paged_attention_cpu", sources=[str(CSRC / "paged_attention_cpu.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            # associative math lets dot products end in a shuffle tree, not a serial chain of
+            # adds; no -ffinite-math-only: the kernel relies on -inf for "no score yet"
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
+                          "-fno-trapping-math", "-fno-math-errno"],
+            extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir), is_python_module=False, verbose=False)
     else:
         cpp_extension.load(

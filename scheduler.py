@@ -193,10 +193,7 @@ class Scheduler:
     def _admit_waiting(self, batch, budget):
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_waiting()
-            cached = self.blocks.num_cached_tokens(seq)
-            n = min(len(seq.token_ids) - cached, budget)
-            needed = self.blocks.blocks_needed(cached + n) - cached // self.blocks.block_size
-            if needed + self.watermark_blocks > self.blocks.num_free_blocks() and not self._preempt_for(seq, needed, batch):
+            if not self._fits(seq, budget) and not self._preempt_for(seq, budget, batch):
                 break
             self.waiting.remove(seq)
             cached = self.blocks.take_cached_prefix(seq)
@@ -209,12 +206,18 @@ class Scheduler:
         for seq in self.waiting:
             seq.waited_steps += 1
 
-    def _preempt_for(self, seq, needed, batch) -> bool:
+    def _fits(self, seq, budget) -> bool:
+        """Can seq be admitted with its first chunk and still leave the watermark free?"""
+        cached = self.blocks.num_cached_tokens(seq)
+        _, needed = self.blocks.admission_cost(seq, min(len(seq.token_ids) - cached, budget))
+        return needed + self.watermark_blocks <= self.blocks.num_free_blocks()
+
+    def _preempt_for(self, seq, budget, batch) -> bool:
         """Priority policy: a waiting request may push out running ones of lower priority
         (not yet scheduled this step) to make room."""
         if self.config.policy != "priority":
             return False
-        while needed + self.watermark_blocks > self.blocks.num_free_blocks():
+        while not self._fits(seq, budget):
             victims = [s for s in self.running if s not in batch.seqs and s.priority > seq.priority]
             if not victims:
                 return False

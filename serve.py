@@ -179,6 +179,7 @@ class ServerMetrics:
                              [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320])
         self.finished = collections.Counter()  # finish_reason -> requests
         self.failed = 0
+        self.aborted = 0  # requests whose client left (or that failed) before they finished
 
 
 # ----------------------------------------------------------------------------- engine thread
@@ -193,27 +194,28 @@ class Run:
     def __init__(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams, priority: int):
         self.request_ids, self.prompts, self.params, self.priority = request_ids, prompts, params, priority
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()   # ("admitted"|"output"|"error", payload)
+        self.queue: asyncio.Queue = asyncio.Queue()   # ("admitted"|"output"|"error"|"gone", payload)
         self.arrival = time.monotonic()
         self.unfinished = set(request_ids)
         self.engine_loop: "EngineLoop | None" = None
 
-    async def next(self, request: Request | None = None):
-        """The next (prompt index, RequestOutput); polls for a vanished client when `request` is given."""
-        while True:
-            try:
-                kind, payload = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S if request else None)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise ClientGone()
-                continue
-            if kind == "error":
-                raise payload
-            if kind == "output":
-                index, out = payload
-                if out.finished:
-                    self.unfinished.discard(out.request_id)
-                return index, out
+    async def next(self):
+        """The next (prompt index, RequestOutput)."""
+        kind, payload = await self.queue.get()
+        if kind == "gone":
+            raise ClientGone()
+        if kind == "error":
+            raise payload
+        index, out = payload
+        if out.finished:
+            self.unfinished.discard(out.request_id)
+        return index, out
+
+    async def watch_disconnect(self, request: Request) -> None:
+        """For non-streamed requests, which Starlette does not cancel when the client leaves."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        self.queue.put_nowait(("gone", None))
 
     async def admitted(self) -> None:
         kind, payload = await self.queue.get()
@@ -330,15 +332,19 @@ class EngineLoop:
         with self.lock:
             commands = list(self.commands)
             self.commands.clear()
+        num_added = 0
         for kind, payload in commands:
             if kind == "add":
                 self._add(payload, outbox)
-                with self.lock:
-                    self.num_pending_adds -= len(payload.request_ids)
+                num_added += len(payload.request_ids)
             else:
                 for request_id in payload:
                     if self.tracked.pop(request_id, None) is not None:
                         self.engine.abort_request(request_id)
+                        self.metrics.aborted += 1
+        self.stats = self.engine.stats()  # before the pending count drops, so admission never undercounts
+        with self.lock:
+            self.num_pending_adds -= num_added
 
     def _add(self, run: Run, outbox: list) -> None:
         added = []
@@ -490,11 +496,13 @@ class OpenAIServer:
                         aliases: dict[str, str]) -> SamplingParams:
         if req.n is not None and req.n > MAX_N:
             raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+        if req.seed is not None and not 0 <= req.seed < 2**32:  # the engine overflows on huge seeds
+            raise APIError(400, f"seed must be an integer in [0, 2**32), got {req.seed}", "seed")
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
         given = {name: getattr(req, name) for name in names if getattr(req, name) is not None}
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs, **given)
         try:
-            params.validate()
+            params.validate(self.vocab_size)
         except ValueError as exc:
             raise APIError(400, str(exc), param_of(str(exc), aliases)) from None
         if req.priority and self.engine.config.scheduling_policy != "priority":
@@ -524,15 +532,17 @@ class OpenAIServer:
         """Stream the run as SSE or wait for all of it; the run is aborted however this ends early."""
         if stream:
             return EventStream(events(run), run)
+        watcher = asyncio.create_task(run.watch_disconnect(request))
         try:
             outs = [None] * len(run.prompts)
             while run.unfinished:
-                index, out = await run.next(request)
+                index, out = await run.next()
                 outs[index] = out
             return JSONResponse(collect(outs))
         except ClientGone:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         finally:
+            watcher.cancel()
             run.close()
 
     def token_text(self, token_id: int) -> str:
@@ -651,9 +661,9 @@ class OpenAIServer:
         return {**head, "choices": choices, "usage": usage(prompts, [out])}
 
     def chat_logprobs(self, c, start: int, end: int, top_n: int) -> dict:
-        def entry(token_id, logprob):
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
+        def entry(token_id, logprob):  # bytes are exact even where a token holds half a UTF-8 character
+            return {"token": self.token_text(token_id), "logprob": finite(logprob),
+                    "bytes": list(self.tokenizer.token_bytes(token_id))}
         content = [{**entry(t, lps[t]), "top_logprobs": [entry(k, v) for k, v in top_entries(lps, top_n)]}
                    for t, lps in zip(c.token_ids[start:end], c.logprobs[start:end])]
         return {"content": content}
@@ -763,14 +773,15 @@ def render_metrics(server: OpenAIServer) -> str:
          loop.num_pending_adds),
         ("prefix_cache_hit_rate", "gauge", "Prefix cache hit rate (0..1).", stats.get("prefix_cache_hit_rate", 0.0)),
         ("request_failures_total", "counter", "Requests failed by an engine error.", loop.metrics.failed),
+        ("request_aborted_total", "counter", "Requests aborted unfinished (client gone).", loop.metrics.aborted),
     ]
     lines = []
     for name, kind, help_text, value in series:
         lines += [f"# HELP nanoserve:{name} {help_text}", f"# TYPE nanoserve:{name} {kind}",
                   f"nanoserve:{name}{{{labels}}} {value}"]
-    lines += ["# HELP nanoserve:request_success_total Finished choices by finish_reason.",
-              "# TYPE nanoserve:request_success_total counter"]
-    lines += [f'nanoserve:request_success_total{{{labels},finished_reason="{reason}"}} {count}'
+    lines += ["# HELP nanoserve:finished_sequences_total Finished choices (n per request) by finish_reason.",
+              "# TYPE nanoserve:finished_sequences_total counter"]
+    lines += [f'nanoserve:finished_sequences_total{{{labels},finished_reason="{reason}"}} {count}'
               for reason, count in sorted(loop.metrics.finished.items(), key=lambda kv: str(kv[0]))]
     for histogram in (loop.metrics.ttft, loop.metrics.tpot, loop.metrics.e2e):
         lines += histogram.render(labels)

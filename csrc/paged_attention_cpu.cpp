@@ -29,7 +29,25 @@
 namespace {
 
 constexpr int kTileRows = 16;  // query rows per work item; a tile shares every K/V load
+constexpr int kLanes = 16;     // floats per accumulator chunk (one AVX-512 / two AVX2 registers)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for the softmax, where x <= 0: e^x = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2 and
+// 2^f a degree-6 Taylor polynomial (relative error ~1.2e-7). Unlike std::exp, a loop of it
+// vectorizes; x < -87 (e^x < 2^-125) returns 0, so -inf does too.
+inline float exp_nonpositive(float x) {
+  const float y = std::max(x * 1.44269504f, -126.f);
+  const float n = std::floor(y + 0.5f), f = y - n;
+  float p = 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const float two_n = std::bit_cast<float>((int32_t(n) + 127) << 23);
+  return x < -87.f ? 0.f : p * two_n;
+}
 
 // ---- KV rows, converted to float on load ------------------------------------------------
 
@@ -66,7 +84,23 @@ template <typename KV>
 void prefetch_rows(const KV* first_row, int64_t row_stride, int n, int head_dim) {
   for (int t = 0; t < n; ++t)
     for (int64_t byte = 0; byte < (int64_t)head_dim * (int64_t)sizeof(KV); byte += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(first_row + t * row_stride) + byte);
+      __builtin_prefetch(reinterpret_cast<const char*>(first_row + t * row_stride) + byte, 0, 3);
+}
+
+// acc[d] += sum_t p[t] * v[t][d], W outputs at a time with t innermost: the W partial sums
+// stay in registers for the whole block (W = 64 gives 4 independent AVX-512 FMA chains)
+template <int W>
+void accumulate(float* acc, const float* p, const float* v, int64_t v_stride, int n, int D) {
+  for (int d0 = 0; d0 < D; d0 += W) {
+    float a[W];
+    for (int l = 0; l < W; ++l) a[l] = acc[d0 + l];
+    for (int t = 0; t < n; ++t) {
+      const float pt = p[t], *vt = v + t * v_stride + d0;
+#pragma omp simd
+      for (int l = 0; l < W; ++l) a[l] += pt * vt[l];
+    }
+    for (int l = 0; l < W; ++l) acc[d0 + l] = a[l];
+  }
 }
 
 // ---- one work item ------------------------------------------------------------------------
@@ -139,22 +173,19 @@ void attend_tile(const Batch& b, const KV* key_cache, const KV* value_cache, con
       }
       // online softmax: rescale what we have by exp(old_max - new_max), then add this block
       const float new_max = std::max(s.row_max[m], block_max);
-      const float correction = std::exp(s.row_max[m] - new_max);  // 0 on the first block
+      const float correction = exp_nonpositive(s.row_max[m] - new_max);  // 0 on the first block
       float block_sum = 0.f;
-      for (int t = 0; t < visible; ++t) block_sum += (sc[t] = std::exp(sc[t] - new_max));
+#pragma omp simd reduction(+ : block_sum)
+      for (int t = 0; t < visible; ++t) block_sum += (sc[t] = exp_nonpositive(sc[t] - new_max));
       s.row_sum[m] = s.row_sum[m] * correction + block_sum;
       s.row_max[m] = new_max;
-      float* acc = &s.acc[m * D];
       if (correction != 1.f) {
+        float* acc = &s.acc[m * D];
 #pragma omp simd
         for (int d = 0; d < D; ++d) acc[d] *= correction;
       }
-      for (int t = 0; t < visible; ++t) {
-        const float p = sc[t];
-        const float* vt = v + t * vs;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[d] += p * vt[d];
-      }
+      if (D % 64 == 0) accumulate<64>(&s.acc[m * D], sc, v, vs, visible, D);
+      else accumulate<kLanes>(&s.acc[m * D], sc, v, vs, visible, D);
     }
   }
   for (int m = 0; m < M; ++m) {
@@ -202,6 +233,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   const int num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
   const int num_tokens = query.size(0), num_heads = query.size(1);
   TORCH_CHECK(query.size(2) == head_dim, "query head_dim ", query.size(2), " != cache head_dim ", head_dim);
+  TORCH_CHECK(head_dim % kLanes == 0, "head_dim must be a multiple of ", kLanes, ", got ", head_dim);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " must be a multiple of num_kv_heads ",
               num_kv_heads);
   const auto q = query.to(at::kFloat).contiguous();
