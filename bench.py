@@ -323,14 +323,13 @@ def bench_memory(sz, seed, results):
     vocab, per_token, block = vocab_of(probe), kv_bytes_per_token(probe), probe.config.block_size
     free_engine(probe)
     reqs = make_workload(sz.mem_requests, seed + 1, sz.out_range, sz.prompt_median, vocab)
-    max_model_len = sz.mem_max_model_len
+    max_model_len = max(sz.mem_max_model_len, max(len(r.prompt) + r.max_tokens for r in reqs))
     reserve = statistics.mean(len(r.prompt) + r.max_tokens for r in reqs)   # contiguous: prompt + max_tokens each
     live = statistics.mean(len(r.prompt) + r.max_tokens / 2 for r in reqs)  # tokens actually held, averaged over life
     budget_tokens = 2 * max_model_len                   # the budget: two max-length reservations
     budget = budget_tokens * per_token
     fit_request_max = max(1, int(budget_tokens // reserve))
     runs = {}
-    fit_request_max = max(1, budget_tokens // request_max)
     for name, seqs in [("paged", sz.max_num_seqs), ("contiguous-equivalent", fit_request_max)]:
         engine = make_engine(kv_cache_memory=int(budget), max_model_len=max_model_len, max_num_seqs=seqs,
                              enable_prefix_caching=False)
@@ -446,8 +445,11 @@ def chunked_prefill_gaps(engine, vocab, long_len, num_running=8):
     long_id = new_id("long")
     t_arrive = time.perf_counter()
     engine.add_request(long_id, [rng.randrange(256, vocab) for _ in range(long_len)], greedy(4))
-    ttft, extra = None, 0
+    ttft, extra, budget = None, 0, 10_000
     while extra < 3:
+        budget -= 1
+        if budget == 0:
+            raise RuntimeError("the long prompt never produced a token")
         outs = engine.step()
         t = time.perf_counter()
         for o in outs:
@@ -494,7 +496,7 @@ def bench_latency(sz, seed, results):
     free_engine(engine)
     chunk = {}
     for name, budget in (("chunked (max_num_batched_tokens=256)", 256), ("unchunked (8192)", 8192)):
-        engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=sz.max_num_seqs)
+        engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=16)   # room for 8 decodes + the long one
         warm_up(engine, vocab)
         chunk[name] = chunked_prefill_gaps(engine, vocab, sz.long_prompt)
         free_engine(engine)
@@ -512,15 +514,19 @@ def bench_latency(sz, seed, results):
                     for k, v in chunk.items()]))
     c, u = chunk.values()
     print(f"\nchunking lowers the worst inter-token gap {u['gap_max_s'] / c['gap_max_s']:.2f}x")
+    mid = per_rate[len(per_rate) // 2]
+    http = bench_http(reqs, mid["rate_rps"], seed)
+    if "skipped" in http:
+        print(f"\nHTTP: not measured ({http['skipped']})")
+    else:
+        print(f"\nSame requests at {mid['rate_rps']:.2f} req/s through serve.py (subprocess, streamed SSE; the client "
+              "threads share the 2 cores with the server):\n")
+        print(md_table(["path", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "e2e p50", "p90", "p99"],
+                       [[name] + [d[f"{k}_{q}"] for k in ("ttft", "tpot", "e2e") for q in ("p50", "p90", "p99")]
+                        for name, d in (("in process", mid), ("HTTP", http))]))
     results["latency"] = {"targets": {"ttft_p90_s": TTFT_TARGET_S, "tpot_p90_s": TPOT_TARGET_S},
                           "capacity_rps": capacity_rps, "rates": per_rate, "goodput_rps": goodput,
-                          "chunked_prefill": chunk, "http": http_note()}
-    print(f"\nHTTP: {results['latency']['http']}")
-
-
-def http_note():
-    return ("not measured: serve.py is absent" if not os.path.exists(os.path.join(os.path.dirname(
-        os.path.abspath(__file__)), "serve.py")) else "not measured yet: serve.py exists, HTTP run not wired")
+                          "chunked_prefill": chunk, "http": http}
 
 
 # ----------------------------------------------------------------------------- 4. peers
@@ -593,9 +599,9 @@ def hf_continuous(model, reqs, desc):
     cbcfg = ContinuousBatchingConfig(max_requests_per_batch=len(reqs))
     bar = tqdm(total=len(reqs), desc=desc, unit="req", leave=False, file=sys.stderr)
     results = {}
-    t0 = time.perf_counter()
     with model.continuous_batching_context_manager(generation_config=gcfg, continuous_batching_config=cbcfg,
                                                    block=True, timeout=60) as mgr:
+        t0 = time.perf_counter()       # the manager's own start-up and warm-up are not counted against it
         for i, r in enumerate(reqs):
             mgr.add_request(r.prompt, request_id=f"hf-{i}", max_new_tokens=r.max_tokens)
         while len(results) < len(reqs):
@@ -605,7 +611,7 @@ def hf_continuous(model, reqs, desc):
                 bar.update(1)
             elif res is None and not mgr.is_running():
                 raise RuntimeError("transformers continuous batching thread stopped")
-    wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
     bar.close()
     useful = sum(len(v.generated_tokens) for v in results.values())
     assert useful == sum(r.max_tokens for r in reqs), (useful, sum(r.max_tokens for r in reqs))

@@ -250,11 +250,8 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        self.kv_pool.swap(batch.swap_out, to_host=True)
-        self.kv_pool.swap(batch.swap_in, to_host=False)
-        for src, dst in self.blocks.copies:                 # copy-on-write for forked samples
-            self.kv_pool.copy_block(src, dst)
-        self.blocks.copies.clear()
+        self.kv_pool.run(self.blocks.pending_ops)           # swaps and copy-on-write, before the forward
+        self.blocks.pending_ops.clear()
         self.last_step = {"num_seqs": len(batch.seqs), "num_batched_tokens": sum(batch.num_tokens)}
         if not batch.seqs:
             return []
@@ -330,7 +327,8 @@ class Engine:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         if logprob is not None:
-            c.logprobs = (c.logprobs or []) + [logprob]
+            c.logprobs = c.logprobs or []
+            c.logprobs.append(logprob)
         p = req.params
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             return self._finish(c, "stop", token, now)
@@ -362,7 +360,8 @@ class Engine:
             hold = 0 if c.finish_reason else max((len(s) - 1 for s in req.params.stop), default=0)
             visible = max(c.emitted_text, len(c.text) - hold)
             ids = c.seq.token_ids[c.seq.num_prompt_tokens:] if c.seq else []
-            outs.append(CompletionOutput(c.index, c.text[:visible], ids, c.finish_reason, c.logprobs,
+            logprobs = None if c.logprobs is None else list(c.logprobs)   # a snapshot: other threads read it
+            outs.append(CompletionOutput(c.index, c.text[:visible], ids, c.finish_reason, logprobs,
                                          c.text[c.emitted_text:visible], ids[c.emitted_tokens:], c.stop_reason))
             c.emitted_text, c.emitted_tokens = visible, len(ids)
         if req.finished:

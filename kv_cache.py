@@ -44,21 +44,24 @@ class KVCachePool:
         self.host_caches = [(torch.zeros(host_shape, dtype=dtype), torch.zeros(host_shape, dtype=dtype))
                             for _ in range(num_layers)] if num_host_blocks else []
 
-    def copy_block(self, src: int, dst: int):
-        for k, v in self.kv_caches:
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
-
-    def swap(self, pairs, to_host: bool):
-        """Copy blocks device->host (to_host) or host->device; pairs = [(from_block, to_block)]."""
-        if not pairs:
-            return
-        src_ids = torch.tensor([p[0] for p in pairs])
-        dst_ids = torch.tensor([p[1] for p in pairs])
-        for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_caches):
-            src_k, src_v, dst_k, dst_v = (dk, dv, hk, hv) if to_host else (hk, hv, dk, dv)
-            dst_k[dst_ids] = src_k[src_ids].to(dst_k.device)
-            dst_v[dst_ids] = src_v[src_ids].to(dst_v.device)
+    def run(self, ops):
+        """Execute block operations in the order the block manager issued them: ("copy", src, dst)
+        within the device pool, ("out", device, host) and ("in", host, device) for swapping.
+        Order matters: a block freed by one op may be the destination of a later one."""
+        i = 0
+        while i < len(ops):
+            j = i
+            while j < len(ops) and ops[j][0] == ops[i][0]:    # batch a run of the same kind
+                j += 1
+            kind = ops[i][0]
+            src = torch.tensor([op[1] for op in ops[i:j]])
+            dst = torch.tensor([op[2] for op in ops[i:j]])
+            for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_caches or self.kv_caches):
+                src_k, src_v = (hk, hv) if kind == "in" else (dk, dv)
+                dst_k, dst_v = (hk, hv) if kind == "out" else (dk, dv)
+                dst_k[dst.to(dst_k.device)] = src_k[src.to(src_k.device)].to(dst_k.device)
+                dst_v[dst.to(dst_v.device)] = src_v[src.to(src_v.device)].to(dst_v.device)
+            i = j
 
 
 def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -81,8 +84,9 @@ class BlockManager:
         self.hash_to_block = {}                       # prefix cache: hash -> block id
         self.evictable = OrderedDict()                # refcount-0 cached blocks, least recently used first
         self.num_host_blocks = num_host_blocks
+        self.num_swapped_out = 0                      # sequences moved to the host pool, ever
         self.free_host_blocks = deque(range(num_host_blocks))
-        self.copies = []                              # (src, dst) copy-on-write copies for the engine to run
+        self.pending_ops = []                         # block copies/swaps for the engine to run, in order
         self.prefix_queries = self.prefix_hits = 0    # tokens asked for / served from the cache
 
     # ------------------------------------------------------------------ allocation
@@ -134,7 +138,7 @@ class BlockManager:
             i = seq.num_computed_tokens // self.block_size
             old = seq.block_table[i]
             seq.block_table[i] = self._take_block()
-            self.copies.append((old, seq.block_table[i]))
+            self.pending_ops.append(("copy", old, seq.block_table[i]))
             self._release(old)
         total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         while len(seq.block_table) < total:
@@ -218,23 +222,22 @@ class BlockManager:
     def can_swap_out(self, seq) -> bool:
         return len(seq.block_table) <= len(self.free_host_blocks)
 
-    def swap_out(self, seq) -> list:
-        """Move seq's blocks to host blocks; returns the (device, host) copies to run."""
-        pairs = [(block, self.free_host_blocks.popleft()) for block in seq.block_table]
+    def swap_out(self, seq):
+        """Move seq's blocks to host blocks (the copies are queued in pending_ops)."""
+        seq.host_block_table = [self.free_host_blocks.popleft() for _ in seq.block_table]
+        self.num_swapped_out += 1
+        self.pending_ops += [("out", d, h) for d, h in zip(seq.block_table, seq.host_block_table)]
         self.free(seq)
-        seq.host_block_table = [h for _, h in pairs]
-        return pairs
 
     def can_swap_in(self, seq, reserve: int = 0) -> bool:
         return len(seq.host_block_table) + reserve <= self.num_free_blocks()
 
-    def swap_in(self, seq) -> list:
-        """Bring seq back into fresh device blocks; returns the (host, device) copies to run."""
-        pairs = [(h, self._take_block()) for h in seq.host_block_table]
-        seq.block_table = [d for _, d in pairs]
+    def swap_in(self, seq):
+        """Bring seq back into fresh device blocks; no token is recomputed."""
+        seq.block_table = [self._take_block() for _ in seq.host_block_table]
+        self.pending_ops += [("in", h, d) for h, d in zip(seq.host_block_table, seq.block_table)]
         self.free_host_blocks.extend(seq.host_block_table)
         seq.host_block_table = []
-        return pairs
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self, seqs):

@@ -88,47 +88,51 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, conte
 
 BACKENDS = ("auto", "torch", "cpu", "cuda")
 CSRC = Path(__file__).resolve().parent / "csrc"
+KERNEL_BUILDS = {   # torch.utils.cpp_extension.load arguments per compiled backend
+    "cpu": dict(
+        name="nanoserve_paged_attention_cpu", sources=["paged_attention_cpu.cpp"],
+        # associative math lets dot products end in a shuffle tree, not a serial chain of
+        # adds; no -ffinite-math-only: the kernel relies on -inf for "no score yet"
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
+                      "-fno-trapping-math", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"]),
+    "cuda": dict(
+        name="nanoserve_paged_attention_cuda",
+        sources=["paged_attention_cuda_binding.cpp", "paged_attention_cuda.cu"],
+        extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"]),
+}
 _loaded = {}        # kind -> True once its ops are registered in torch.ops
 _failed = {}        # kind -> why the build failed (warned about once)
 
 
-def _build_directory(kind):
-    """Per-machine cache dir: -march=native code must not be reused on another CPU."""
+def _build_directory(build):
+    """Cache dir named by a hash of the sources, flags, torch version and CPU: checkouts with
+    different sources never rebuild over each other, and -march=native code never moves to
+    another CPU."""
     root = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
-    flags = next((line for line in cpu.splitlines() if line.startswith("flags")), cpu)
-    tag = hashlib.sha1(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
-    path = root / "torch_extensions" / f"{kind}-{tag}"
+    cpuinfo = Path("/proc/cpuinfo")
+    cpu = cpuinfo.read_text() if cpuinfo.exists() else platform.processor()
+    cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), cpu)
+    key = hashlib.sha1(f"{platform.machine()} {cpu_flags} {torch.__version__} {sorted(build.items())}".encode())
+    for source in build["sources"]:
+        key.update((CSRC / source).read_bytes())
+    path = root / "torch_extensions" / f"{build['name']}-{key.hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def _load_extension(kind):
-    """JIT-build (or reuse the cached build of) one kernel library; cpp_extension rebuilds
-    only when a source or flag changes. Raises if the build fails."""
+    """JIT-build (or load the cached build of) one kernel library; raises if the build fails."""
     if kind in _loaded:
         return
     from torch.utils import cpp_extension
-    build_dir = _build_directory(kind)
-    before = {p: p.stat().st_mtime for p in build_dir.glob("*.so")}
+    build = KERNEL_BUILDS[kind]
+    build_dir = _build_directory(build)
+    already_built = any(build_dir.glob("*.so"))
     start = time.perf_counter()
-    if kind == "cpu":
-        cpp_extension.load(
-            name="nanoserve_paged_attention_cpu", sources=[str(CSRC / "paged_attention_cpu.cpp")],
-            # associative math lets dot products end in a shuffle tree, not a serial chain of
-            # adds; no -ffinite-math-only: the kernel relies on -inf for "no score yet"
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
-                          "-fno-trapping-math", "-fno-math-errno"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir), is_python_module=False, verbose=False)
-    else:
-        cpp_extension.load(
-            name="nanoserve_paged_attention_cuda",
-            sources=[str(CSRC / "paged_attention_cuda_binding.cpp"), str(CSRC / "paged_attention_cuda.cu")],
-            extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"],
-            build_directory=str(build_dir), is_python_module=False, verbose=False)
-    after = {p: p.stat().st_mtime for p in build_dir.glob("*.so")}
-    if after != before:   # something was compiled, not just loaded from the cache
+    cpp_extension.load(**{**build, "sources": [str(CSRC / s) for s in build["sources"]]},
+                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    if not already_built:
         print(f"built paged-attention {kind.upper()} kernel in {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)
     _loaded[kind] = True
@@ -142,7 +146,8 @@ def _try_load(kind):
         _load_extension(kind)
         return True
     except Exception as e:  # no compiler, compile error, missing CUDA toolkit...
-        _failed[kind] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        _failed[kind] = f"{type(e).__name__}: {first_line}"
         warnings.warn(f"paged-attention {kind} kernel unavailable ({_failed[kind]}); "
                       f"falling back to the pure-PyTorch reference (slow)", RuntimeWarning, stacklevel=3)
         return False

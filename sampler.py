@@ -52,15 +52,16 @@ class SamplingParams:
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              "logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
-        need(all(isinstance(t, int) and 0 <= t < (vocab_size or 2**62) for t in self.stop_token_ids),
-             "stop_token_ids", f"token ids in [0, {vocab_size})")
+        vocab = vocab_size or 2**31
+        need(all(isinstance(t, int) and 0 <= t < vocab for t in self.stop_token_ids),
+             "stop_token_ids", f"token ids in [0, {vocab})")
 
 
 def make_generator(seed: int | None, index: int = 0):
     """A private random stream for a seeded request; the i-th of n samples gets its own."""
     if seed is None:
         return None
-    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**63)
 
 
 def sample(logits, params: list[SamplingParams], generators: list):

@@ -76,8 +76,6 @@ class SchedulerConfig:
 class ScheduledBatch:
     seqs: list[Sequence]                  # in batch order
     num_tokens: list[int]                 # tokens of each to compute this step
-    swap_in: list = field(default_factory=list)   # (host, device) block copies to run first
-    swap_out: list = field(default_factory=list)  # (device, host)
     num_preempted: int = 0
 
 
@@ -133,8 +131,8 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
-        if self.config.mode == "static":
-            return batch
+        if self.config.mode == "static" or batch.num_preempted:
+            return batch                                   # memory is short: admit nobody this step
         # 2) swapped sequences come back before new ones are admitted
         budget = self._swap_in(batch, budget)
         # 3) admit waiting sequences
@@ -161,7 +159,7 @@ class Scheduler:
         self.num_preemptions += 1
         batch.num_preempted += 1
         if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq):
-            batch.swap_out += self.blocks.swap_out(seq)
+            self.blocks.swap_out(seq)
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
         else:                                              # recompute: drop the KV, keep the tokens
@@ -178,7 +176,7 @@ class Scheduler:
             if not self.blocks.can_swap_in(seq, reserve=max(extra, 0) + self.watermark_blocks):
                 break
             self.swapped.popleft()
-            batch.swap_in += self.blocks.swap_in(seq)
+            self.blocks.swap_in(seq)
             self.blocks.allocate_slots(seq, n)
             self._start(seq, n, batch)
             budget -= n

@@ -6,7 +6,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import ctypes
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -17,9 +16,11 @@ import paged_attention as pa
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# max |kernel - reference| allowed; the reference reads the same stored (rounded) KV values,
-# so the gap is only float32 summation order and, for bf16 queries, output rounding
+# max |kernel - reference| per KV dtype. Both sides compute in float32 from the same stored
+# (already rounded) KV values, so even bf16/fp16 caches differ only by summation order and the
+# kernel's polynomial exp (~1e-7 relative); observed errors stay below 2e-6.
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
+ATOL_BF16_QUERY = 2e-2   # bf16 queries: the reference computes in bf16, the kernels in float32
 
 
 def make_batch(q_lens, ctx_lens, num_kv_heads=3, group=3, head_dim=64, block_size=16,
@@ -55,7 +56,7 @@ def check_against_reference(attention, batch, atol):
 
 @pytest.fixture(scope="module")
 def cpu_backend():
-    assert pa.resolve_backend("cpu", "cpu") == "cpu", "CPU kernel failed to build"
+    pa._load_extension("cpu")     # builds on first use; a build error fails here with its log
     return lambda *batch: pa.paged_attention(*batch, backend="cpu")
 
 
@@ -87,8 +88,7 @@ def test_cpu_kernel_matches_reference_on_long_contexts(cpu_backend, kv_dtype, q_
 
 def test_cpu_kernel_keeps_bfloat16_queries(cpu_backend):
     batch = make_batch(*MIXED, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
-    # the reference computes in bf16; the kernel in float32 then rounds: compare at bf16 precision
-    check_against_reference(cpu_backend, batch, 2e-2)
+    check_against_reference(cpu_backend, batch, ATOL_BF16_QUERY)
 
 
 def test_cpu_kernel_skips_sequences_without_new_tokens(cpu_backend):
@@ -193,7 +193,7 @@ def test_emulated_cuda_kernel_matches_reference(emulated_cuda, name, q_lens, ctx
 
 def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_cuda):
     batch = make_batch([1, 12], [80, 12], q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
-    check_against_reference(lambda *b: emulated_attention(emulated_cuda, 32, *b), batch, 2e-2)
+    check_against_reference(lambda *b: emulated_attention(emulated_cuda, 32, *b), batch, ATOL_BF16_QUERY)
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -223,7 +223,7 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
         batch = [t.cuda() if isinstance(t, torch.Tensor) else t
                  for t in make_batch(q_lens, ctx_lens, group=3, kv_dtype=kv_dtype, q_dtype=q_dtype)]
         check_against_reference(lambda *b: pa.paged_attention(*b, backend="cuda"), batch,
-                                2e-2 if q_dtype == torch.bfloat16 else 1e-4)
+                                ATOL_BF16_QUERY if q_dtype == torch.bfloat16 else 1e-4)
     key, value = torch.randn(2, 9, 3, 64, device="cuda", dtype=q_dtype)
     slots = torch.randperm(96, device="cuda")[:9]
     caches = [torch.zeros(6, 16, 3, 64, device="cuda", dtype=kv_dtype) for _ in range(4)]
@@ -234,7 +234,7 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
 
 # ---- backend selection --------------------------------------------------------------------
 
-def test_resolve_backend_honours_env_and_rejects_unknown(monkeypatch):
+def test_resolve_backend_honours_env_and_rejects_unknown(cpu_backend, monkeypatch):
     monkeypatch.setenv("NANOSERVE_ATTENTION_BACKEND", "torch")
     assert pa.resolve_backend("cpu", "cpu") == "torch"
     monkeypatch.setenv("NANOSERVE_ATTENTION_BACKEND", "flash")
@@ -246,6 +246,7 @@ def test_resolve_backend_honours_env_and_rejects_unknown(monkeypatch):
 
 
 def test_resolve_backend_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.delenv("NANOSERVE_ATTENTION_BACKEND", raising=False)
     def broken(kind):
         raise RuntimeError("no compiler")
     monkeypatch.setattr(pa, "_load_extension", broken)

@@ -1,0 +1,409 @@
+"""
+The OpenAI protocol of nanoserve: what /v1/completions and /v1/chat/completions accept and answer.
+
+It owns the request schemas, their validation into prompts and SamplingParams, OpenAI's error
+body (APIError, with `param` naming the offending field, engine ValueErrors included), and the
+builders of response bodies, SSE chunks, logprobs and usage. It starts no threads, never steps
+the engine and holds no HTTP connections: serve.py owns those and hands outputs in here.
+"""
+import dataclasses
+import json
+import math
+import re
+import time
+import uuid
+from typing import AsyncIterator, Literal, Union
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from engine import Engine, RequestOutput, SamplingParams
+
+MAX_N = 16  # choices per prompt; more would let one request crowd out the batch
+
+
+# ----------------------------------------------------------------------------- errors
+
+class APIError(Exception):
+    """An error that reaches the client as OpenAI's {"error": {...}} body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """Map the first pydantic error to a 400 naming the offending top-level field."""
+    err = errors[0]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"Invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}", code="invalid_json")
+    loc = [str(x) for x in err["loc"]]
+    where = ".".join(loc) or "body"
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"Unsupported field '{where}'", loc[0], code="unsupported_field")
+    return APIError(400, f"{where}: {err['msg']}", loc[0] if loc else None)
+
+
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "priority", "messages"}
+
+
+def param_of(message: str, aliases: dict[str, str]) -> str | None:
+    """Engine/SamplingParams errors start with the field name ("top_p must be in (0, 1]")."""
+    word = re.match(r"\s*([A-Za-z_]+)", message)
+    field = word.group(1) if word else None
+    if field in aliases:
+        return aliases[field]
+    return field if field in SAMPLING_FIELDS else None
+
+
+# ----------------------------------------------------------------------------- request schemas
+
+class Strict(BaseModel):
+    # Unknown fields are rejected, never silently ignored; "5" is not an int.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingRequest(Strict):
+    """Fields shared by completions and chat; None means "use the SamplingParams default"."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    priority: int = 0
+    frequency_penalty: float | None = None   # accepted only as 0: the sampler has no penalties
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None                  # the caller's end-user id for its own bookkeeping
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def reject_unsupported(req: SamplingRequest) -> None:
+    """OpenAI fields we parse but cannot honour: accepted at their neutral value, rejected otherwise."""
+    for field in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, field):
+            raise APIError(400, f"{field} is not supported (only 0)", field)
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+
+
+# ----------------------------------------------------------------------------- the served model's limits
+
+class OpenAIProtocol:
+    """Checks requests against the served model (name, vocabulary, context, policy) and renders tokens."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.model_name, self.tokenizer = model_name, engine.tokenizer
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.scheduling_policy = engine.config.scheduling_policy
+        self.token_text_cache: dict[int, str] = {}
+
+    def parse(self, body: bytes, schema: type[SamplingRequest]) -> SamplingRequest:
+        try:
+            req = schema.model_validate_json(body)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                           "model", code="model_not_found")
+        reject_unsupported(req)
+        return req
+
+    def token_ids(self, prompt: str | list[int], field: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(400, f"{field} must not be empty", field)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"{field} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", field)
+        return ids
+
+    def check_context(self, prompts: list[list[int]], max_tokens: int, prompt_field: str, max_field: str):
+        limit, longest = self.max_model_len, max(len(p) for p in prompts)
+        if longest >= limit:
+            raise APIError(400, f"{prompt_field} has {longest} tokens; the maximum context length is {limit}",
+                           prompt_field, code="context_length_exceeded")
+        if longest + max_tokens > limit:
+            raise APIError(400, f"{max_field}={max_tokens} plus the {longest} prompt tokens exceeds the maximum "
+                           f"context length {limit}; use at most {limit - longest}", max_field,
+                           code="context_length_exceeded")
+
+    def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        aliases: dict[str, str]) -> SamplingParams:
+        if req.n is not None and req.n > MAX_N:
+            raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+        if req.seed is not None and not 0 <= req.seed < 2**32:  # the engine overflows on huge seeds
+            raise APIError(400, f"seed must be an integer in [0, 2**32), got {req.seed}", "seed")
+        names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
+        given = {name: getattr(req, name) for name in names if getattr(req, name) is not None}
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs, **given)
+        try:
+            params.validate(self.vocab_size)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param_of(str(exc), aliases)) from None
+        if req.priority and self.scheduling_policy != "priority":
+            raise APIError(400, "priority needs --scheduling-policy priority", "priority")
+        return params
+
+    def token_text(self, token_id: int) -> str:
+        text = self.token_text_cache.get(token_id)
+        if text is None:
+            text = self.token_text_cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+# ----------------------------------------------------------------------------- response pieces
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else -9999.0  # JSON has no -Infinity
+
+
+def top_entries(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(logprobs.items(), key=lambda kv: -kv[1])[:k]
+
+
+def usage(prompts: list[list[int]], outs: list) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for out in outs if out for c in out.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ChoiceCursor:
+    """What of one choice has been streamed so far: tokens sent, the text offset reached, and the
+    echoed prompt still to send in front of the first text."""
+
+    def __init__(self, echo: str = ""):
+        self.num_tokens, self.text_offset, self.finished, self.echo = 0, len(echo), False, echo
+
+    def has_news(self, c, with_logprobs: bool) -> bool:
+        """Worth a chunk: new text, the finish, or (with logprobs) new tokens. Tokens whose text is held
+        back (half a UTF-8 character, a possible stop string) make no empty chunk otherwise."""
+        if self.finished:
+            return False
+        new_tokens = with_logprobs and len(c.token_ids) > self.num_tokens
+        return bool(c.delta_text or self.echo or c.finish_reason is not None or new_tokens)
+
+
+# ----------------------------------------------------------------------------- one request, either endpoint
+
+class Exchange:
+    """One validated request (its prompts and SamplingParams) and the builder of its answer.
+
+    Choice i*n + j is sample j of prompt i, as OpenAI numbers them. Subclasses give the endpoint's
+    input checks and the shape of one choice, whole (`message`) or streamed (`delta`)."""
+    prefix = object_name = ""
+
+    def __init__(self, api: OpenAIProtocol, req: SamplingRequest, prompts: list[list[int]], max_tokens: int,
+                 logprobs: int | None, aliases: dict[str, str], fields: tuple[str, str], echoes: list[str]):
+        self.api, self.req, self.prompts, self.aliases, self.echoes = api, req, prompts, aliases, echoes
+        self.params = api.sampling_params(req, max_tokens, logprobs, aliases)
+        api.check_context(prompts, max_tokens, *fields)
+        self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.head = {"id": self.request_id, "object": self.object_name, "created": int(time.time()),
+                     "model": api.model_name}
+        self.cursors: dict[int, ChoiceCursor] = {}
+
+    def engine_error(self, exc: ValueError) -> APIError:
+        """The engine rejected the input at add time (e.g. it can never fit the KV cache)."""
+        return APIError(400, str(exc), param_of(str(exc), self.aliases))
+
+    def body(self, outs: list[RequestOutput]) -> dict:
+        """The non-streamed answer, from each prompt's final output."""
+        choices = [{"index": i * self.params.n + c.index, **self.message(c, self.echoes[i])}
+                   for i, out in enumerate(outs) for c in out.outputs]
+        return {**self.head, "choices": choices, "usage": usage(self.prompts, outs)}
+
+    async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]):
+        """The streamed answer as SSE lines; an error mid-stream becomes an error event before [DONE]."""
+        outs = [None] * len(self.prompts)
+        try:
+            for choice in self.opening():
+                yield sse({**self.head, "choices": [choice]})
+            async for index, out in outputs:
+                outs[index] = out
+                for c in out.outputs:
+                    choice = self.chunk(index, c)
+                    if choice is not None:
+                        yield sse({**self.head, "choices": [choice]})
+            if self.req.stream_options and self.req.stream_options.include_usage:
+                yield sse({**self.head, "choices": [], "usage": usage(self.prompts, outs)})
+        except APIError as exc:
+            yield sse(exc.body())
+        yield "data: [DONE]\n\n"
+
+    def chunk(self, index: int, c) -> dict | None:
+        """The streamed choice for what is new in c since its last chunk, or None if nothing is."""
+        choice_index = index * self.params.n + c.index
+        cursor = self.cursors.setdefault(choice_index, ChoiceCursor(self.echoes[index]))
+        if not cursor.has_news(c, self.params.logprobs is not None):
+            return None
+        choice = {"index": choice_index, **self.delta(c, cursor)}
+        cursor.num_tokens, cursor.finished, cursor.echo = len(c.token_ids), c.finish_reason is not None, ""
+        return choice
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def message(self, c, echo: str) -> dict:
+        raise NotImplementedError
+
+    def delta(self, c, cursor: ChoiceCursor) -> dict:
+        raise NotImplementedError
+
+
+class CompletionExchange(Exchange):
+    prefix, object_name = "cmpl", "text_completion"
+
+    def __init__(self, api: OpenAIProtocol, req: CompletionRequest):
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise APIError(400, "best_of is not supported (must equal n)", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported: the engine computes no prompt logprobs", "echo")
+        texts = normalize_prompts(req.prompt)
+        prompts = [api.token_ids(p, "prompt") for p in texts]
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens   # OpenAI's legacy default
+        echoes = [(t if isinstance(t, str) else api.tokenizer.decode(t)) if req.echo else "" for t in texts]
+        super().__init__(api, req, prompts, max_tokens, req.logprobs, {}, ("prompt", "max_tokens"), echoes)
+
+    def message(self, c, echo: str) -> dict:
+        top_n = self.params.logprobs
+        logprobs = None if top_n is None else self.logprobs(c, 0, len(c.token_ids), 0, top_n)[0]
+        return {"text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def delta(self, c, cursor: ChoiceCursor) -> dict:
+        top_n, logprobs = self.params.logprobs, None
+        if top_n is not None:
+            logprobs, cursor.text_offset = self.logprobs(c, cursor.num_tokens, len(c.token_ids),
+                                                         cursor.text_offset, top_n)
+        return {"text": cursor.echo + c.delta_text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def logprobs(self, c, start: int, end: int, text_offset: int, top_n: int) -> tuple[dict, int]:
+        """OpenAI's legacy logprobs for tokens [start, end) of choice c, and the text offset after them."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, logprobs in zip(c.token_ids[start:end], c.logprobs[start:end]):
+            text = self.api.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(finite(logprobs[token_id]))
+            top.append({self.api.token_text(t): finite(v) for t, v in top_entries(logprobs, top_n)})
+            offsets.append(text_offset)
+            text_offset += len(text)
+        body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        return body, text_offset
+
+
+def normalize_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+class ChatExchange(Exchange):
+    prefix = "chatcmpl"
+
+    def __init__(self, api: OpenAIProtocol, req: ChatRequest):
+        if not req.messages:
+            raise APIError(400, "messages must contain at least one message", "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        self.object_name = "chat.completion.chunk" if req.stream else "chat.completion"
+        prompt = render_chat(api, req.messages)
+        max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, api.max_model_len - len(prompt))  # OpenAI: up to the context length
+        aliases = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_field}
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        super().__init__(api, req, [prompt], max_tokens, logprobs, aliases, ("messages", max_field), [""])
+
+    def opening(self) -> list[dict]:  # OpenAI opens every choice with the role alone
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(self.params.n)]
+
+    def message(self, c, echo: str) -> dict:
+        return {"message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(c, 0), "finish_reason": c.finish_reason}
+
+    def delta(self, c, cursor: ChoiceCursor) -> dict:
+        delta = {"content": c.delta_text} if c.delta_text or c.finish_reason is None else {}
+        return {"delta": delta, "logprobs": self.logprobs(c, cursor.num_tokens), "finish_reason": c.finish_reason}
+
+    def logprobs(self, c, start: int) -> dict | None:
+        """OpenAI's chat logprobs for the tokens of choice c from start on; None unless asked for."""
+        top_n = self.params.logprobs
+        if top_n is None:
+            return None
+
+        def entry(token_id, logprob):  # bytes are exact even where a token holds half a UTF-8 character
+            return {"token": self.api.token_text(token_id), "logprob": finite(logprob),
+                    "bytes": list(self.api.tokenizer.token_bytes(token_id))}
+        return {"content": [{**entry(t, lps[t]), "top_logprobs": [entry(k, v) for k, v in top_entries(lps, top_n)]}
+                            for t, lps in zip(c.token_ids[start:], c.logprobs[start:])]}
+
+
+def render_chat(api: OpenAIProtocol, messages: list[ChatMessage]) -> list[int]:
+    plain = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+              else "".join(part.text for part in m.content)} for m in messages]
+    try:
+        rendered = api.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+    except Exception as exc:  # a template may reject e.g. an unexpected role order
+        raise APIError(400, f"messages could not be rendered with the chat template: {exc}", "messages") from None
+    return api.token_ids(rendered, "messages")
