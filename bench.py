@@ -339,10 +339,10 @@ def bench_memory(sz, seed, results):
         used_total = alloc_total = 0
         lens = {rid: len(req.prompt) for rid, req in r["ids"].items()}
         for s in r["steps"]:   # decode-only steps where every running sequence reported: cache = prompt + generated - 1
-            live = [o for o in s["outs"] if not o.finished]
-            if s["tokens"] != s["seqs"] or len(live) != s["running"] or not live:
+            alive = [o for o in s["outs"] if not o.finished]
+            if s["tokens"] != s["seqs"] or len(alive) != s["running"] or not alive:
                 continue
-            used_total += sum(lens[o.request_id] + len(o.outputs[0].token_ids) - 1 for o in live)
+            used_total += sum(lens[o.request_id] + len(o.outputs[0].token_ids) - 1 for o in alive)
             alloc_total += (s["num_blocks"] - s["free_blocks"]) * block
         runs[name] = {"max_num_seqs": seqs, "useful_tok_s": r["useful_tok_s"], "wall_s": r["wall_s"],
                       "peak_running": max(s["running"] for s in r["steps"]), "preemptions": r["preemptions"],

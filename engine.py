@@ -255,15 +255,15 @@ class Engine:
         self.last_step = {"num_seqs": len(batch.seqs), "num_batched_tokens": sum(batch.num_tokens)}
         if not batch.seqs:
             return []
-        inputs, meta, sample_rows = self._build_batch(batch)
-        logits = self.model(*inputs, self.kv_pool.kv_caches, meta, sample_rows[1])  # [num_sampled, vocab]
+        input_ids, positions, meta, sampled_seqs, logits_indices = self._build_batch(batch)
+        logits = self.model(input_ids, positions, self.kv_pool.kv_caches, meta, logits_indices)  # [num_sampled, vocab]
         self.totals["steps"] += 1
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.blocks.cache_full_blocks(seq)
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self.totals["prompt_tokens"] += n
-        return self._sample_and_update(logits, sample_rows[0])
+        return self._sample_and_update(logits, sampled_seqs)
 
     def _build_batch(self, batch):
         """Pack the scheduled tokens of every sequence into flat tensors (no padding)."""
@@ -288,8 +288,8 @@ class Engine:
             slot_mapping=as_tensor(slots, torch.int64), block_tables=as_tensor(tables, torch.int32),
             context_lens=as_tensor(ctx_lens, torch.int32), query_start_loc=as_tensor(qsl, torch.int32),
             backend=self.attention_backend)
-        inputs = (as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64))
-        return inputs, meta, (sampled_seqs, as_tensor(sample_idx, torch.int64))
+        return (as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), meta,
+                sampled_seqs, as_tensor(sample_idx, torch.int64))
 
     def _sample_and_update(self, logits, seqs):
         rows, completions = [], []                          # one sampled row per completion

@@ -88,6 +88,7 @@ class BlockManager:
         self.free_host_blocks = deque(range(num_host_blocks))
         self.pending_ops = []                         # block copies/swaps for the engine to run, in order
         self.prefix_queries = self.prefix_hits = 0    # tokens asked for / served from the cache
+        self.num_evictions = 0                        # cached blocks reclaimed for new data
 
     # ------------------------------------------------------------------ allocation
     def num_free_blocks(self) -> int:
@@ -105,6 +106,7 @@ class BlockManager:
             block = self.free_blocks.popleft()
         else:                                         # reclaim the least recently used cached block
             block, _ = self.evictable.popitem(last=False)
+            self.num_evictions += 1
             del self.hash_to_block[self.cached_hash[block]]
             self.cached_hash[block] = None
         self.ref_counts[block] = 1

@@ -246,6 +246,18 @@ def test_metrics_report_ttft_tpot_and_latency(llm):
     assert m.num_prompt_tokens == len(llm.tokenizer.encode("Hello there")) and m.num_generated_tokens == 8
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_kernel_backend_gives_the_reference_backends_greedy_outputs(llm, kv_cache_dtype):
+    import paged_attention
+    if paged_attention.resolve_backend("auto", "cpu") == "torch":
+        pytest.skip("no C++ compiler: the CPU kernel could not be built, only the reference runs")
+    kernel = LLM(kv_cache_memory=SMALL_KV, attention_backend="cpu", kv_cache_dtype=kv_cache_dtype)
+    ref = LLM(kv_cache_memory=SMALL_KV, attention_backend="torch", kv_cache_dtype=kv_cache_dtype)
+    assert kernel.engine.kv_pool.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    assert token_ids(kernel.generate(PROMPTS, greedy(16))) == token_ids(ref.generate(PROMPTS, greedy(16)))
+    assert_all_blocks_free(kernel.engine)
+
+
 # ============================================================================ sampler.py
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
@@ -373,13 +385,13 @@ def test_prefix_caching_gives_identical_outputs_and_skips_prefill():
 def test_prefix_cache_eviction_mid_workload_keeps_outputs_identical():
     prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 20 + q for i in range(3) for q in QUESTIONS[:2]]
     expected = token_ids(LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False).generate(prompts, greedy(8)))
-    small = LLM(kv_cache_memory=30 * 737280, max_num_seqs=2)  # too small to keep every document cached
+    small = LLM(kv_cache_memory=16 * 737280, max_num_seqs=2)  # too small to keep every document cached
     outs = []
     for p in prompts:
         outs += small.generate([p], greedy(8))
         small.engine.check_invariants()
     assert token_ids(outs) == expected
-    assert small.engine.blocks.prefix_hits > 0
+    assert small.engine.blocks.prefix_hits > 0 and small.engine.blocks.num_evictions > 0
     assert_all_blocks_free(small.engine)
 
 
