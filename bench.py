@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-SECTIONS = ["throughput", "memory", "latency", "peers", "roofline", "kernel"]
+SECTIONS = ["throughput", "memory", "latency", "peers", "roofline", "kernel", "prefix"]
 TTFT_TARGET_S = 2.0      # latency target for goodput: p90 time to first token ...
 TPOT_TARGET_S = 0.25     # ... and p90 time per output token (4 tok/s per user, faster than reading)
 
@@ -40,7 +40,7 @@ TPOT_TARGET_S = 0.25     # ... and p90 time per output token (4 tok/s per user, 
 @dataclass
 class Sizes:
     """How big each section's run is; `quick` shrinks everything for the CI smoke test."""
-    num_requests: int = 64
+    num_requests: int = 128      # more requests than slots: otherwise continuous has nothing to admit
     out_range: tuple = (16, 128)
     prompt_median: int = 100
     static_sizes: tuple = (8, 32, 64)
@@ -60,12 +60,22 @@ class Sizes:
     kernel_e2e_prompt: int = 128
     http: bool = True
     repeats: int = 5
+    prefix_len: int = 500
+    prefix_requests: int = 16
+    prefix_out: int = 16
+    conversations: int = 4
+    turns: int = 3
+    cow_prompt: int = 500
+    cow_out: int = 32
+    pressure_requests: int = 16
 
 
 QUICK = Sizes(num_requests=8, out_range=(4, 24), prompt_median=32, static_sizes=(4,), max_num_seqs=8,
               mem_requests=6, mem_max_model_len=128, latency_requests=6, latency_out_range=(4, 12), rate_fractions=(1.0,), http=False,
               long_prompt=300, peer_requests=4, peer_out_range=(4, 12), hf_batch_sizes=(4,),
-              decode_batches=(1, 8), kernel_batch=8, kernel_contexts=(128,), kernel_e2e_prompt=64, repeats=2)
+              decode_batches=(1, 8), kernel_batch=8, kernel_contexts=(128,), kernel_e2e_prompt=64, repeats=2,
+              prefix_len=64, prefix_requests=4, prefix_out=4, conversations=2, turns=2, cow_prompt=40,
+              cow_out=4, pressure_requests=4)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -975,6 +985,130 @@ def bench_kernel(sz, seed, results):
     results["kernel"] = {"read_bandwidth_gbs": bw, "attention": rec, "engine_decode": e2e, "skipped": skipped}
 
 
+# ----------------------------------------------------------------------------- prefix caching, CoW, swap
+
+def run_timed(engine, prompts, params_list, desc):
+    """Queue every prompt at once, step to completion; per-request outputs and the wall time."""
+    ids = []
+    for p, sp in zip(prompts, params_list):
+        ids.append(new_id(desc))
+        engine.add_request(ids[-1], p, sp)
+    done, peak_blocks = {}, 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        peak_blocks = max(peak_blocks, engine.blocks.num_blocks - engine.blocks.num_free_blocks())
+    wall = time.perf_counter() - t0
+    engine.check_invariants()
+    return [done[i] for i in ids], wall, peak_blocks
+
+
+def bench_prefix(sz, seed, results):
+    """Issue 5: prefix caching, copy-on-write for n > 1, swap vs recompute preemption."""
+    rng = random.Random(seed)
+    out = {}
+    # 1) shared system prompt, different questions
+    rows = []
+    engine = make_engine(enable_prefix_caching=True, max_num_seqs=sz.max_num_seqs)
+    vocab = vocab_of(engine)
+    free_engine(engine)
+    system = [rng.randrange(256, vocab) for _ in range(sz.prefix_len)]
+    questions = [[rng.randrange(256, vocab) for _ in range(rng.randint(8, 24))] for _ in range(sz.prefix_requests)]
+    prompts = [system + q for q in questions]
+    for caching in (False, True):
+        engine = make_engine(enable_prefix_caching=caching, max_num_seqs=sz.max_num_seqs)
+        warm_up(engine, vocab)
+        run_timed(engine, [system + [300]], [greedy(1)], "earlier")   # earlier traffic saw the system prompt
+        outs, wall, _ = run_timed(engine, prompts, [greedy(sz.prefix_out)] * len(prompts), "prefix")
+        ttft = [o.metrics.ttft for o in outs]
+        rec = {"wall_s": wall, "useful_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
+               "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
+               "hit_rate": engine.stats()["prefix_cache_hit_rate"]}
+        out[f"shared_prefix_caching_{'on' if caching else 'off'}"] = rec
+        rows.append(["shared prefix", "on" if caching else "off", rec["useful_tok_s"], rec["wall_s"],
+                     rec["ttft_p50_s"], rec["ttft_p90_s"], rec["hit_rate"]])
+        free_engine(engine)
+    # 2) multi-turn conversations: each turn resends the whole history plus a new question
+    for caching in (False, True):
+        engine = make_engine(enable_prefix_caching=caching, max_num_seqs=sz.max_num_seqs)
+        warm_up(engine, vocab)
+        histories = [[rng.randrange(256, vocab) for _ in range(64)] for _ in range(sz.conversations)]
+        wall = tokens = 0
+        ttft = []
+        for _ in range(sz.turns):
+            outs, w, _ = run_timed(engine, histories, [greedy(sz.prefix_out)] * len(histories), "turn")
+            wall += w
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+            ttft += [o.metrics.ttft for o in outs]
+            histories = [h + o.outputs[0].token_ids + [rng.randrange(256, vocab) for _ in range(16)]
+                         for h, o in zip(histories, outs)]
+        rec = {"wall_s": wall, "useful_tok_s": tokens / wall, "ttft_p50_s": pct(ttft, 50),
+               "ttft_p90_s": pct(ttft, 90), "hit_rate": engine.stats()["prefix_cache_hit_rate"]}
+        out[f"multi_turn_caching_{'on' if caching else 'off'}"] = rec
+        rows.append([f"multi-turn ({sz.conversations} x {sz.turns} turns)", "on" if caching else "off",
+                     rec["useful_tok_s"], rec["wall_s"], rec["ttft_p50_s"], rec["ttft_p90_s"], rec["hit_rate"]])
+        free_engine(engine)
+    speedup = out["shared_prefix_caching_on"]["useful_tok_s"] / out["shared_prefix_caching_off"]["useful_tok_s"]
+    section_header("Prefix caching", [
+        f"shared prefix: a {sz.prefix_len}-token system prompt shared by {sz.prefix_requests} requests with "
+        f"different 8-24 token questions, {sz.prefix_out} output tokens each (scaled down from 1,000 x 64 to fit "
+        "the time budget of 2 CPU cores), all queued at once after one earlier request with the same system prompt.",
+        "multi-turn: each turn resends the conversation so far plus a 16-token question.",
+        "hit rate = prompt tokens served from the cache / prompt tokens."])
+    print(md_table(["workload", "prefix caching", "useful out tok/s", "wall s", "TTFT p50 s", "TTFT p90 s",
+                    "hit rate"], rows))
+    print(f"\nshared prefix, caching on / off: **{speedup:.2f}x** useful output tokens/s")
+
+    # 3) n = 4 samples: copy-on-write sharing vs four independent sequences
+    prompt = [rng.randrange(256, vocab) for _ in range(sz.cow_prompt)]
+    from engine import SamplingParams
+
+    def sample(n):
+        return SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=sz.cow_out, ignore_eos=True)
+    engine = make_engine(enable_prefix_caching=False)
+    per_block = sum(k.nbytes + v.nbytes for k, v in engine.kv_pool.kv_caches) // engine.blocks.num_blocks
+    _, _, cow_peak = run_timed(engine, [prompt], [sample(4)], "cow")
+    _, _, sep_peak = run_timed(engine, [prompt] * 4, [sample(1)] * 4, "sep")
+    free_engine(engine)
+    bs = 16
+    closed = {"one_prompt_plus_4_tails": len(prompt) // bs + 4 * (-(-(len(prompt) % bs + sz.cow_out) // bs)),
+              "four_copies": 4 * -(-(len(prompt) + sz.cow_out) // bs)}
+    out["n4_memory"] = {"cow_peak_blocks": cow_peak, "separate_peak_blocks": sep_peak, **closed}
+    section_header("Memory for n = 4 samples", [
+        f"a {sz.cow_prompt}-token prompt, 4 samples of {sz.cow_out} tokens, block size 16, prefix caching off so "
+        "only copy-on-write shares blocks."])
+    print(md_table(["", "peak KV blocks", "hand-computed"],
+                   [["n=4, copy-on-write", cow_peak, closed["one_prompt_plus_4_tails"]],
+                    ["4 separate requests", sep_peak, closed["four_copies"]]]))
+
+    # 4) swap vs recompute under a pool too small for the workload
+    reqs = make_workload(sz.pressure_requests, seed, sz.latency_out_range, sz.prompt_median, vocab)
+    need = sum(-(-(len(r.prompt) + r.max_tokens) // bs) for r in reqs)
+    rows = []
+    for mode in ("recompute", "swap"):
+        engine = make_engine(kv_cache_memory=max(need // 3, 80) * per_block, preemption_mode=mode,
+                             swap_space="1GiB" if mode == "swap" else 0, enable_prefix_caching=False)
+        warm_up(engine, vocab)
+        outs, wall, _ = run_timed(engine, [r.prompt for r in reqs], [greedy(r.max_tokens) for r in reqs], mode)
+        pre = [o.metrics.e2e_latency for o in outs if o.metrics.num_preemptions]
+        rec = {"wall_s": wall, "useful_tok_s": sum(r.max_tokens for r in reqs) / wall,
+               "preemptions": engine.scheduler.num_preemptions, "preempted_requests": len(pre),
+               "preempted_e2e_p50_s": pct(pre, 50), "preempted_e2e_max_s": max(pre) if pre else float("nan")}
+        out[f"pressure_{mode}"] = rec
+        rows.append([mode, rec["useful_tok_s"], rec["wall_s"], rec["preemptions"], rec["preempted_requests"],
+                     rec["preempted_e2e_p50_s"], rec["preempted_e2e_max_s"]])
+        free_engine(engine)
+    section_header("Preemption under memory pressure: swap vs recompute", [
+        f"{len(reqs)} requests whose KV needs {need} blocks, in a pool of a third of that; swap space 1 GiB "
+        "(host memory; on CPU a second tensor)."])
+    print(md_table(["preemption mode", "useful out tok/s", "wall s", "preemptions", "preempted requests",
+                    "their e2e p50 s", "their e2e max s"], rows))
+    out["shared_prefix_speedup"] = speedup
+    results["prefix"] = out
+
+
 # ----------------------------------------------------------------------------- targets, plots, main
 
 def targets(results):
@@ -1050,7 +1184,7 @@ def json_safe(x):
 
 
 RUNNERS = {"throughput": bench_throughput, "memory": bench_memory, "latency": bench_latency,
-           "peers": bench_peers, "roofline": bench_roofline, "kernel": bench_kernel}
+           "peers": bench_peers, "roofline": bench_roofline, "kernel": bench_kernel, "prefix": bench_prefix}
 
 
 def main(argv=None):
