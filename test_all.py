@@ -4,7 +4,7 @@ nanoserve's test suite, grouped by the file each part proves, in the order of th
 Every test asserts against an independent oracle: transformers' logits and greedy outputs,
 the HF `tokenizers` BPE, the PyTorch reference attention, hand-computed block counts, the
 real `openai` client. Engine tests end by checking that every KV block is accounted for
-and free. Run: python -m pytest -q test_all.py
+and free. Run: python -m pytest -q -rs test_all.py
 """
 import os
 
