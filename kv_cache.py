@@ -183,13 +183,12 @@ class BlockManager:
             blocks.append(self.hash_to_block[seq.block_hashes[len(blocks)]])
         return blocks
 
-    def admission_cost(self, seq, num_new_tokens: int) -> tuple[int, int]:
-        """(cached tokens, free blocks consumed) to admit seq and compute num_new_tokens after its
-        cached prefix. Reviving an evictable cached block takes it off the free count too."""
+    def admission_cost(self, seq, num_new_tokens: int) -> int:
+        """Free blocks consumed to admit seq and compute num_new_tokens after its cached prefix.
+        Reviving an evictable cached block takes it off the free count too."""
         hits = self._cached_prefix_blocks(seq)
-        cached = len(hits) * self.block_size
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
-        return cached, self.blocks_needed(cached + num_new_tokens) - len(hits) + revived
+        return self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits) + revived
 
     def take_cached_prefix(self, seq) -> int:
         """On admission: take every cached block that matches seq's prefix and skip its prefill."""

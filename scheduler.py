@@ -108,9 +108,6 @@ class Scheduler:
         child.status = Status.RUNNING
         self.running.append(child)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
@@ -207,7 +204,7 @@ class Scheduler:
     def _fits(self, seq, budget) -> bool:
         """Can seq be admitted with its first chunk and still leave the watermark free?"""
         cached = self.blocks.num_cached_tokens(seq)
-        _, needed = self.blocks.admission_cost(seq, min(len(seq.token_ids) - cached, budget))
+        needed = self.blocks.admission_cost(seq, min(len(seq.token_ids) - cached, budget))
         return needed + self.watermark_blocks <= self.blocks.num_free_blocks()
 
     def _preempt_for(self, seq, budget, batch) -> bool:
