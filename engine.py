@@ -175,7 +175,7 @@ class Engine:
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
-        self.last_step = {"num_seqs": 0, "num_batched_tokens": 0}
+        self.last_step = {"num_seqs": 0, "num_batched_tokens": 0, "num_padding": 0}
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model_config
@@ -252,7 +252,8 @@ class Engine:
         batch = self.scheduler.schedule()
         self.kv_pool.run(self.blocks.pending_ops)           # swaps and copy-on-write, before the forward
         self.blocks.pending_ops.clear()
-        self.last_step = {"num_seqs": len(batch.seqs), "num_batched_tokens": sum(batch.num_tokens)}
+        self.last_step = {"num_seqs": len(batch.seqs), "num_batched_tokens": sum(batch.num_tokens),
+                          "num_padding": len(batch.padding)}
         if not batch.seqs:
             return []
         input_ids, positions, meta, sampled_seqs, logits_indices = self._build_batch(batch)
@@ -280,8 +281,16 @@ class Engine:
             if start + n == len(seq.token_ids):            # chunk reaches the end: sample a token
                 sampled_seqs.append(seq)
                 sample_idx.append(qsl[-1] - 1)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        for seq in batch.padding:                           # static mode: a finished row still costs a
+            p = seq.num_computed_tokens                     # token; it rewrites its own last slot, and
+            input_ids.append(seq.token_ids[p])              # nothing is sampled from it
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            ctx_lens.append(p + 1)
+            qsl.append(qsl[-1] + 1)
+        rows = batch.seqs + batch.padding
+        width = max(len(s.block_table) for s in rows)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in rows]
         dev = self.device
         as_tensor = lambda x, dt: torch.tensor(x, dtype=dt).to(dev, non_blocking=True)
         meta = AttentionMetadata(
@@ -371,7 +380,7 @@ class Engine:
     # ------------------------------------------------------------------ introspection
     def all_sequences(self):
         s = self.scheduler
-        return list(s.running) + list(s.waiting) + list(s.swapped)
+        return list(s.running) + list(s.waiting) + list(s.swapped) + list(s.padding)
 
     def check_invariants(self):
         self.blocks.check_invariants(self.all_sequences())
@@ -388,6 +397,7 @@ class Engine:
             "generation_tokens_total": self.totals["generation_tokens"],
             "num_seqs_last_step": self.last_step["num_seqs"],
             "num_batched_tokens_last_step": self.last_step["num_batched_tokens"],
+            "num_padding_last_step": self.last_step["num_padding"],
             "prefix_cache_hit_rate": b.hit_rate(),
         }
 

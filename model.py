@@ -12,10 +12,12 @@ Loading: a Hugging Face checkpoint directory (config.json + *.safetensors, shard
 not), or a GGUF file (the embedded default SmolLM2-135M-Instruct), dequantized once into
 a cached safetensors directory so later starts take about a second.
 """
+import functools
 import importlib.util
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +109,52 @@ def apply_rope(x, cos, sin):
 
 # ---------------------------------------------------------------------------- layers
 
+# Below this many rows csrc/linear_cpu.cpp streams the weight once and beats oneDNN; above
+# it oneDNN does. ms per pass over all SmolLM2-135M weights, cold cache, 2 Zen 3 cores
+# (2026-11-22, dev box), at M = 1 / 8 / 16 / 32 / 64: F.linear (MKL) 44 / 144 / 198 / 298 / 287,
+# oneDNN 50 / 103 / 143 / 193 / 244, linear_cpu.cpp 40 / 60 / 112 / 194 / -.
+SMALL_M_ROWS = 32
+
+
+@functools.cache
+def _cpu_linear_kernels() -> tuple[bool, bool]:
+    """(small-M kernel built, oneDNN linear present); warns once for each that is missing."""
+    try:
+        paged_attention._load_extension("linear_cpu")
+        small_m = True
+    except Exception as e:   # no compiler, no AVX2...
+        small_m = False
+        warnings.warn(f"csrc/linear_cpu.cpp unavailable ({type(e).__name__}: {str(e)[:200]}); "
+                      f"small-batch linear layers use oneDNN or F.linear (slower)", RuntimeWarning)
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if not onednn:
+        warnings.warn("torch has no oneDNN (mkldnn) linear; CPU linear layers use F.linear (slower)",
+                      RuntimeWarning)
+    return small_m, onednn
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with faster kernels for float32 on CPU (MKL's sgemm is slow at few rows)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # [M, K]
+    (M, K), N = x2.shape, weight.shape[0]
+    small_m, onednn = _cpu_linear_kernels()
+    if small_m and M < SMALL_M_ROWS and K % 8 == 0 and N % 4 == 0:
+        out = torch.ops.nanoserve_linear.linear_small_m(x2, weight.contiguous(), bias)
+    elif onednn:
+        out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+    else:
+        out = F.linear(x2, weight, bias)
+    return out.view(*x.shape[:-1], N)                                 # [..., N]
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose forward is linear() above."""
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -125,9 +173,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # q, k and v share one matmul: one pass over the activations instead of three
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim,
+                               bias=cfg.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
@@ -148,8 +196,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)               # [T, intermediate] each
@@ -176,7 +224,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

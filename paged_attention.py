@@ -100,6 +100,10 @@ KERNEL_BUILDS = {   # torch.utils.cpp_extension.load arguments per compiled back
         name="nanoserve_paged_attention_cuda",
         sources=["paged_attention_cuda_binding.cpp", "paged_attention_cuda.cu"],
         extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"]),
+    # not attention: model.py's small-batch linear layers, built by the same machinery
+    "linear_cpu": dict(
+        name="nanoserve_linear_cpu", sources=["linear_cpu.cpp"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"]),
 }
 _loaded = {}        # kind -> True once its ops are registered in torch.ops
 _failed = {}        # kind -> why the build failed (warned about once)
@@ -133,7 +137,7 @@ def _load_extension(kind):
     cpp_extension.load(**{**build, "sources": [str(CSRC / s) for s in build["sources"]]},
                        build_directory=str(build_dir), is_python_module=False, verbose=False)
     if not already_built:
-        print(f"built paged-attention {kind.upper()} kernel in {time.perf_counter() - start:.1f} s",
+        print(f"built {build['name']} kernel in {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)
     _loaded[kind] = True
 

@@ -12,7 +12,10 @@ pool when it has room, else its blocks are freed and it is recomputed later (pro
 the tokens it already generated), so nothing is lost and no output changes.
 
 A "static" mode does request-level batching instead, for comparison: take up to B
-requests, reserve each one's maximum length up front, admit nothing until all finish.
+requests, reserve each one's maximum length up front, admit nothing until all finish. Like
+Hugging Face `generate` and other static batchers, the batch is padded to its longest member:
+a member that finishes keeps its slot as a padding row, recomputing a throwaway token every
+step, until the last one ends. (Prompts stay ragged, which flatters static batching a little.)
 
 Owns the queues and the decision. Does not build tensors or sample (engine.py) and does
 not pick block ids (kv_cache.py). Everything is in tokens: a sequence is just token_ids
@@ -77,6 +80,7 @@ class ScheduledBatch:
     seqs: list[Sequence]                  # in batch order
     num_tokens: list[int]                 # tokens of each to compute this step
     num_preempted: int = 0
+    padding: list[Sequence] = field(default_factory=list)   # static mode: finished rows still computed
 
 
 class Scheduler:
@@ -85,6 +89,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.padding: list[Sequence] = []        # static mode: finished members that keep their slot
         self.num_preemptions = 0
         self.watermark_blocks = int(config.watermark * blocks.num_blocks)
 
@@ -92,15 +97,24 @@ class Scheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence):
-        """A finished or aborted sequence leaves its queue and returns its blocks this step."""
+        """A finished or aborted sequence leaves its queue and returns its blocks this step
+        (in static mode: when its whole batch has ended)."""
+        was_running = seq in self.running
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
         if seq.host_block_table:
             self.blocks.free_host_blocks.extend(seq.host_block_table)
             seq.host_block_table = []
-        self.blocks.free(seq)
         seq.status = Status.FINISHED
+        if self.config.mode == "static" and was_running and self.running:
+            self.padding.append(seq)                       # keeps its blocks and its slot
+            return
+        self.blocks.free(seq)
+        if not self.running:                               # the static batch has ended
+            for pad in self.padding:
+                self.blocks.free(pad)
+            self.padding.clear()
 
     def fork(self, parent: Sequence, child: Sequence):
         """n > 1: a new sample starts running beside its parent, sharing its blocks."""
@@ -128,7 +142,10 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
-        if self.config.mode == "static" or batch.num_preempted:
+        if self.config.mode == "static":
+            batch.padding = list(self.padding)
+            return batch
+        if batch.num_preempted:
             return batch                                   # memory is short: admit nobody this step
         # 2) swapped sequences come back before new ones are admitted
         budget = self._swap_in(batch, budget)

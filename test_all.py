@@ -373,6 +373,48 @@ def test_logits_match_transformers_on_tiny_random_configs(tmp_path, arch):
         start += len(s)
 
 
+SMOLLM2_LINEAR_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]   # (in, out)
+
+
+@pytest.fixture(scope="module")
+def smollm2_linear_weights():
+    torch.manual_seed(0)
+    return [torch.randn(n, k) / k ** 0.5 for k, n in SMOLLM2_LINEAR_SHAPES]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 300])   # both sides of SMALL_M_ROWS, odd counts
+def test_cpu_linear_matches_f_linear_on_smollm2_shapes(smollm2_linear_weights, rows):
+    for w in smollm2_linear_weights:
+        x = torch.randn(rows, w.shape[1])
+        ref = torch.nn.functional.linear(x, w)
+        assert torch.allclose(M.linear(x, w), ref, rtol=1e-4, atol=1e-4), f"{tuple(w.shape)} x {rows} rows"
+    bias = torch.randn(960)                                    # qkv bias (Qwen2), 3-D input
+    x = torch.randn(1, rows, 576)
+    ref = torch.nn.functional.linear(x, smollm2_linear_weights[0], bias)
+    assert torch.allclose(M.linear(x, smollm2_linear_weights[0], bias), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_linear_without_fast_kernels_warns_once_and_uses_f_linear(monkeypatch):
+    if not M._cpu_linear_kernels()[0]:
+        pytest.skip("no C++ compiler: csrc/linear_cpu.cpp could not be built")
+    def broken(kind):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(pa, "_load_extension", broken)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    M._cpu_linear_kernels.cache_clear()
+    try:
+        x, w = torch.randn(3, 64), torch.randn(32, 64)
+        with pytest.warns(RuntimeWarning) as record:
+            assert torch.equal(M.linear(x, w), torch.nn.functional.linear(x, w))
+        messages = " ".join(str(r.message) for r in record)
+        assert "linear_cpu.cpp unavailable" in messages and "no oneDNN" in messages
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                    # a second warning would raise
+            M.linear(x, w)
+    finally:
+        M._cpu_linear_kernels.cache_clear()                    # later tests rebuild the real answer
+
+
 # ============================================================================ engine.py / scheduler.py
 
 def test_continuous_batch_greedy_matches_alone_and_transformers(llm, hf_smollm):
@@ -431,7 +473,7 @@ def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
         eng.step()                                            # "short" is now decoding
     eng.add_request("long", list(range(1000, 1200)), greedy(2))
     eng.step()
-    assert eng.last_step == {"num_seqs": 2, "num_batched_tokens": 32}   # 1 decode + a 31-token chunk
+    assert eng.last_step == {"num_seqs": 2, "num_batched_tokens": 32, "num_padding": 0}   # 1 decode + a 31-token chunk
     while eng.has_unfinished_requests():
         eng.step()
     assert_all_blocks_free(eng)
@@ -455,6 +497,24 @@ def test_static_mode_admits_nothing_until_the_batch_finishes():
         seen.append(sorted(s.request.request_id for s in eng.scheduler.running))
     # r0 finishes after 2 tokens but r2 waits until r1 is done too
     assert ["r1"] in seen and ["r1", "r2"] not in seen and ["r2"] in seen
+    assert_all_blocks_free(eng)
+
+
+def test_static_batch_pads_finished_members_until_its_longest_ends():
+    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
+    eng.add_request("short", PROMPTS[0], greedy(3))
+    eng.add_request("long", PROMPTS[1], greedy(8))
+    short = eng.requests["short"].completions[0].seq
+    pads, short_blocks = [], []
+    while eng.has_unfinished_requests():
+        eng.step()
+        pads.append(eng.last_step["num_padding"])
+        short_blocks.append(len(short.block_table))
+        eng.check_invariants()
+    # hand-computed: one step prefills both and samples token 1; "short" ends with token 3 (step 3);
+    # steps 4..8 give "long" tokens 4..8, each with "short" as one padding row holding its blocks
+    assert pads == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert short_blocks[:-1] == [short_blocks[0]] * 7 and short_blocks[0] > 0 and short_blocks[-1] == 0
     assert_all_blocks_free(eng)
 
 
@@ -1334,7 +1394,7 @@ def test_sigterm_finishes_in_flight_stream_and_exits_0(server, booting_server):
 # ##################################################################################################
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SECTIONS = ["throughput", "memory", "latency", "peers", "roofline", "kernel"]
+SECTIONS = ["throughput", "memory", "latency", "peers", "roofline", "kernel", "prefix"]
 
 
 def numbers(x):
@@ -1363,5 +1423,8 @@ def test_bench_quick_reports_every_section(tmp_path):
         assert values and all(math.isfinite(v) and v >= 0 for v in values), name
         assert any(v > 0 for v in values), name
     assert results["throughput"]["modes"]["continuous"]["useful_tok_s"] > 0
+    static = results["throughput"]["modes"]["static bs=4"]      # padded to its longest: waste is exactly 1 - mean/max
+    assert static["slot_waste_measured"] == pytest.approx(static["slot_waste_closed_form"], abs=1e-9)
+    assert static["slot_waste_measured"] > 0
     assert results["roofline"]["peak_matmul_gflops"] > 0
     assert (tmp_path / "throughput.png").exists()
