@@ -40,50 +40,55 @@ TPOT_TARGET_S = 0.25     # ... and p90 time per output token (4 tok/s per user, 
 @dataclass
 class Sizes:
     """How big each section's run is. The default fits a few minutes on 2 CPU cores by scaling the issue's
-    workload down (every length / 4, fewer requests); FULL is the issue's size; QUICK is the CI smoke test."""
+    workload down (every length / 8, fewer requests); FULL is the issue's size; QUICK is the CI smoke test."""
     name: str = "default"
-    num_requests: int = 64
-    out_range: tuple = (4, 128)          # the issue's 16-512 / 4: the same max/min spread of 32
-    prompt_median: int = 25              # the issue's ~100 / 4: prefill stays the same share of the work
+    num_requests: int = 128
+    out_range: tuple = (2, 64)           # the issue's 16-512 / 8: the same max/min spread of 32
+    prompt_median: int = 12              # the issue's ~100 / 8: prefill stays the same share of the work
     static_sizes: tuple = (8, 32, 64)
-    static_max_requests: tuple = ((8, 16),)   # static bs=8 runs only the first 16 requests (2 batches)
+    static_max_requests: tuple = ((8, 16), (32, 32))   # static bs=8 / 32 run only the first 16 / 32 requests
     max_num_seqs: int = 64
-    mem_requests: int = 24
+    kv_cache_memory: str = "512MiB"      # KV pool of every engine here unless a section sets its own
+    mem_requests: int = 16
     mem_prompt_median: int = 100
     mem_max_model_len: int = 1024
-    latency_requests: int = 12
-    latency_out_range: tuple = (16, 96)
+    latency_requests: int = 8
+    latency_out_range: tuple = (8, 32)
     latency_prompt_median: int = 100
     rate_fractions: tuple = (0.5, 1.0, 2.0)
     long_prompt: int = 1024
     peer_requests: int = 16
-    peer_out_range: tuple = (4, 64)
+    peer_out_range: tuple = (2, 32)
     hf_batch_sizes: tuple = (8, 16)
+    hf_max_requests: tuple = ((8, 8),)   # HF generate at batch 8 runs only the first 8 requests (1 batch)
     decode_batches: tuple = (1, 8, 32, 64)
-    decode_prompt: int = 64
+    decode_prompt: int = 32
     kernel_batch: int = 64
     kernel_contexts: tuple = (512, 2048)
-    kernel_e2e_batch: int = 32
-    kernel_e2e_prompt: int = 64
+    kernel_e2e_batch: int = 16
+    kernel_e2e_prompt: int = 32
     http: bool = True
-    repeats: int = 5
+    repeats: int = 3
     prefix_len: int = 256
-    prefix_requests: int = 16
-    prefix_out: int = 16
-    conversations: int = 4
+    prefix_requests: int = 12
+    prefix_out: int = 8
+    conversations: int = 3
     turns: int = 3
     cow_prompt: int = 500
     cow_out: int = 32
-    pressure_requests: int = 12
+    pressure_requests: int = 10
 
 
 # the issue's workload: 128 requests, outputs 16-512, prompts median 100; takes about an hour and a half here
-FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=100, static_max_requests=(),
+FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=100, static_max_requests=(), hf_max_requests=(),
+             kv_cache_memory="2GiB",
              mem_requests=32, latency_requests=32, latency_out_range=(16, 512), long_prompt=2000,
              peer_requests=64, peer_out_range=(16, 512), hf_batch_sizes=(8, 32, 64), decode_prompt=128,
-             kernel_e2e_batch=64, kernel_e2e_prompt=128, prefix_len=1000, prefix_requests=64, pressure_requests=16)
+             kernel_e2e_batch=64, kernel_e2e_prompt=128, repeats=5, prefix_len=1000, prefix_requests=64,
+             pressure_requests=16)
 
 QUICK = Sizes(name="quick", num_requests=8, out_range=(4, 24), prompt_median=32, static_sizes=(4,), static_max_requests=(),
+              hf_max_requests=(),
               max_num_seqs=8, mem_requests=6, mem_prompt_median=32, mem_max_model_len=128, latency_requests=6,
               latency_out_range=(4, 12), latency_prompt_median=32, rate_fractions=(1.0,), http=False,
               long_prompt=300, peer_requests=4, peer_out_range=(4, 12), hf_batch_sizes=(4,),
@@ -198,35 +203,54 @@ def vocab_of(engine):
 
 def run_offline(engine, reqs, desc):
     """Submit every request at once and step until done. Returns timings plus per-step stats."""
-    ids = {}
-    for r in reqs:
-        rid = new_id("off")
-        ids[rid] = r
-        engine.add_request(rid, r.prompt, greedy(r.max_tokens))
-    steps, done = [], {}
-    bar = tqdm(total=sum(r.max_tokens for r in reqs), desc=desc, unit="tok", leave=False, file=sys.stderr)
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        s = engine.stats()
-        steps.append({"outs": outs, "seqs": s["num_seqs_last_step"], "tokens": s["num_batched_tokens_last_step"],
-                      "padding": s["num_padding_last_step"],
-                      "running": s["num_running"], "free_blocks": s["num_free_blocks"],
-                      "num_blocks": s["num_blocks"], "preemptions": s["num_preemptions"]})
-        for o in outs:
-            bar.update(len(o.outputs[0].delta_token_ids))
-            if o.finished:
-                done[o.request_id] = o
-    wall = time.perf_counter() - t0
+    return run_interleaved([(engine, reqs)], desc)[0]
+
+
+def run_interleaved(jobs, desc):
+    """Run (engine, requests) jobs to completion, one step of each in turn, every job's requests submitted at
+    once. A job's wall time is the sum of its own steps: taking turns step by step lets the noise of a shared
+    machine hit every contender alike, instead of whichever happened to run during a slow minute."""
+    states = []
+    for engine, reqs in jobs:
+        ids = {}
+        for r in reqs:
+            ids[new_id("off")] = r
+            engine.add_request(next(reversed(ids)), r.prompt, greedy(r.max_tokens))
+        states.append({"engine": engine, "reqs": reqs, "ids": ids, "steps": [], "done": {}, "wall": 0.0})
+    bar = tqdm(total=sum(r.max_tokens for _, reqs in jobs for r in reqs), desc=desc, unit="tok", leave=False,
+               file=sys.stderr)
+    while any(st["engine"].has_unfinished_requests() for st in states):
+        for st in states:
+            engine = st["engine"]
+            if not engine.has_unfinished_requests():
+                continue
+            t0 = time.perf_counter()
+            outs = engine.step()
+            st["wall"] += time.perf_counter() - t0
+            s = engine.stats()
+            st["steps"].append({"outs": outs, "seqs": s["num_seqs_last_step"], "tokens": s["num_batched_tokens_last_step"],
+                                "padding": s["num_padding_last_step"], "running": s["num_running"],
+                                "prompt_padding": s["num_prompt_padding_last_step"],
+                                "free_blocks": s["num_free_blocks"], "num_blocks": s["num_blocks"],
+                                "preemptions": s["num_preemptions"]})
+            for o in outs:
+                bar.update(len(o.outputs[0].delta_token_ids))
+                if o.finished:
+                    st["done"][o.request_id] = o
     bar.close()
-    useful = sum(len(o.outputs[0].token_ids) for o in done.values())
-    expected = sum(r.max_tokens for r in reqs)
+    return [offline_result(st) for st in states]
+
+
+def offline_result(st):
+    useful = sum(len(o.outputs[0].token_ids) for o in st["done"].values())
+    expected = sum(r.max_tokens for r in st["reqs"])
     if useful != expected:
         raise RuntimeError(f"engine produced {useful} output tokens, expected {expected} (ignore_eos, max_tokens)")
-    prompt_tokens = sum(len(r.prompt) for r in reqs)
+    prompt_tokens, wall, steps = sum(len(r.prompt) for r in st["reqs"]), st["wall"], st["steps"]
     return {"wall_s": wall, "useful_tokens": useful, "useful_tok_s": useful / wall,
             "total_tok_s": (useful + prompt_tokens) / wall, "num_steps": len(steps),
-            "preemptions": steps[-1]["preemptions"] if steps else 0, "steps": steps, "ids": ids, "done": done}
+            "preemptions": steps[-1]["preemptions"] if steps else 0, "steps": steps, "ids": st["ids"],
+            "done": st["done"]}
 
 
 def warm_up(engine, vocab, n=4):
@@ -293,21 +317,21 @@ def machine_info():
 
 # ----------------------------------------------------------------------------- 1. throughput
 
-def static_waste_closed_form(reqs, batch_size):
-    """1 - (useful slot-steps / reserved slot-steps) when batches are consecutive groups run to their longest."""
+def static_waste_closed_form(lengths, batch_size):
+    """1 - (useful rows / rows computed) when batches are consecutive groups padded to their longest."""
     useful = reserved = 0
-    for i in range(0, len(reqs), batch_size):
-        lens = [r.max_tokens for r in reqs[i:i + batch_size]]
+    for i in range(0, len(lengths), batch_size):
+        lens = lengths[i:i + batch_size]
         useful += sum(lens)
         reserved += len(lens) * max(lens)
     return 1 - useful / reserved
 
 
-def measured_slot_waste(steps, useful_tokens):
-    """Share of token rows computed for nothing: padding rows (finished members of a static batch) over
-    padding rows plus the rows that produced an output token."""
-    padding = sum(s["padding"] for s in steps)
-    return padding / (padding + useful_tokens)
+def measured_padding(steps, key, useful_rows):
+    """Share of rows computed for nothing: padding rows (prompt padding, or finished members of a static
+    batch) over padding rows plus the useful rows (prompt tokens, or rows that produced an output token)."""
+    padding = sum(s[key] for s in steps)
+    return padding / (padding + useful_rows)
 
 
 def bench_throughput(sz, seed, results):
@@ -316,47 +340,55 @@ def bench_throughput(sz, seed, results):
     contenders += [(f"static bs={b}", dict(scheduler_mode="static", static_batch_size=b, max_num_seqs=max(b, sz.max_num_seqs)))
                    for b in sz.static_sizes]
     caps = dict(sz.static_max_requests)
-    rows, out, reqs = [], {}, None
+    jobs, reqs = [], None
     for name, kw in contenders:
-        # prefix caching off: every mode runs the same prompts, and a later mode must not find them cached
-        engine = make_engine(kv_cache_memory="2GiB", enable_prefix_caching=False, **kw)
-        if reqs is None:
-            reqs = make_workload(sz.num_requests, seed, sz.out_range, sz.prompt_median, vocab_of(engine))
-        b = kw.get("static_batch_size")
-        mine = reqs[:caps.get(b, len(reqs))]
+        # prefix caching off: every mode runs the same prompts, and one mode must not find them cached
+        engine = make_engine(kv_cache_memory=sz.kv_cache_memory, enable_prefix_caching=False, **kw)
+        reqs = reqs or make_workload(sz.num_requests, seed, sz.out_range, sz.prompt_median, vocab_of(engine))
         warm_up(engine, vocab_of(engine))
-        r = run_offline(engine, mine, name)
-        free_engine(engine)
+        jobs.append((engine, reqs[:caps.get(kw.get("static_batch_size"), len(reqs))]))
+    runs = run_interleaved(jobs, "continuous and static, step by step in turn")
+    rows, out = [], {}
+    for (name, kw), (_, mine), r in zip(contenders, jobs, runs):
+        b = kw.get("static_batch_size")
         decode_seqs = [s["seqs"] for s in r["steps"] if s["seqs"] > 0 and s["tokens"] == s["seqs"]]
         rec = {k: r[k] for k in ("wall_s", "useful_tokens", "useful_tok_s", "total_tok_s", "num_steps", "preemptions")}
         rec["num_requests"] = len(mine)
         rec["mean_seqs_per_decode_step"] = statistics.mean(decode_seqs) if decode_seqs else float("nan")
         if b:
-            rec["slot_waste_measured"] = measured_slot_waste(r["steps"], r["useful_tokens"])
-            rec["slot_waste_closed_form"] = static_waste_closed_form(mine, b)
+            rec["slot_waste_measured"] = measured_padding(r["steps"], "padding", r["useful_tokens"])
+            rec["slot_waste_closed_form"] = static_waste_closed_form([q.max_tokens for q in mine], b)
+            rec["prompt_padding_measured"] = measured_padding(r["steps"], "prompt_padding",
+                                                              sum(len(q.prompt) for q in mine))
+            rec["prompt_padding_closed_form"] = static_waste_closed_form([len(q.prompt) for q in mine], b)
         out[name] = rec
         rows.append([name, len(mine), rec["useful_tok_s"], rec["total_tok_s"], rec["wall_s"], rec["num_steps"],
                      rec["mean_seqs_per_decode_step"], rec.get("slot_waste_measured", "-"),
-                     rec.get("slot_waste_closed_form", "-"), rec["preemptions"]])
+                     rec.get("slot_waste_closed_form", "-"), rec.get("prompt_padding_measured", "-"),
+                     rec.get("prompt_padding_closed_form", "-"), rec["preemptions"]])
+    jobs.clear()                                  # the engines and their KV pools go
+    gc.collect()
     best_static = max((v for k, v in out.items() if k.startswith("static")), key=lambda v: v["useful_tok_s"])
     best_name = next(k for k, v in out.items() if v is best_static)
     ratio = out["continuous"]["useful_tok_s"] / best_static["useful_tok_s"]
     scaled = {"full": " (the issue's workload)", "quick": " (--quick: smoke-test sizes)"}.get(
-        sz.name, " (the issue's workload with every length / 4 and fewer requests, to fit a few minutes; --full runs it whole)")
+        sz.name, " (the issue's workload with every length / 8, to fit a few minutes; --full runs it whole)")
     section_header("Throughput: static vs continuous batching", [
         f"{len(reqs)} requests, prompt lengths log-normal (median {sz.prompt_median}, measured median "
         f"{statistics.median(len(r.prompt) for r in reqs):.0f}), output lengths uniform {sz.out_range[0]}-{sz.out_range[1]}"
         f"{scaled}; greedy, ignore_eos, so every mode does the same useful work on identical requests.",
         f"continuous: max_num_seqs={sz.max_num_seqs}, finished sequences leave and waiting ones join after every step.",
-        "static: a batch is admitted together and padded to its longest member (finished members keep computing a "
-        "throwaway token, as in Hugging Face generate); prompts are not padded, which flatters static."]
+        "static: a batch is admitted together and padded to its longest member, as in Hugging Face generate: prompts "
+        "are padded to the longest prompt, and finished members keep computing a throwaway token until the last ends."]
         + [f"static bs={b} runs the first {n} requests only ({n // b} batches; a static batch's speed does not depend "
            "on the batches before it) to save time." for b, n in caps.items() if b in sz.static_sizes and n < len(reqs)]
-        + ["KV pool 2 GiB, prefix caching off, max_num_batched_tokens default; one timed run per mode after a warm-up.",
-           "slot waste: padding rows / (padding rows + rows that produced an output token), counted by the engine "
-           "(measured), vs 1 - mean/max of the output lengths of each batch (closed form)."])
+        + [f"KV pool {sz.kv_cache_memory}, prefix caching off, max_num_batched_tokens default; every engine warmed up, "
+           "then all modes run at once taking turns step by step; a mode's wall s is the sum of its own steps.",
+           "slot waste: padding rows / (padding rows + rows that produced an output token); prompt padding: pad rows / "
+           "(pad rows + prompt tokens); both counted by the engine (measured), next to 1 - mean/max of the lengths "
+           "in each batch (closed form)."])
     print(md_table(["mode", "requests", "useful out tok/s", "total tok/s", "wall s", "steps", "mean seqs/decode step",
-                    "slot waste measured", "slot waste closed form", "preemptions"], rows))
+                    "slot waste measured", "closed form", "prompt padding measured", "closed form", "preemptions"], rows))
     print(f"\ncontinuous / best static ({best_name}): **{ratio:.2f}x** useful output tokens/s")
     results["throughput"] = {"workload": {"num_requests": len(reqs), "out_range": list(sz.out_range),
                                           "prompt_median": sz.prompt_median,
@@ -382,12 +414,14 @@ def bench_memory(sz, seed, results):
     budget_tokens = 2 * max_model_len                   # the budget: two max-length reservations
     budget = budget_tokens * per_token
     fit_request_max = max(1, int(budget_tokens // reserve))
-    runs = {}
-    for name, seqs in [("paged", sz.max_num_seqs), ("contiguous-equivalent", fit_request_max)]:
-        engine = make_engine(kv_cache_memory=int(budget), max_model_len=max_model_len, max_num_seqs=seqs,
-                             enable_prefix_caching=False)
-        warm_up(engine, vocab)
-        r = run_offline(engine, reqs, f"memory {name}")
+    runs, configs, engines = {}, [("paged", sz.max_num_seqs), ("contiguous-equivalent", fit_request_max)], []
+    for name, seqs in configs:
+        engines.append(make_engine(kv_cache_memory=int(budget), max_model_len=max_model_len, max_num_seqs=seqs,
+                                   enable_prefix_caching=False))
+        warm_up(engines[-1], vocab)
+    results_by_config = run_interleaved([(e, reqs) for e in engines], "memory: paged and contiguous, in turn")
+    engines.clear()
+    for (name, seqs), r in zip(configs, results_by_config):
         pool_slots = r["steps"][0]["num_blocks"] * block
         used_total = alloc_total = 0
         lens = {rid: len(req.prompt) for rid, req in r["ids"].items()}
@@ -401,7 +435,7 @@ def bench_memory(sz, seed, results):
                       "peak_running": max(s["running"] for s in r["steps"]), "preemptions": r["preemptions"],
                       "pool_slots": pool_slots,
                       "paged_waste_measured": 1 - used_total / alloc_total if alloc_total else float("nan")}
-        free_engine(engine)
+    gc.collect()
     p = runs["paged"]
     fit_model_len = p["pool_slots"] // max_model_len
     section_header("Memory: paged pool vs contiguous reservation at one KV budget", [
@@ -409,6 +443,7 @@ def bench_memory(sz, seed, results):
         f"max_model_len {max_model_len}; {len(reqs)} requests of the throughput workload's shape (seed+1).",
         "contiguous-equivalent: the same engine capped at the number of sequences a prompt+max_tokens "
         "reservation fits (ignores that a real contiguous allocator also fragments, so it flatters contiguous).",
+        "both run at once, taking turns step by step (wall s = the sum of a run's own steps).",
         "KV waste: contiguous = 1 - tokens held (prompt + half the output, averaged over a request's life) / reserved; "
         "paged = measured over decode-only steps, 1 - tokens in cache / allocated block slots."])
     rows = [["contiguous, reserve max_model_len", fit_model_len, 1 - live / max_model_len, "-", "-", "-"],
@@ -473,12 +508,12 @@ def run_arrivals(engine, reqs, offsets, clock, desc):
 
 
 def latency_stats(outs):
+    """p50/p90/p99 of TTFT, TPOT and e2e latency, plus every request's values (for the distribution plots)."""
     m = [o.metrics for o in outs]
-    ttft = [x.ttft for x in m]
-    tpot = [x.tpot for x in m if x.num_generated_tokens > 1]
-    e2e = [x.e2e_latency for x in m]
-    return {f"{name}_{q}": pct(v, int(q[1:])) for name, v in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e))
-            for q in ("p50", "p90", "p99")}
+    values = {"ttft": [x.ttft for x in m], "tpot": [x.tpot for x in m if x.num_generated_tokens > 1],
+              "e2e": [x.e2e_latency for x in m]}
+    st = {f"{name}_{q}": pct(v, int(q[1:])) for name, v in values.items() for q in ("p50", "p90", "p99")}
+    return st | {f"{name}_values": sorted(v) for name, v in values.items()}
 
 
 def chunked_prefill_gaps(engine, vocab, long_len, num_running=8):
@@ -521,7 +556,7 @@ def chunked_prefill_gaps(engine, vocab, long_len, num_running=8):
 
 
 def bench_latency(sz, seed, results):
-    engine = make_engine(max_num_seqs=sz.max_num_seqs)
+    engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_seqs=sz.max_num_seqs)
     vocab = vocab_of(engine)
     warm_up(engine, vocab)
     clock = engine_clock(engine, vocab)
@@ -548,7 +583,7 @@ def bench_latency(sz, seed, results):
     free_engine(engine)
     chunk = {}
     for name, budget in (("chunked (max_num_batched_tokens=256)", 256), ("unchunked (8192)", 8192)):
-        engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=16)   # room for 8 decodes + the long one
+        engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_batched_tokens=budget, max_num_seqs=16)   # room for 8 decodes + the long one
         warm_up(engine, vocab)
         chunk[name] = chunked_prefill_gaps(engine, vocab, sz.long_prompt)
         free_engine(engine)
@@ -765,7 +800,7 @@ def bench_peers(sz, seed, results):
         section_header("Peers", ["skipped: transformers is not installed"])
         results["peers"] = {"skipped": "transformers not installed"}
         return
-    engine = make_engine(max_num_seqs=sz.max_num_seqs)
+    engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_seqs=sz.max_num_seqs)
     vocab = vocab_of(engine)
     reqs = make_workload(sz.peer_requests, seed + 3, sz.peer_out_range, sz.prompt_median, vocab)
     warm_up(engine, vocab)
@@ -774,10 +809,13 @@ def bench_peers(sz, seed, results):
     model = load_hf_model()
     warm = make_workload(2, 998, (4, 4), 16, vocab)
     rows, padded = [], {}
+    caps = dict(sz.hf_max_requests)
     for b in sz.hf_batch_sizes:
+        mine = reqs[:caps.get(b, len(reqs))]
         hf_padded_generate(model, warm, b, 0, "HF warm-up")
-        padded[b] = hf_padded_generate(model, reqs, b, 0, f"HF generate bs={b}")[0]
-        rows.append([f"HF generate, padded, batch {b}", padded[b]])
+        padded[b] = hf_padded_generate(model, mine, b, 0, f"HF generate bs={b}")[0]
+        rows.append([f"HF generate, padded, batch {b}" + (f" (first {len(mine)} requests)" if len(mine) < len(reqs) else ""),
+                     padded[b]])
     hf_continuous(model, warm, "HF CB warm-up")
     cb = hf_continuous(model, reqs, "HF continuous batching")[0]
     del model
@@ -824,13 +862,16 @@ def memory_bandwidth(repeats, nbytes=512 * 2**20):
 
 
 def matmul_forward_time(shapes, batch, repeats):
-    """Seconds for only the linear layers of one forward at `batch` tokens: the attainable floor."""
+    """Seconds for only the linear layers of one forward at `batch` tokens: the attainable floor, taken as
+    the faster of torch.mm (MKL) and the engine's own model.linear on the same shapes."""
+    from model import linear
     ws = [torch.randn(n, k) for k, n in shapes]
     xs = {k: torch.randn(batch, k) for k in {k for k, _ in shapes}}
-    def fwd():
+    def fwd(mm):
         for (k, _), w in zip(shapes, ws):
-            torch.mm(xs[k], w.T)
-    return time_fn(fwd, repeats, warmup=1)[0]
+            mm(xs[k], w)
+    return min(time_fn(lambda: fwd(lambda x, w: torch.mm(x, w.T)), repeats, warmup=1)[0],
+               time_fn(lambda: fwd(linear), repeats, warmup=1)[0])
 
 
 @contextlib.contextmanager
@@ -850,7 +891,8 @@ def annotate(module_name, func_name, label):
             setattr(m, func_name, orig)
 
 
-MATMUL_OPS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
+MATMUL_OPS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul",          # what model.linear calls:
+              "mkldnn::_linear_pointwise", "nanoserve_linear::linear_small_m"}  # oneDNN and csrc/linear_cpu.cpp
 
 
 def profile_breakdown(engine, batch, vocab, steps, prompt_len):
@@ -897,7 +939,7 @@ def profile_breakdown(engine, batch, vocab, steps, prompt_len):
 
 
 def bench_roofline(sz, seed, results):
-    engine = make_engine(max_num_seqs=max(sz.decode_batches))
+    engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_seqs=max(sz.decode_batches))
     vocab = vocab_of(engine)
     shapes, dims = model_linear_shapes(engine)
     h, inter, v = dims["hidden"], engine.model_config.intermediate_size, shapes[-1][1]
@@ -930,7 +972,8 @@ def bench_roofline(sz, seed, results):
         f"memory read bandwidth (sum of a 512 MiB tensor): {bw[0]:.1f} GB/s best, {bw[1]:.1f} median",
         f"{params / 1e6:.1f} M matmul params per token ({params * 4 / 2**20:.0f} MiB fp32); decode FLOPs = 2 x params x "
         f"batch + 4 x context x heads x head_dim x layers x batch (context ~{sz.decode_prompt + 10}).",
-        "matmul roofline = time of only the model's linear layers at that batch (same shapes, torch.mm) / engine step time."])
+        "matmul roofline = time of only the model's linear layers at that batch (same shapes, the faster of torch.mm and "
+        "model.linear) / engine step time."])
     print(md_table(["batch", "step ms (median)", "step ms (min)", "decode tok/s", "GFLOP/s", "of peak matmul",
                     "matmul-only ms", "of matmul roofline", "weights read / bandwidth"], rows))
     print("\nDecode step breakdown (torch.profiler, share of step wall time):\n")
@@ -987,7 +1030,7 @@ def bench_kernel(sz, seed, results):
     vocab = None
     for backend in ("torch", "cpu"):
         try:
-            engine = make_engine(attention_backend=backend, max_num_seqs=sz.kernel_e2e_batch)
+            engine = make_engine(kv_cache_memory=sz.kv_cache_memory, attention_backend=backend, max_num_seqs=sz.kernel_e2e_batch)
         except Exception as e:
             skipped.append(f"engine attention_backend={backend}: {type(e).__name__}: {str(e)[:120]}")
             continue
@@ -1034,14 +1077,14 @@ def bench_prefix(sz, seed, results):
     out = {}
     # 1) shared system prompt, different questions
     rows = []
-    engine = make_engine(enable_prefix_caching=True, max_num_seqs=sz.max_num_seqs)
+    engine = make_engine(kv_cache_memory=sz.kv_cache_memory, enable_prefix_caching=True, max_num_seqs=sz.max_num_seqs)
     vocab = vocab_of(engine)
     free_engine(engine)
     system = [rng.randrange(256, vocab) for _ in range(sz.prefix_len)]
     questions = [[rng.randrange(256, vocab) for _ in range(rng.randint(8, 24))] for _ in range(sz.prefix_requests)]
     prompts = [system + q for q in questions]
     for caching in (False, True):
-        engine = make_engine(enable_prefix_caching=caching, max_num_seqs=sz.max_num_seqs)
+        engine = make_engine(kv_cache_memory=sz.kv_cache_memory, enable_prefix_caching=caching, max_num_seqs=sz.max_num_seqs)
         warm_up(engine, vocab)
         run_timed(engine, [system + [300]], [greedy(1)], "earlier")   # earlier traffic saw the system prompt
         outs, wall, _ = run_timed(engine, prompts, [greedy(sz.prefix_out)] * len(prompts), "prefix")
@@ -1055,7 +1098,7 @@ def bench_prefix(sz, seed, results):
         free_engine(engine)
     # 2) multi-turn conversations: each turn resends the whole history plus a new question
     for caching in (False, True):
-        engine = make_engine(enable_prefix_caching=caching, max_num_seqs=sz.max_num_seqs)
+        engine = make_engine(kv_cache_memory=sz.kv_cache_memory, enable_prefix_caching=caching, max_num_seqs=sz.max_num_seqs)
         warm_up(engine, vocab)
         histories = [[rng.randrange(256, vocab) for _ in range(64)] for _ in range(sz.conversations)]
         wall = tokens = 0
@@ -1090,7 +1133,7 @@ def bench_prefix(sz, seed, results):
 
     def sample(n):
         return SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=sz.cow_out, ignore_eos=True)
-    engine = make_engine(enable_prefix_caching=False)
+    engine = make_engine(kv_cache_memory=sz.kv_cache_memory, enable_prefix_caching=False)
     per_block = sum(k.nbytes + v.nbytes for k, v in engine.kv_pool.kv_caches) // engine.blocks.num_blocks
     _, _, cow_peak = run_timed(engine, [prompt], [sample(4)], "cow")
     _, _, sep_peak = run_timed(engine, [prompt] * 4, [sample(1)] * 4, "sep")
@@ -1109,9 +1152,10 @@ def bench_prefix(sz, seed, results):
     # 4) swap vs recompute under a pool too small for the workload
     reqs = make_workload(sz.pressure_requests, seed, sz.latency_out_range, sz.latency_prompt_median, vocab)
     need = sum(-(-(len(r.prompt) + r.max_tokens) // bs) for r in reqs)
+    pool = max(need // 3, max(-(-(len(r.prompt) + r.max_tokens) // bs) for r in reqs) + 4)   # the largest must fit
     rows = []
     for mode in ("recompute", "swap"):
-        engine = make_engine(kv_cache_memory=max(need // 3, 80) * per_block, preemption_mode=mode,
+        engine = make_engine(kv_cache_memory=pool * per_block, preemption_mode=mode,
                              swap_space="1GiB" if mode == "swap" else 0, enable_prefix_caching=False)
         warm_up(engine, vocab)
         outs, wall, _ = run_timed(engine, [r.prompt for r in reqs], [greedy(r.max_tokens) for r in reqs], mode)
@@ -1124,7 +1168,7 @@ def bench_prefix(sz, seed, results):
                      rec["preempted_e2e_p50_s"], rec["preempted_e2e_max_s"]])
         free_engine(engine)
     section_header("Preemption under memory pressure: swap vs recompute", [
-        f"{len(reqs)} requests whose KV needs {need} blocks, in a pool of a third of that; swap space 1 GiB "
+        f"{len(reqs)} requests whose KV needs {need} blocks, in a pool of {pool}; swap space 1 GiB "
         "(host memory; on CPU a second tensor)."])
     print(md_table(["preemption mode", "useful out tok/s", "wall s", "preemptions", "preempted requests",
                     "their e2e p50 s", "their e2e max s"], rows))
@@ -1140,9 +1184,9 @@ def targets(results):
     if t:
         checks.append(("continuous >= 2x best static (useful tok/s)", t["continuous_over_best_static"], 2.0))
         waste = t["modes"][t["best_static"]]["slot_waste_measured"]
-        why.append(f"{t['best_static']} wastes {waste:.0%} of its token rows on padding, so removing that waste alone "
-                   f"is worth at most {1 / (1 - waste):.2f}x; prefill, which static batching does not pad here, "
-                   "is the same work for both and dilutes the gain.")
+        why.append(f"{t['best_static']} wastes {waste:.0%} of its decode rows on padding, so removing that waste alone "
+                   f"is worth at most {1 / (1 - waste):.2f}x on decode; where a step's cost grows with its rows (as on "
+                   "this CPU), continuous batching also pays for its own partly empty batches while the queue drains.")
     p = results.get("peers")
     if p and "skipped" not in p:
         checks.append(("nanoserve >= 8x HF padded generate (best batch)", p["over_hf_padded_best"], 8.0))
@@ -1154,9 +1198,12 @@ def targets(results):
                        r["decode"][big]["frac_of_matmul_roofline"], 0.6))
         if p and "skipped" not in p:
             need = max(8 * p["hf_padded_tok_s"][str(p["hf_padded_best_batch"])], 10 * p["hf_continuous_tok_s"])
-            ceiling = int(big) / r["decode"][big]["matmul_floor_s"]
-            why.append(f"the peer targets need {need:.0f} output tok/s; this machine's fp32 matmuls alone, at batch "
-                       f"{big} with nothing else in the step, allow {ceiling:.0f} tok/s (roofline section).")
+            ceiling = {int(b): int(b) / d["matmul_floor_s"] for b, d in r["decode"].items()}
+            reach = max([b for b in ceiling if b <= p["num_requests"]] or [min(ceiling)])
+            why.append(f"the peer targets need {need:.0f} output tok/s; this machine's fp32 matmuls alone, with nothing "
+                       f"else in the step, allow {ceiling[int(big)]:.0f} tok/s at batch {big} and {ceiling[reach]:.0f} "
+                       f"at batch {reach}, while the peers workload never has more than {p['num_requests']} "
+                       "sequences at once (roofline section).")
     if not checks:
         return []
     section_header("Targets (measured in this run)")
@@ -1190,16 +1237,18 @@ def plot(results, out_dir):
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
     lat = results.get("latency")
-    if lat:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-        for st in lat["rates"]:
-            label = f"{st['rate_rps']:.2f} req/s"
-            axes[0].bar(label, st["ttft_p90"], alpha=0.7)
-            axes[1].bar(label, st["tpot_p90"], alpha=0.7)
-        axes[0].axhline(TTFT_TARGET_S, color="r", ls="--")
-        axes[1].axhline(TPOT_TARGET_S, color="r", ls="--")
-        axes[0].set(title="p90 TTFT (s)")
-        axes[1].set(title="p90 TPOT (s)")
+    if lat:                      # distributions: the empirical CDF of each request's latency, one line per rate
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+        for ax, (key, title, target) in zip(axes, [("ttft", "time to first token (s)", TTFT_TARGET_S),
+                                                    ("tpot", "time per output token (s)", TPOT_TARGET_S),
+                                                    ("e2e", "end-to-end latency (s)", None)]):
+            for st in lat["rates"]:
+                v = st[f"{key}_values"]
+                ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=f"{st['rate_rps']:.2f} req/s")
+            if target:
+                ax.axvline(target, color="r", ls="--", label="target (p90)")
+            ax.set(xlabel=title, ylabel="share of requests", title=title)
+            ax.legend(fontsize=8)
         fig.tight_layout()
         written.append(os.path.join(out_dir, "latency.png"))
         fig.savefig(written[-1], dpi=120)

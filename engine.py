@@ -175,7 +175,7 @@ class Engine:
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
-        self.last_step = {"num_seqs": 0, "num_batched_tokens": 0, "num_padding": 0}
+        self.last_step = {"num_seqs": 0, "num_batched_tokens": 0, "num_padding": 0, "num_prompt_padding": 0}
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model_config
@@ -253,7 +253,8 @@ class Engine:
         self.kv_pool.run(self.blocks.pending_ops)           # swaps and copy-on-write, before the forward
         self.blocks.pending_ops.clear()
         self.last_step = {"num_seqs": len(batch.seqs), "num_batched_tokens": sum(batch.num_tokens),
-                          "num_padding": len(batch.padding)}
+                          "num_padding": len(batch.padding),
+                          "num_prompt_padding": sum(n for _, n in batch.prompt_padding)}
         if not batch.seqs:
             return []
         input_ids, positions, meta, sampled_seqs, logits_indices = self._build_batch(batch)
@@ -288,8 +289,15 @@ class Engine:
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             ctx_lens.append(p + 1)
             qsl.append(qsl[-1] + 1)
-        rows = batch.seqs + batch.padding
-        width = max(len(s.block_table) for s in rows)
+        for seq, n in batch.prompt_padding:                 # static mode: left padding of a short prompt,
+            p = len(seq.block_table) * bs - 1               # n throwaway rows that attend to each other and
+            input_ids += [seq.token_ids[0]] * n             # write one slot its member never uses (its
+            positions += [p] * n                            # reservation's last, past its last computed token)
+            slots += [seq.block_table[p // bs] * bs + p % bs] * n
+            ctx_lens.append(n)
+            qsl.append(qsl[-1] + n)
+        rows = batch.seqs + batch.padding + [seq for seq, _ in batch.prompt_padding]
+        width = max(max(len(s.block_table) for s in rows), -(-max(ctx_lens) // bs))   # pad rows may read past theirs
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in rows]
         dev = self.device
         as_tensor = lambda x, dt: torch.tensor(x, dtype=dt).to(dev, non_blocking=True)
@@ -398,6 +406,7 @@ class Engine:
             "num_seqs_last_step": self.last_step["num_seqs"],
             "num_batched_tokens_last_step": self.last_step["num_batched_tokens"],
             "num_padding_last_step": self.last_step["num_padding"],
+            "num_prompt_padding_last_step": self.last_step["num_prompt_padding"],
             "prefix_cache_hit_rate": b.hit_rate(),
         }
 

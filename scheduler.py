@@ -14,8 +14,9 @@ the tokens it already generated), so nothing is lost and no output changes.
 A "static" mode does request-level batching instead, for comparison: take up to B
 requests, reserve each one's maximum length up front, admit nothing until all finish. Like
 Hugging Face `generate` and other static batchers, the batch is padded to its longest member:
-a member that finishes keeps its slot as a padding row, recomputing a throwaway token every
-step, until the last one ends. (Prompts stay ragged, which flatters static batching a little.)
+prompts are padded to the longest prompt (each member computes that many throwaway rows at
+the start), and a member that finishes keeps its slot as a padding row, recomputing a
+throwaway token every step, until the last one ends.
 
 Owns the queues and the decision. Does not build tensors or sample (engine.py) and does
 not pick block ids (kv_cache.py). Everything is in tokens: a sequence is just token_ids
@@ -81,6 +82,7 @@ class ScheduledBatch:
     num_tokens: list[int]                 # tokens of each to compute this step
     num_preempted: int = 0
     padding: list[Sequence] = field(default_factory=list)   # static mode: finished rows still computed
+    prompt_padding: list[tuple[Sequence, int]] = field(default_factory=list)   # static: (member, pad rows)
 
 
 class Scheduler:
@@ -90,6 +92,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.padding: list[Sequence] = []        # static mode: finished members that keep their slot
+        self.prompt_padding_owed: list[list] = []   # static: [member, pad rows its prompt still owes]
         self.num_preemptions = 0
         self.watermark_blocks = int(config.watermark * blocks.num_blocks)
 
@@ -144,6 +147,7 @@ class Scheduler:
             budget -= n
         if self.config.mode == "static":
             batch.padding = list(self.padding)
+            self._schedule_prompt_padding(batch, budget)
             return batch
         if batch.num_preempted:
             return batch                                   # memory is short: admit nobody this step
@@ -261,3 +265,14 @@ class Scheduler:
             self.blocks.allocate_slots(seq, full_len)
             seq.status = Status.RUNNING
             self.running.append(seq)
+        longest = max((s.num_prompt_tokens for s in self.running), default=0)
+        self.prompt_padding_owed = [[s, longest - s.num_prompt_tokens] for s in self.running]
+
+    def _schedule_prompt_padding(self, batch, budget):
+        """Left padding's cost: pad rows share the step's token budget with the real prompt chunks."""
+        for entry in self.prompt_padding_owed:
+            seq, n = entry[0], min(entry[1], budget)
+            if n > 0 and seq.status is Status.RUNNING:
+                batch.prompt_padding.append((seq, n))
+                entry[1] -= n
+                budget -= n

@@ -473,7 +473,8 @@ def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
         eng.step()                                            # "short" is now decoding
     eng.add_request("long", list(range(1000, 1200)), greedy(2))
     eng.step()
-    assert eng.last_step == {"num_seqs": 2, "num_batched_tokens": 32, "num_padding": 0}   # 1 decode + a 31-token chunk
+    assert eng.last_step == {"num_seqs": 2, "num_batched_tokens": 32, "num_padding": 0,   # 1 decode + a 31-token chunk
+                             "num_prompt_padding": 0}
     while eng.has_unfinished_requests():
         eng.step()
     assert_all_blocks_free(eng)
@@ -502,17 +503,20 @@ def test_static_mode_admits_nothing_until_the_batch_finishes():
 
 def test_static_batch_pads_finished_members_until_its_longest_ends():
     eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
-    eng.add_request("short", PROMPTS[0], greedy(3))
-    eng.add_request("long", PROMPTS[1], greedy(8))
+    eng.add_request("short", list(range(1000, 1012)), greedy(3))      # 12 prompt tokens
+    eng.add_request("long", list(range(2000, 2005)), greedy(8))       # 5 prompt tokens
     short = eng.requests["short"].completions[0].seq
-    pads, short_blocks = [], []
+    pads, prompt_pads, short_blocks = [], [], []
     while eng.has_unfinished_requests():
         eng.step()
         pads.append(eng.last_step["num_padding"])
+        prompt_pads.append(eng.last_step["num_prompt_padding"])
         short_blocks.append(len(short.block_table))
         eng.check_invariants()
-    # hand-computed: one step prefills both and samples token 1; "short" ends with token 3 (step 3);
-    # steps 4..8 give "long" tokens 4..8, each with "short" as one padding row holding its blocks
+    # hand-computed: one step prefills both (the 5-token prompt padded by 7 rows to 12) and samples
+    # token 1; "short" ends with token 3 (step 3); steps 4..8 give "long" tokens 4..8, each with
+    # "short" as one padding row holding its blocks
+    assert prompt_pads == [7, 0, 0, 0, 0, 0, 0, 0]
     assert pads == [0, 0, 0, 1, 1, 1, 1, 1]
     assert short_blocks[:-1] == [short_blocks[0]] * 7 and short_blocks[0] > 0 and short_blocks[-1] == 0
     assert_all_blocks_free(eng)
@@ -1424,7 +1428,8 @@ def test_bench_quick_reports_every_section(tmp_path):
         assert any(v > 0 for v in values), name
     assert results["throughput"]["modes"]["continuous"]["useful_tok_s"] > 0
     static = results["throughput"]["modes"]["static bs=4"]      # padded to its longest: waste is exactly 1 - mean/max
-    assert static["slot_waste_measured"] == pytest.approx(static["slot_waste_closed_form"], abs=1e-9)
-    assert static["slot_waste_measured"] > 0
+    for kind in ("slot_waste", "prompt_padding"):
+        assert static[f"{kind}_measured"] == pytest.approx(static[f"{kind}_closed_form"], abs=1e-9)
+        assert static[f"{kind}_measured"] > 0
     assert results["roofline"]["peak_matmul_gflops"] > 0
     assert (tmp_path / "throughput.png").exists()
