@@ -55,7 +55,7 @@ class Sizes:
     latency_requests: int = 8
     latency_out_range: tuple = (8, 32)
     latency_prompt_median: int = 100
-    rate_fractions: tuple = (0.5, 1.0, 2.0)
+    rate_fractions: tuple = (0.5, 1.0, 2.0, 4.0)
     long_prompt: int = 1024
     peer_requests: int = 16
     peer_out_range: tuple = (2, 32)

@@ -1417,7 +1417,7 @@ def numbers(x):
 def test_bench_quick_reports_every_section(tmp_path):
     out = tmp_path / "results.json"
     subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out), "--plot", str(tmp_path)],
-                   cwd=HERE, check=True, timeout=170, stdout=subprocess.DEVNULL)
+                   cwd=HERE, check=True, timeout=300, stdout=subprocess.DEVNULL)
     results = json.loads(out.read_text())
     for name in SECTIONS:
         section = results[name]
