@@ -283,8 +283,8 @@ class Engine:
                 sampled_seqs.append(seq)
                 sample_idx.append(qsl[-1] - 1)
         for seq in batch.padding:                           # static mode: a finished row still costs a
-            p = seq.num_computed_tokens                     # token; it rewrites its own last slot, and
-            input_ids.append(seq.token_ids[p])              # nothing is sampled from it
+            p = max(seq.num_computed_tokens - 1, 0)         # token; it recomputes its last cached one into
+            input_ids.append(seq.token_ids[p])              # the same slot, and nothing is sampled from it
             positions.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             ctx_lens.append(p + 1)

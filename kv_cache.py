@@ -126,10 +126,10 @@ class BlockManager:
         return max(0, total - len(seq.block_table)) + (1 if self._needs_copy(seq) else 0)
 
     def _needs_copy(self, seq) -> bool:
-        """Writing into a partly filled block that another fork also holds must copy it first."""
+        """Writing into a block that another fork also holds must copy it first: a partly filled one
+        (forks share the prompt's last block), or one reserved ahead (static batching's forks)."""
         i = seq.num_computed_tokens // self.block_size
-        return (seq.num_computed_tokens % self.block_size != 0 and i < len(seq.block_table)
-                and self.ref_counts[seq.block_table[i]] > 1)
+        return i < len(seq.block_table) and self.ref_counts[seq.block_table[i]] > 1
 
     def can_allocate(self, seq, num_new_tokens: int, reserve: int = 0) -> bool:
         return self.new_blocks_for(seq, num_new_tokens) + reserve <= self.num_free_blocks()

@@ -522,6 +522,18 @@ def test_static_batch_pads_finished_members_until_its_longest_ends():
     assert_all_blocks_free(eng)
 
 
+def test_static_mode_forks_write_their_own_blocks():
+    # static batching reserves every block up front, so n > 1 forks share blocks none has written
+    # yet; each fork must copy before writing, or the samples overwrite one another's KV
+    p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    cont = LLM(kv_cache_memory=SMALL_KV).generate(["Write a word:"], p)[0]
+    static = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2)
+    out = static.generate(["Write a word:"], p)[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in cont.outputs]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert_all_blocks_free(static.engine)
+
+
 def test_block_tables_grow_one_block_at_a_time(llm):
     eng = llm.engine
     eng.add_request("g", [5] * 15, greedy(40))
