@@ -91,13 +91,12 @@ FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=1
              pressure_requests=16)
 
 QUICK = Sizes(name="quick", num_requests=8, out_range=(4, 24), prompt_median=32, static_sizes=(4,), static_max_requests=(),
-              hf_max_requests=(),
-              max_num_seqs=8, mem_requests=6, mem_prompt_median=32, mem_max_model_len=128, latency_requests=6,
-              latency_out_range=(4, 12), latency_prompt_median=32, rate_fractions=(1.0,), http=False,
-              long_prompt=300, peer_requests=4, peer_out_range=(4, 12), hf_batch_sizes=(4,),
-              decode_batches=(1, 8), decode_prompt=32, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=8,
-              kernel_e2e_prompt=32, repeats=2, prefix_len=64, prefix_requests=4, prefix_out=4, conversations=2, turns=2,
-              cow_prompt=40, cow_out=4, pressure_requests=4)
+              hf_max_requests=(), max_num_seqs=8, mem_requests=4, mem_prompt_median=32, mem_max_model_len=128,
+              latency_requests=4, latency_out_range=(4, 12), latency_prompt_median=32, rate_fractions=(1.0,), http=False,
+              long_prompt=128, peer_requests=2, peer_out_range=(2, 6), hf_batch_sizes=(2,), decode_batches=(1, 4),
+              decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4, kernel_e2e_prompt=16,
+              repeats=2, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2, cow_prompt=40,
+              cow_out=4, pressure_requests=3)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -256,9 +255,11 @@ def offline_result(st):
             "done": st["done"]}
 
 
-def warm_up(engine, vocab, n=4):
-    """Exercise prefill and decode once so first-call costs don't land in a timed run."""
-    run_offline(engine, make_workload(n, 999, (4, 4), 48, vocab), "warm-up")
+def warm_up(engine, vocab, sz, n=4):
+    """Exercise prefill and decode once so first-call costs don't land in a timed run (not in --quick,
+    whose numbers only prove that every section runs)."""
+    if sz.name != "quick":
+        run_offline(engine, make_workload(n, 999, (4, 4), 48, vocab), "warm-up")
 
 
 def decode_step_time(engine, batch, vocab, steps, prompt_len):
@@ -348,7 +349,7 @@ def bench_throughput(sz, seed, results):
         # prefix caching off: every mode runs the same prompts, and one mode must not find them cached
         engine = make_engine(kv_cache_memory=sz.kv_cache_memory, enable_prefix_caching=False, **kw)
         reqs = reqs or make_workload(sz.num_requests, seed, sz.out_range, sz.prompt_median, vocab_of(engine))
-        warm_up(engine, vocab_of(engine))
+        warm_up(engine, vocab_of(engine), sz)
         jobs.append((engine, reqs[:caps.get(kw.get("static_batch_size"), len(reqs))]))
     runs = run_interleaved(jobs, "continuous and static, step by step in turn")
     rows, out = [], {}
@@ -421,7 +422,7 @@ def bench_memory(sz, seed, results):
     for name, seqs in configs:
         engines.append(make_engine(kv_cache_memory=int(budget), max_model_len=max_model_len, max_num_seqs=seqs,
                                    enable_prefix_caching=False))
-        warm_up(engines[-1], vocab)
+        warm_up(engines[-1], vocab, sz)
     results_by_config = run_interleaved([(e, reqs) for e in engines], "memory: paged and contiguous, in turn")
     engines.clear()
     for (name, seqs), r in zip(configs, results_by_config):
@@ -561,7 +562,7 @@ def chunked_prefill_gaps(engine, vocab, long_len, num_running=8):
 def bench_latency(sz, seed, results):
     engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_seqs=sz.max_num_seqs)
     vocab = vocab_of(engine)
-    warm_up(engine, vocab)
+    warm_up(engine, vocab, sz)
     clock = engine_clock(engine, vocab)
     reqs = make_workload(sz.latency_requests, seed + 2, sz.latency_out_range, sz.latency_prompt_median, vocab)
     mean_out = statistics.mean(r.max_tokens for r in reqs)
@@ -587,7 +588,7 @@ def bench_latency(sz, seed, results):
     chunk = {}
     for name, budget in (("chunked (max_num_batched_tokens=256)", 256), ("unchunked (8192)", 8192)):
         engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_batched_tokens=budget, max_num_seqs=16)   # room for 8 decodes + the long one
-        warm_up(engine, vocab)
+        warm_up(engine, vocab, sz)
         chunk[name] = chunked_prefill_gaps(engine, vocab, sz.long_prompt)
         free_engine(engine)
     section_header("Latency under load (Poisson arrivals, engine in process)", [
@@ -807,7 +808,7 @@ def bench_peers(sz, seed, results):
     engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_seqs=sz.max_num_seqs)
     vocab = vocab_of(engine)
     reqs = make_workload(sz.peer_requests, seed + 3, sz.peer_out_range, sz.prompt_median, vocab)
-    warm_up(engine, vocab)
+    warm_up(engine, vocab, sz)
     ours = [run_offline(engine, reqs, f"nanoserve peers #{k}")["useful_tok_s"] for k in range(2)]
     free_engine(engine)
     model = load_hf_model()
@@ -953,7 +954,7 @@ def bench_roofline(sz, seed, results):
     bw = memory_bandwidth(sz.repeats)
     peak = max(x[0] for x in mm.values())
     params = sum(k * n for k, n in shapes)
-    warm_up(engine, vocab)
+    warm_up(engine, vocab, sz)
     rows, per_batch = [], {}
     for b in sz.decode_batches:
         med, best = decode_step_time(engine, b, vocab, steps=max(4, 2 * sz.repeats), prompt_len=sz.decode_prompt)
@@ -1039,7 +1040,7 @@ def bench_kernel(sz, seed, results):
             skipped.append(f"engine attention_backend={backend}: {type(e).__name__}: {str(e)[:120]}")
             continue
         vocab = vocab_of(engine)
-        warm_up(engine, vocab)
+        warm_up(engine, vocab, sz)
         med, best = decode_step_time(engine, sz.kernel_e2e_batch, vocab, steps=3, prompt_len=sz.kernel_e2e_prompt)
         e2e[backend] = {"step_s_median": med, "decode_tok_s": sz.kernel_e2e_batch / med}
         free_engine(engine)
@@ -1089,7 +1090,7 @@ def bench_prefix(sz, seed, results):
     prompts = [system + q for q in questions]
     for caching in (False, True):
         engine = make_engine(kv_cache_memory=sz.kv_cache_memory, enable_prefix_caching=caching, max_num_seqs=sz.max_num_seqs)
-        warm_up(engine, vocab)
+        warm_up(engine, vocab, sz)
         run_timed(engine, [system + [300]], [greedy(1)], "earlier")   # earlier traffic saw the system prompt
         outs, wall, _ = run_timed(engine, prompts, [greedy(sz.prefix_out)] * len(prompts), "prefix")
         ttft = [o.metrics.ttft for o in outs]
@@ -1103,7 +1104,7 @@ def bench_prefix(sz, seed, results):
     # 2) multi-turn conversations: each turn resends the whole history plus a new question
     for caching in (False, True):
         engine = make_engine(kv_cache_memory=sz.kv_cache_memory, enable_prefix_caching=caching, max_num_seqs=sz.max_num_seqs)
-        warm_up(engine, vocab)
+        warm_up(engine, vocab, sz)
         histories = [[rng.randrange(256, vocab) for _ in range(64)] for _ in range(sz.conversations)]
         wall = tokens = 0
         ttft = []
@@ -1161,7 +1162,7 @@ def bench_prefix(sz, seed, results):
     for mode in ("recompute", "swap"):
         engine = make_engine(kv_cache_memory=pool * per_block, preemption_mode=mode,
                              swap_space="1GiB" if mode == "swap" else 0, enable_prefix_caching=False)
-        warm_up(engine, vocab)
+        warm_up(engine, vocab, sz)
         outs, wall, _ = run_timed(engine, [r.prompt for r in reqs], [greedy(r.max_tokens) for r in reqs], mode)
         pre = [o.metrics.e2e_latency for o in outs if o.metrics.num_preemptions]
         rec = {"wall_s": wall, "useful_tok_s": sum(r.max_tokens for r in reqs) / wall,
