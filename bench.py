@@ -384,7 +384,7 @@ def bench_throughput(sz, seed, results):
         f"continuous: max_num_seqs={sz.max_num_seqs}, finished sequences leave and waiting ones join after every step.",
         "static: a batch is admitted together and padded to its longest member, as in Hugging Face generate: prompts "
         "are padded to the longest prompt, and finished members keep computing a throwaway token until the last ends."]
-        + [f"static bs={b} runs the first {n} requests only ({n // b} batches; a static batch's speed does not depend "
+        + [f"static bs={b} runs the first {n} requests only ({n // b} batch{'es' * (n // b > 1)}; a static batch's speed does not depend "
            "on the batches before it) to save time." for b, n in caps.items() if b in sz.static_sizes and n < len(reqs)]
         + [f"KV pool {sz.kv_cache_memory}, prefix caching off, max_num_batched_tokens default; every engine warmed up, "
            "then all modes run at once taking turns step by step; a mode's wall s is the sum of its own steps.",
