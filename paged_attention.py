@@ -10,7 +10,7 @@ This file owns the attention math and the KV write; it does not allocate blocks
 The signature below is the contract every backend keeps. The pure-PyTorch
 reference here is the oracle that the C++/CUDA kernels are tested against.
 Backends: "torch" (the reference), "cpu" (csrc/paged_attention_cpu.cpp) and "cuda"
-(csrc/paged_attention_cuda.cu), the kernels JIT-built on first use and cached.
+(csrc/paged_attention_cuda.cu), the kernels JIT-built on first use by extensions.py.
 
 Layout conventions (vLLM's names):
   query            [num_tokens, num_heads, head_dim]      new tokens of all sequences, packed
@@ -21,16 +21,12 @@ Layout conventions (vLLM's names):
 Query row j of sequence i sits at absolute position context_len - q_len + j and may
 attend to cached positions 0..that position (causal). Decode is simply q_len == 1.
 """
-import hashlib
 import os
-import platform
-import sys
-import time
-import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+import extensions
 
 
 def reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping):
@@ -87,74 +83,6 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, conte
 # ---- compiled backends ------------------------------------------------------------------
 
 BACKENDS = ("auto", "torch", "cpu", "cuda")
-CSRC = Path(__file__).resolve().parent / "csrc"
-KERNEL_BUILDS = {   # torch.utils.cpp_extension.load arguments per compiled backend
-    "cpu": dict(
-        name="nanoserve_paged_attention_cpu", sources=["paged_attention_cpu.cpp"],
-        # associative math lets dot products end in a shuffle tree, not a serial chain of
-        # adds; no -ffinite-math-only: the kernel relies on -inf for "no score yet"
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
-                      "-fno-trapping-math", "-fno-math-errno"],
-        extra_ldflags=["-fopenmp"]),
-    "cuda": dict(
-        name="nanoserve_paged_attention_cuda",
-        sources=["paged_attention_cuda_binding.cpp", "paged_attention_cuda.cu"],
-        extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"]),
-    # not attention: model.py's small-batch linear layers, built by the same machinery
-    "linear_cpu": dict(
-        name="nanoserve_linear_cpu", sources=["linear_cpu.cpp"],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"]),
-}
-_loaded = {}        # kind -> True once its ops are registered in torch.ops
-_failed = {}        # kind -> why the build failed (warned about once)
-
-
-def _build_directory(build):
-    """Cache dir named by a hash of the sources, flags, torch version and CPU: checkouts with
-    different sources never rebuild over each other, and -march=native code never moves to
-    another CPU."""
-    root = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
-    cpuinfo = Path("/proc/cpuinfo")
-    cpu = cpuinfo.read_text() if cpuinfo.exists() else platform.processor()
-    cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), cpu)
-    key = hashlib.sha1(f"{platform.machine()} {cpu_flags} {torch.__version__} {sorted(build.items())}".encode())
-    for source in build["sources"]:
-        key.update((CSRC / source).read_bytes())
-    path = root / "torch_extensions" / f"{build['name']}-{key.hexdigest()[:12]}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _load_extension(kind):
-    """JIT-build (or load the cached build of) one kernel library; raises if the build fails."""
-    if kind in _loaded:
-        return
-    from torch.utils import cpp_extension
-    build = KERNEL_BUILDS[kind]
-    build_dir = _build_directory(build)
-    already_built = any(build_dir.glob("*.so"))
-    start = time.perf_counter()
-    cpp_extension.load(**{**build, "sources": [str(CSRC / s) for s in build["sources"]]},
-                       build_directory=str(build_dir), is_python_module=False, verbose=False)
-    if not already_built:
-        print(f"built {build['name']} kernel in {time.perf_counter() - start:.1f} s",
-              file=sys.stderr, flush=True)
-    _loaded[kind] = True
-
-
-def _try_load(kind):
-    """True if the kind's kernels are usable; on failure warn once and remember why."""
-    if kind in _failed:
-        return False
-    try:
-        _load_extension(kind)
-        return True
-    except Exception as e:  # no compiler, compile error, missing CUDA toolkit...
-        first_line = (str(e).strip().splitlines() or [""])[0][:200]
-        _failed[kind] = f"{type(e).__name__}: {first_line}"
-        warnings.warn(f"paged-attention {kind} kernel unavailable ({_failed[kind]}); "
-                      f"falling back to the pure-PyTorch reference (slow)", RuntimeWarning, stacklevel=3)
-        return False
 
 
 def resolve_backend(requested="auto", device="cpu"):
@@ -176,14 +104,14 @@ def resolve_backend(requested="auto", device="cpu"):
     if kind != device_type:
         raise ValueError(f"attention_backend {requested!r} cannot run on device {device_type!r}; "
                          f"allowed: auto, torch, {device_type}")
-    return kind if _try_load(kind) else "torch"
+    return kind if extensions.try_load(kind, "falling back to the pure-PyTorch reference (slow)") else "torch"
 
 
 def _ops(backend):
     """torch.ops namespace of a compiled backend, building it if resolve_backend has not."""
     if backend not in ("cpu", "cuda"):
         raise ValueError(f"attention backend must be one of ['torch', 'cpu', 'cuda'], got {backend!r}")
-    _load_extension(backend)
+    extensions.load(backend)
     return getattr(torch.ops, f"nanoserve_{backend}")
 
 

@@ -37,6 +37,7 @@ import openai
 import pytest
 import torch
 
+import extensions
 from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer, write_gguf_tokenizer
 import model as M
 from engine import LLM, Engine, SamplingParams
@@ -399,7 +400,8 @@ def test_cpu_linear_without_fast_kernels_warns_once_and_uses_f_linear(monkeypatc
         pytest.skip("no C++ compiler: csrc/linear_cpu.cpp could not be built")
     def broken(kind):
         raise RuntimeError("no compiler")
-    monkeypatch.setattr(pa, "_load_extension", broken)
+    monkeypatch.setattr(extensions, "load", broken)
+    monkeypatch.setattr(extensions, "failed", {})
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     M._cpu_linear_kernels.cache_clear()
     try:
@@ -846,7 +848,7 @@ def check_against_reference(attention, batch, atol):
 
 @pytest.fixture(scope="module")
 def cpu_backend():
-    pa._load_extension("cpu")     # builds on first use; a build error fails here with its log
+    extensions.load("cpu")     # builds on first use; a build error fails here with its log
     return lambda *batch: pa.paged_attention(*batch, backend="cpu")
 
 
@@ -1039,8 +1041,8 @@ def test_resolve_backend_falls_back_with_one_warning(monkeypatch):
     monkeypatch.delenv("NANOSERVE_ATTENTION_BACKEND", raising=False)
     def broken(kind):
         raise RuntimeError("no compiler")
-    monkeypatch.setattr(pa, "_load_extension", broken)
-    monkeypatch.setattr(pa, "_failed", {})
+    monkeypatch.setattr(extensions, "load", broken)
+    monkeypatch.setattr(extensions, "failed", {})
     with pytest.warns(RuntimeWarning, match="falling back"):
         assert pa.resolve_backend("auto", "cpu") == "torch"
     with warnings.catch_warnings():

@@ -24,7 +24,7 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # the text at every \p{N} before the GPT-2 regex runs, so (1) numbers are single characters and
 # never take a leading space, and (2) a digit acts like end-of-text for `\s+(?!\S)`: "a  1" keeps
 # "  " whole. Hence `\p{N}` and `\s+(?![^\s\p{N}])`; the other branches never cross a digit anyway.
-# tests_tokenizer.py fuzzes this against the HF two-step pipeline.
+# test_all.py fuzzes this against the HF two-step pipeline (test_single_regex_equals_two_step_digit_split_on_fuzzed_text).
 DIGITS_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
                   r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")

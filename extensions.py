@@ -1,0 +1,91 @@
+"""
+Building the compiled code: the C++/CUDA kernels under csrc/, JIT-built with
+torch.utils.cpp_extension on first use and cached on disk.
+
+Owns the build recipes (sources and flags per library), the cache directory, loading a
+library so its ops appear under torch.ops, and the warn-once record of builds that failed.
+Does not decide which backend runs (paged_attention.resolve_backend and model.linear do)
+and holds no math. cache_root() is also where model.py keeps converted weights.
+"""
+import hashlib
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+BUILDS = {   # torch.utils.cpp_extension.load arguments per library
+    "cpu": dict(
+        name="nanoserve_paged_attention_cpu", sources=["paged_attention_cpu.cpp"],
+        # associative math lets dot products end in a shuffle tree, not a serial chain of
+        # adds; no -ffinite-math-only: the kernel relies on -inf for "no score yet"
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
+                      "-fno-trapping-math", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"]),
+    "cuda": dict(
+        name="nanoserve_paged_attention_cuda",
+        sources=["paged_attention_cuda_binding.cpp", "paged_attention_cuda.cu"],
+        extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"]),
+    # not attention: model.py's small-batch linear layers
+    "linear_cpu": dict(
+        name="nanoserve_linear_cpu", sources=["linear_cpu.cpp"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"]),
+}
+_loaded = set()     # kinds whose ops are registered in torch.ops
+failed = {}         # kind -> why its build failed (warned about once)
+
+
+def cache_root() -> Path:
+    """Everything nanoserve caches on disk: built kernels and converted weights."""
+    return Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
+
+
+def build_directory(build: dict) -> Path:
+    """Cache dir named by a hash of the sources, flags, torch version and CPU: checkouts with
+    different sources never rebuild over each other, and -march=native code never moves to
+    another CPU."""
+    cpuinfo = Path("/proc/cpuinfo")
+    cpu = cpuinfo.read_text() if cpuinfo.exists() else platform.processor()
+    cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), cpu)
+    key = hashlib.sha1(f"{platform.machine()} {cpu_flags} {torch.__version__} {sorted(build.items())}".encode())
+    for source in build["sources"]:
+        key.update((CSRC / source).read_bytes())
+    path = cache_root() / "torch_extensions" / f"{build['name']}-{key.hexdigest()[:12]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load(kind: str) -> None:
+    """JIT-build (or load the cached build of) one library; raises if the build fails."""
+    if kind in _loaded:
+        return
+    from torch.utils import cpp_extension
+    build = BUILDS[kind]
+    build_dir = build_directory(build)
+    already_built = any(build_dir.glob("*.so"))
+    start = time.perf_counter()
+    cpp_extension.load(**{**build, "sources": [str(CSRC / s) for s in build["sources"]]},
+                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    if not already_built:
+        print(f"built {build['name']} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    _loaded.add(kind)
+
+
+def try_load(kind: str, fallback: str) -> bool:
+    """True if the library is usable; on failure warn once (saying what runs instead) and
+    remember why, so later calls return False at once."""
+    if kind in failed:
+        return False
+    try:
+        load(kind)
+        return True
+    except Exception as e:  # no compiler, compile error, missing CUDA toolkit...
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        failed[kind] = f"{type(e).__name__}: {first_line}"
+        warnings.warn(f"csrc/{BUILDS[kind]['sources'][-1]} unavailable ({failed[kind]}); {fallback}",
+                      RuntimeWarning, stacklevel=3)
+        return False
