@@ -230,11 +230,11 @@ def run_interleaved(jobs, desc):
             outs = engine.step()
             st["wall"] += time.perf_counter() - t0
             s = engine.stats()
-            st["steps"].append({"outs": outs, "seqs": s["num_seqs_last_step"], "tokens": s["num_batched_tokens_last_step"],
-                                "padding": s["num_padding_last_step"], "running": s["num_running"],
-                                "prompt_padding": s["num_prompt_padding_last_step"],
-                                "free_blocks": s["num_free_blocks"], "num_blocks": s["num_blocks"],
-                                "preemptions": s["num_preemptions"]})
+            st["steps"].append({"outs": outs, "seqs": s.num_seqs_last_step, "tokens": s.num_batched_tokens_last_step,
+                                "padding": s.num_padding_last_step, "running": s.num_running,
+                                "prompt_padding": s.num_prompt_padding_last_step,
+                                "free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks,
+                                "preemptions": s.num_preemptions})
             for o in outs:
                 bar.update(len(o.outputs[0].delta_token_ids))
                 if o.finished:
@@ -273,7 +273,7 @@ def decode_step_time(engine, batch, vocab, steps, prompt_len):
     for _ in range(10_000):                      # prefill until every sequence decodes
         engine.step()
         s = engine.stats()
-        if s["num_waiting"] == 0 and s["num_seqs_last_step"] == batch == s["num_batched_tokens_last_step"]:
+        if s.num_waiting == 0 and s.num_seqs_last_step == batch == s.num_batched_tokens_last_step:
             break
     times = []
     for _ in range(steps):
@@ -281,7 +281,7 @@ def decode_step_time(engine, batch, vocab, steps, prompt_len):
         engine.step()
         times.append(time.perf_counter() - t0)
         s = engine.stats()
-        assert s["num_seqs_last_step"] == batch == s["num_batched_tokens_last_step"], s
+        assert s.num_seqs_last_step == batch == s.num_batched_tokens_last_step, s
     for rid in rids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():       # let aborted requests drain, if the engine needs a step
@@ -355,7 +355,7 @@ def bench_throughput(sz, seed, results):
     rows, out = [], {}
     for (name, kw), (_, mine), r in zip(contenders, jobs, runs):
         b = kw.get("static_batch_size")
-        decode_seqs = [s["seqs"] for s in r["steps"] if s["seqs"] > 0 and s["tokens"] == s["seqs"]]
+        decode_seqs = [s.seqs for s in r["steps"] if s.seqs > 0 and s.tokens == s.seqs]
         rec = {k: r[k] for k in ("wall_s", "useful_tokens", "useful_tok_s", "total_tok_s", "num_steps", "preemptions")}
         rec["num_requests"] = len(mine)
         rec["mean_seqs_per_decode_step"] = statistics.mean(decode_seqs) if decode_seqs else float("nan")
@@ -430,13 +430,13 @@ def bench_memory(sz, seed, results):
         used_total = alloc_total = 0
         lens = {rid: len(req.prompt) for rid, req in r["ids"].items()}
         for s in r["steps"]:   # decode-only steps where every running sequence reported: cache = prompt + generated - 1
-            alive = [o for o in s["outs"] if not o.finished]
-            if s["tokens"] != s["seqs"] or len(alive) != s["running"] or not alive:
+            alive = [o for o in s.outs if not o.finished]
+            if s.tokens != s.seqs or len(alive) != s.running or not alive:
                 continue
             used_total += sum(lens[o.request_id] + len(o.outputs[0].token_ids) - 1 for o in alive)
-            alloc_total += (s["num_blocks"] - s["free_blocks"]) * block
+            alloc_total += (s.num_blocks - s.free_blocks) * block
         runs[name] = {"max_num_seqs": seqs, "useful_tok_s": r["useful_tok_s"], "wall_s": r["wall_s"],
-                      "peak_running": max(s["running"] for s in r["steps"]), "preemptions": r["preemptions"],
+                      "peak_running": max(s.running for s in r["steps"]), "preemptions": r["preemptions"],
                       "pool_slots": pool_slots,
                       "paged_waste_measured": 1 - used_total / alloc_total if alloc_total else float("nan")}
     gc.collect()
@@ -912,7 +912,7 @@ def profile_breakdown(engine, batch, vocab, steps, prompt_len):
         for _ in range(10_000):
             engine.step()
             s = engine.stats()
-            if s["num_waiting"] == 0 and s["num_seqs_last_step"] == batch == s["num_batched_tokens_last_step"]:
+            if s.num_waiting == 0 and s.num_seqs_last_step == batch == s.num_batched_tokens_last_step:
                 break
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
@@ -1096,7 +1096,7 @@ def bench_prefix(sz, seed, results):
         ttft = [o.metrics.ttft for o in outs]
         rec = {"wall_s": wall, "useful_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
                "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
-               "hit_rate": engine.stats()["prefix_cache_hit_rate"]}
+               "hit_rate": engine.stats().prefix_cache_hit_rate}
         out[f"shared_prefix_caching_{'on' if caching else 'off'}"] = rec
         rows.append(["shared prefix", "on" if caching else "off", rec["useful_tok_s"], rec["wall_s"],
                      rec["ttft_p50_s"], rec["ttft_p90_s"], rec["hit_rate"]])
@@ -1116,7 +1116,7 @@ def bench_prefix(sz, seed, results):
             histories = [h + o.outputs[0].token_ids + [rng.randrange(256, vocab) for _ in range(16)]
                          for h, o in zip(histories, outs)]
         rec = {"wall_s": wall, "useful_tok_s": tokens / wall, "ttft_p50_s": pct(ttft, 50),
-               "ttft_p90_s": pct(ttft, 90), "hit_rate": engine.stats()["prefix_cache_hit_rate"]}
+               "ttft_p90_s": pct(ttft, 90), "hit_rate": engine.stats().prefix_cache_hit_rate}
         out[f"multi_turn_caching_{'on' if caching else 'off'}"] = rec
         rows.append([f"multi-turn ({sz.conversations} x {sz.turns} turns)", "on" if caching else "off",
                      rec["useful_tok_s"], rec["wall_s"], rec["ttft_p50_s"], rec["ttft_p90_s"], rec["hit_rate"]])

@@ -20,50 +20,71 @@ from dataclasses import dataclass, field, fields
 import torch
 
 import paged_attention
+from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
 from model import AttentionMetadata, load_model
 from sampler import SamplingParams, make_generator, sample
-from scheduler import Scheduler, SchedulerConfig, Sequence, Status
+from scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence, Status
+from static_scheduler import StaticScheduler
 from tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "Engine", "EngineConfig", "EngineStats", "InvalidRequest", "SamplingParams",
+           "RequestOutput", "CompletionOutput"]
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(SchedulerConfig):
+    """Everything LLM(...) and serve.py accept; the scheduler's fields come from SchedulerConfig."""
     model: str | None = None            # HF checkpoint dir or .gguf; None = embedded SmolLM2-135M-Instruct
     dtype: str = "auto"                 # auto: float32 on CPU (no fast bf16 here), bfloat16 on CUDA
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str = "2GiB"
     kv_cache_dtype: str = "auto"        # auto = the model dtype
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512   # per-step token budget; prompts longer than it are chunked
-    max_model_len: int | None = None    # default: the model's context length
-    scheduler_mode: str = "continuous"  # continuous | static
-    static_batch_size: int = 8
-    scheduling_policy: str = "fcfs"     # fcfs | priority | lpm
     enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # recompute | swap
     swap_space: int | str = 0           # bytes of host memory for swapped-out blocks
     attention_backend: str = "auto"     # auto | cpu | cuda | torch
     num_threads: int | None = None      # default: all cores
     seed: int = 0                       # for unseeded sampling
 
     def validate(self):
-        def need(ok, name, allowed):
-            if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two in [1, 128]")
-        need(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
-        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
-        need(self.scheduler_mode in ("continuous", "static"), "scheduler_mode", "'continuous' or 'static'")
-        need(self.static_batch_size >= 1, "static_batch_size", ">= 1")
-        need(self.scheduling_policy in ("fcfs", "priority", "lpm"), "scheduling_policy", "'fcfs', 'priority' or 'lpm'")
-        need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "'recompute' or 'swap'")
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "auto|float32|bfloat16|float16")
-        need(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"), "kv_cache_dtype",
-             "auto|float32|bfloat16|float16")
+        super().validate()
+        dtypes = ("auto", "float32", "bfloat16", "float16")
+        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two in [1, 128]",
+             self.block_size)
+        need(self.dtype in dtypes, "dtype", "|".join(dtypes), self.dtype)
+        need(self.kv_cache_dtype in dtypes, "kv_cache_dtype", "|".join(dtypes), self.kv_cache_dtype)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for /metrics (serve.py) and bench.py."""
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_hit_rate: float
+    num_steps: int
+    prompt_tokens_total: int            # prompt tokens computed (cache hits are not)
+    generation_tokens_total: int
+    num_seqs_last_step: int             # real rows of the last step (padding rows are counted below)
+    num_batched_tokens_last_step: int   # their tokens
+    num_padding_last_step: int          # static batching: finished members still computed
+    num_prompt_padding_last_step: int   # static batching: left-padding rows of short prompts
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds spent in each phase of Engine.step, summed over steps (bench.py reads it).
+    On a GPU `forward` only counts the launch unless the sampler's .tolist() syncs first."""
+    schedule: float = 0.0
+    prepare: float = 0.0                # block ops and building the flat batch tensors
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0                 # append tokens, detokenize, stop checks, outputs
 
 
 @dataclass
@@ -148,7 +169,7 @@ class Engine:
         config = config or EngineConfig()
         for k, v in overrides.items():
             if k not in {f.name for f in fields(EngineConfig)}:
-                raise ValueError(f"unknown engine argument {k!r}")
+                raise InvalidRequest(k, f"unknown engine argument {k!r}")
             setattr(config, k, v)
         config.validate()
         self.config = config
@@ -160,30 +181,28 @@ class Engine:
         self.model, self.model_config, self.model_dir = load_model(config.model, dtype, self.device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if not 1 <= self.max_model_len <= mc.max_position_embeddings:
-            raise ValueError(f"max_model_len must be in [1, {mc.max_position_embeddings}], got {self.max_model_len}")
+        config.max_model_len = config.max_model_len or mc.max_position_embeddings
+        need(1 <= config.max_model_len <= mc.max_position_embeddings, "max_model_len",
+             f"in [1, {mc.max_position_embeddings}]", config.max_model_len)
+        self.max_model_len = config.max_model_len
         self.eos_token_ids = set(mc.eos_token_id) | {self.tokenizer.eos_token_id} - {None}
         self.attention_backend = paged_attention.resolve_backend(config.attention_backend, self.device.type)
         self._init_kv_cache(dtype)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, mode=config.scheduler_mode,
-            static_batch_size=config.static_batch_size, policy=config.scheduling_policy,
-            preemption_mode=config.preemption_mode), self.blocks)
+        self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
         self.requests: dict[str, Request] = {}
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
-        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
-        self.last_step = {"num_seqs": 0, "num_batched_tokens": 0, "num_padding": 0, "num_prompt_padding": 0}
+        self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.last_step = step_counts(ScheduledBatch([], []))
+        self.phase_times = PhaseTimes()
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model_config
         kv_dtype = dtype if c.kv_cache_dtype == "auto" else getattr(torch, c.kv_cache_dtype)
         per_block = bytes_per_block(mc.num_hidden_layers, c.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype)
         num_blocks = parse_memory(c.kv_cache_memory) // per_block
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory must hold at least 2 blocks of {per_block} bytes, got {c.kv_cache_memory!r}")
+        need(num_blocks >= 2, "kv_cache_memory", f"enough for at least 2 blocks of {per_block} bytes",
+             c.kv_cache_memory)
         num_host_blocks = parse_memory(c.swap_space) // per_block
         self.kv_pool = KVCachePool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
                                    mc.head_dim, kv_dtype, self.device, num_host_blocks)
@@ -192,22 +211,13 @@ class Engine:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None):
-        """Validate and queue a request. Raises ValueError (naming the field) and changes nothing on bad input."""
+        """Validate and queue a request. Raises InvalidRequest (naming the field) and changes nothing on bad input."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        need(request_id not in self.requests, "request_id", "unused", request_id)
+        need(isinstance(priority, int), "priority", "an integer", priority)
         text, ids = self._tokenize(prompt)
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                             f"the context length max_model_len={self.max_model_len}")
-        usable = self.blocks.num_blocks - self.scheduler.watermark_blocks
-        if self.blocks.blocks_needed(total) > usable:
-            raise ValueError(f"prompt + max_tokens = {total} tokens can never fit the KV cache "
-                             f"({usable} blocks of {self.config.block_size}); raise kv_cache_memory or lower max_tokens")
+        self.check_prompt(ids, params.max_tokens)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, ids, params, [], RequestMetrics(now, num_prompt_tokens=len(ids)))
         for i in range(params.n):
@@ -218,20 +228,35 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
+    def check_prompt(self, ids: list[int], max_tokens: int):
+        """Can a prompt of these token ids, with max_tokens more, ever run here? (serve.py asks
+        before queueing, so a bad request fails before its stream starts.)"""
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequest("prompt", "prompt must not be empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest("prompt", f"prompt token ids must be in [0, {vocab}), got {bad}")
+        total, limit = len(ids) + max_tokens, self.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequest("prompt", f"prompt has {len(ids)} tokens; the context length is "
+                                           f"max_model_len={limit}")
+        if total > limit:
+            raise InvalidRequest("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} "
+                                               f"exceeds the context length max_model_len={limit}; use at most "
+                                               f"{limit - len(ids)}")
+        usable = self.blocks.num_blocks - self.scheduler.watermark_blocks
+        if self.blocks.blocks_needed(total) > usable:
+            raise InvalidRequest("prompt", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
+                                           f"({usable} blocks of {self.config.block_size}); raise kv_cache_memory "
+                                           f"or lower max_tokens")
+
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids, text = list(prompt), None
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[0]}")
-        else:
-            raise ValueError("prompt must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        return text, ids
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequest("prompt", "prompt must be a string or a list of token ids")
 
     def abort_request(self, request_id: str):
         """Drop a request (e.g. its client went away); its blocks return to the pool now."""
@@ -249,66 +274,58 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        self.kv_pool.run(self.blocks.pending_ops)           # swaps and copy-on-write, before the forward
-        self.blocks.pending_ops.clear()
-        self.last_step = {"num_seqs": len(batch.seqs), "num_batched_tokens": sum(batch.num_tokens),
-                          "num_padding": len(batch.padding),
-                          "num_prompt_padding": sum(n for _, n in batch.prompt_padding)}
+        self.last_step = step_counts(batch)
+        t1 = time.perf_counter()
+        self.kv_pool.run(batch.block_ops)                   # swaps and copy-on-write, before the forward
         if not batch.seqs:
             return []
-        input_ids, positions, meta, sampled_seqs, logits_indices = self._build_batch(batch)
+        input_ids, positions, meta, logits_indices = self._build_batch(batch)
+        t2 = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_pool.kv_caches, meta, logits_indices)  # [num_sampled, vocab]
-        self.totals["steps"] += 1
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
-            self.blocks.cache_full_blocks(seq)
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                self.totals["prompt_tokens"] += n
-        return self._sample_and_update(logits, sampled_seqs)
+        t3 = time.perf_counter()
+        self.num_steps += 1
+        self.num_prompt_tokens += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
+                                      for s, n in zip(batch.seqs, batch.num_tokens) if not s.is_padding)
+        ready = self.scheduler.finish_step(batch)           # the sequences that sample a token now
+        outputs = self._sample_and_update(logits, ready)
+        p = self.phase_times
+        p.schedule, p.prepare, p.forward = p.schedule + t1 - t0, p.prepare + t2 - t1, p.forward + t3 - t2
+        return outputs
 
     def _build_batch(self, batch):
-        """Pack the scheduled tokens of every sequence into flat tensors (no padding)."""
-        bs = self.config.block_size
-        input_ids, positions, slots, ctx_lens, qsl = [], [], [], [], [0]
-        sampled_seqs, sample_idx = [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            ctx_lens.append(start + n)
-            qsl.append(qsl[-1] + n)
-            if start + n == len(seq.token_ids):            # chunk reaches the end: sample a token
-                sampled_seqs.append(seq)
-                sample_idx.append(qsl[-1] - 1)
-        for seq in batch.padding:                           # static mode: a finished row still costs a
-            p = max(seq.num_computed_tokens - 1, 0)         # token; it recomputes its last cached one into
-            input_ids.append(seq.token_ids[p])              # the same slot, and nothing is sampled from it
-            positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            ctx_lens.append(p + 1)
-            qsl.append(qsl[-1] + 1)
-        for seq, n in batch.prompt_padding:                 # static mode: left padding of a short prompt,
-            p = len(seq.block_table) * bs - 1               # n throwaway rows that attend to each other and
-            input_ids += [seq.token_ids[0]] * n             # write one slot its member never uses (its
-            positions += [p] * n                            # reservation's last, past its last computed token)
-            slots += [seq.block_table[p // bs] * bs + p % bs] * n
-            ctx_lens.append(n)
-            qsl.append(qsl[-1] + n)
-        rows = batch.seqs + batch.padding + [seq for seq, _ in batch.prompt_padding]
-        width = max(max(len(s.block_table) for s in rows), -(-max(ctx_lens) // bs))   # pad rows may read past theirs
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in rows]
+        """Pack the scheduled tokens of every row into flat tensors (no padding between rows).
+        Per-row Python only: positions and slots for all tokens are computed as tensors."""
+        bs, seqs = self.config.block_size, batch.seqs
+        starts = [s.num_computed_tokens for s in seqs]
+        input_ids = [t for s, a, n in zip(seqs, starts, batch.num_tokens) for t in s.token_ids[a:a + n]]
+        q_lens = torch.tensor(batch.num_tokens)                                   # [num_rows]
+        ctx_lens = torch.tensor(starts) + q_lens                                  # [num_rows]
+        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=qsl[1:])                                      # [num_rows + 1]
+        row = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)           # [num_tokens] row of each token
+        positions = ctx_lens[row] - q_lens[row] + (torch.arange(len(row)) - qsl[row])   # [num_tokens]
+        # padding rows (static batching) may read past their own table: width covers every context
+        width = max(max(len(s.block_table) for s in seqs), -(-int(ctx_lens.max()) // bs))
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                              dtype=torch.int64)                                  # [num_rows, width]
+        slots = tables[row, positions // bs] * bs + positions % bs              # [num_tokens]
+        padding = torch.tensor([s.is_padding for s in seqs])
+        if padding.any():
+            slots[padding[row]] = -1                                             # computed, never cached
+        sampled = [i for i, s in enumerate(seqs)
+                   if not s.is_padding and starts[i] + batch.num_tokens[i] == len(s.token_ids)]
         dev = self.device
-        as_tensor = lambda x, dt: torch.tensor(x, dtype=dt).to(dev, non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=as_tensor(slots, torch.int64), block_tables=as_tensor(tables, torch.int32),
-            context_lens=as_tensor(ctx_lens, torch.int32), query_start_loc=as_tensor(qsl, torch.int32),
+            slot_mapping=slots.to(dev), block_tables=tables.to(dev, torch.int32),
+            context_lens=ctx_lens.to(dev, torch.int32), query_start_loc=qsl.to(dev, torch.int32),
             backend=self.attention_backend)
-        return (as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), meta,
-                sampled_seqs, as_tensor(sample_idx, torch.int64))
+        logits_indices = qsl[1:][sampled] - 1                                    # last token of each sampled row
+        return torch.tensor(input_ids).to(dev), positions.to(dev), meta, logits_indices.to(dev)
 
     def _sample_and_update(self, logits, seqs):
+        t0 = time.perf_counter()
         rows, completions = [], []                          # one sampled row per completion
         for i, seq in enumerate(seqs):
             req = seq.request
@@ -321,12 +338,16 @@ class Engine:
             completions += targets
         params = [c.seq.request.params for c in completions]
         tokens, logprobs = sample(logits[rows], params, [c.generator for c in completions])
+        t1 = time.perf_counter()
         now = time.monotonic()
         touched = {}
         for c, tok, lp in zip(completions, tokens, logprobs):
             self._append_token(c, tok, lp, now)
             touched[c.seq.request.request_id] = c.seq.request
-        return [self._make_output(req) for req in touched.values()]
+        outputs = [self._make_output(req) for req in touched.values()]
+        self.phase_times.sample += t1 - t0
+        self.phase_times.update += time.perf_counter() - t1
+        return outputs
 
     def _fork_samples(self, req: Request, parent: Sequence):
         """Prefill done once for n samples: the other n-1 start here, sharing the prompt's blocks."""
@@ -339,7 +360,7 @@ class Engine:
     def _append_token(self, c: Completion, token: int, logprob, now):
         seq, req = c.seq, c.seq.request
         seq.token_ids.append(token)
-        self.totals["generation_tokens"] += 1
+        self.num_generation_tokens += 1
         req.metrics.num_generated_tokens += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -387,28 +408,33 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
     def all_sequences(self):
+        """Every sequence that may hold blocks (finished static-batch members included)."""
         s = self.scheduler
-        return list(s.running) + list(s.waiting) + list(s.swapped) + list(s.padding)
+        return (list(s.running) + list(s.waiting) + list(s.swapped)
+                + list(getattr(s, "finished_members", [])))
 
     def check_invariants(self):
         self.blocks.check_invariants(self.all_sequences())
         for seq in self.scheduler.running:
             assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         s, b = self.scheduler, self.blocks
-        return {
-            "num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
-            "num_preemptions": s.num_preemptions, "kv_usage": b.usage(),
-            "num_free_blocks": b.num_free_blocks(), "num_blocks": b.num_blocks,
-            "prompt_tokens_total": self.totals["prompt_tokens"],
-            "generation_tokens_total": self.totals["generation_tokens"],
-            "num_seqs_last_step": self.last_step["num_seqs"],
-            "num_batched_tokens_last_step": self.last_step["num_batched_tokens"],
-            "num_padding_last_step": self.last_step["num_padding"],
-            "num_prompt_padding_last_step": self.last_step["num_prompt_padding"],
-            "prefix_cache_hit_rate": b.hit_rate(),
-        }
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
+            num_preemptions=s.num_preemptions, kv_usage=b.usage(), num_free_blocks=b.num_free_blocks(),
+            num_blocks=b.num_blocks, prefix_cache_hit_rate=b.hit_rate(), num_steps=self.num_steps,
+            prompt_tokens_total=self.num_prompt_tokens, generation_tokens_total=self.num_generation_tokens,
+            **self.last_step)
+
+
+def step_counts(batch: ScheduledBatch) -> dict:
+    """The last step's rows, as EngineStats names them (taken before the step retires anyone)."""
+    rows = list(zip(batch.seqs, batch.num_tokens))
+    return dict(num_seqs_last_step=sum(1 for s, _ in rows if not s.is_padding),
+                num_batched_tokens_last_step=sum(n for s, n in rows if not s.is_padding),
+                num_padding_last_step=sum(n for s, n in rows if s.is_padding and s.status is Status.FINISHED),
+                num_prompt_padding_last_step=sum(n for s, n in rows if s.is_padding and s.status is not Status.FINISHED))
 
 
 class LLM:
@@ -424,14 +450,14 @@ class LLM:
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+            raise InvalidRequest("sampling_params", f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         priority = priority or [0] * len(prompts)
         ids = []
         try:
             for prompt, p, prio in zip(prompts, params, priority):
                 ids.append(f"llm-{next(self._ids)}")
                 self.engine.add_request(ids[-1], prompt, p or SamplingParams(), prio)
-        except ValueError:
+        except InvalidRequest:
             for rid in ids:                                 # all or nothing: no half-added batch
                 self.engine.abort_request(rid)
             raise

@@ -7,6 +7,8 @@ cache (full blocks keyed by a hash chained over their tokens, kept evictable in 
 once nobody holds them), copy-on-write for blocks shared by forked samples, and the host
 pool that swap preemption copies blocks into.
 Does not decide *when* to allocate, evict or swap: scheduler.py does, by calling in here.
+Methods that move data (copy-on-write, swap) return the block operations for the engine to
+run on the tensors (KVCachePool.run) before the next forward pass; they copy nothing themselves.
 The invariants are written down as code in check_invariants().
 """
 import re
@@ -86,7 +88,6 @@ class BlockManager:
         self.num_host_blocks = num_host_blocks
         self.num_swapped_out = 0                      # sequences moved to the host pool, ever
         self.free_host_blocks = deque(range(num_host_blocks))
-        self.pending_ops = []                         # block copies/swaps for the engine to run, in order
         self.prefix_queries = self.prefix_hits = 0    # tokens asked for / served from the cache
         self.num_evictions = 0                        # cached blocks reclaimed for new data
 
@@ -134,17 +135,20 @@ class BlockManager:
     def can_allocate(self, seq, num_new_tokens: int, reserve: int = 0) -> bool:
         return self.new_blocks_for(seq, num_new_tokens) + reserve <= self.num_free_blocks()
 
-    def allocate_slots(self, seq, num_new_tokens: int):
-        """Grow seq's block table (one block at a time, as tokens arrive) to hold num_new_tokens more."""
+    def allocate_slots(self, seq, num_new_tokens: int) -> list[tuple]:
+        """Grow seq's block table (one block at a time, as tokens arrive) to hold num_new_tokens more.
+        Returns the copy-on-write op, if the block written next was shared."""
+        ops = []
         if self._needs_copy(seq):
             i = seq.num_computed_tokens // self.block_size
             old = seq.block_table[i]
             seq.block_table[i] = self._take_block()
-            self.pending_ops.append(("copy", old, seq.block_table[i]))
+            ops.append(("copy", old, seq.block_table[i]))
             self._release(old)
         total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         while len(seq.block_table) < total:
             seq.block_table.append(self._take_block())
+        return ops
 
     def free(self, seq):
         """Return a sequence's blocks in the step it ends or is preempted. Blocks are released
@@ -223,20 +227,26 @@ class BlockManager:
     def can_swap_out(self, seq) -> bool:
         return len(seq.block_table) <= len(self.free_host_blocks)
 
-    def swap_out(self, seq):
-        """Move seq's blocks to host blocks (the copies are queued in pending_ops)."""
+    def swap_out(self, seq) -> list[tuple]:
+        """Move seq's blocks to host blocks; returns the copies to run."""
         seq.host_block_table = [self.free_host_blocks.popleft() for _ in seq.block_table]
         self.num_swapped_out += 1
-        self.pending_ops += [("out", d, h) for d, h in zip(seq.block_table, seq.host_block_table)]
+        ops = [("out", d, h) for d, h in zip(seq.block_table, seq.host_block_table)]
         self.free(seq)
+        return ops
 
     def can_swap_in(self, seq, reserve: int = 0) -> bool:
         return len(seq.host_block_table) + reserve <= self.num_free_blocks()
 
-    def swap_in(self, seq):
-        """Bring seq back into fresh device blocks; no token is recomputed."""
+    def swap_in(self, seq) -> list[tuple]:
+        """Bring seq back into fresh device blocks (no token is recomputed); returns the copies to run."""
         seq.block_table = [self._take_block() for _ in seq.host_block_table]
-        self.pending_ops += [("in", h, d) for h, d in zip(seq.host_block_table, seq.block_table)]
+        ops = [("in", h, d) for h, d in zip(seq.host_block_table, seq.block_table)]
+        self.free_host(seq)
+        return ops
+
+    def free_host(self, seq):
+        """Return the host blocks of a swapped-out sequence (swapped back in, finished or aborted)."""
         self.free_host_blocks.extend(seq.host_block_table)
         seq.host_block_table = []
 

@@ -222,7 +222,8 @@ class Llama(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # a plain attribute, not a buffer: module.to(dtype) would round the RoPE angles to bf16
+        self.inv_freq = rope_inv_freq(cfg)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
@@ -377,5 +378,5 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     net = net.to(device=device, dtype=dtype).eval()
-    net.inv_freq = rope_inv_freq(cfg).to(device)          # built on the meta device; float32 in any dtype
+    net.inv_freq = rope_inv_freq(cfg).to(device)          # was built on the meta device
     return net, cfg, model_dir

@@ -2,14 +2,15 @@
 The OpenAI protocol of nanoserve: what /v1/completions and /v1/chat/completions accept and answer.
 
 It owns the request schemas, their validation into prompts and SamplingParams, OpenAI's error
-body (APIError, with `param` naming the offending field, engine ValueErrors included), and the
-builders of response bodies, SSE chunks, logprobs and usage. It starts no threads, never steps
+body (APIError, with `param` naming the offending field, the engine's InvalidRequest included), and the
+builders of response bodies, SSE chunks, logprobs and usage. Input that the engine validates
+(prompt ids, context length, sampling ranges) is checked by the engine's own code, whose
+InvalidRequest names the field; this file only renames fields to the endpoint's (`aliases`).
+It starts no threads, never steps
 the engine and holds no HTTP connections: serve.py owns those and hands outputs in here.
 """
-import dataclasses
 import json
 import math
-import re
 import time
 import uuid
 from typing import AsyncIterator, Literal, Union
@@ -17,7 +18,7 @@ from typing import AsyncIterator, Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine import Engine, RequestOutput, SamplingParams
+from engine import Engine, InvalidRequest, RequestOutput, SamplingParams
 
 MAX_N = 16  # choices per prompt; more would let one request crowd out the batch
 
@@ -52,16 +53,9 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, f"{where}: {err['msg']}", loc[0] if loc else None)
 
 
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "priority", "messages"}
-
-
-def param_of(message: str, aliases: dict[str, str]) -> str | None:
-    """Engine/SamplingParams errors start with the field name ("top_p must be in (0, 1]")."""
-    word = re.match(r"\s*([A-Za-z_]+)", message)
-    field = word.group(1) if word else None
-    if field in aliases:
-        return aliases[field]
-    return field if field in SAMPLING_FIELDS else None
+def invalid(exc: InvalidRequest, aliases: dict[str, str], code: str | None = None) -> APIError:
+    """The engine's error as a 400 naming the field as this endpoint calls it."""
+    return APIError(400, str(exc), aliases.get(exc.field, exc.field), code=code)
 
 
 # ----------------------------------------------------------------------------- request schemas
@@ -140,7 +134,7 @@ class OpenAIProtocol:
     """Checks requests against the served model (name, vocabulary, context, policy) and renders tokens."""
 
     def __init__(self, engine: Engine, model_name: str):
-        self.model_name, self.tokenizer = model_name, engine.tokenizer
+        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.max_model_len
         self.scheduling_policy = engine.config.scheduling_policy
@@ -157,24 +151,17 @@ class OpenAIProtocol:
         reject_unsupported(req)
         return req
 
-    def token_ids(self, prompt: str | list[int], field: str) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise APIError(400, f"{field} must not be empty", field)
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"{field} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", field)
-        return ids
+    def token_ids(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def check_context(self, prompts: list[list[int]], max_tokens: int, prompt_field: str, max_field: str):
-        limit, longest = self.max_model_len, max(len(p) for p in prompts)
-        if longest >= limit:
-            raise APIError(400, f"{prompt_field} has {longest} tokens; the maximum context length is {limit}",
-                           prompt_field, code="context_length_exceeded")
-        if longest + max_tokens > limit:
-            raise APIError(400, f"{max_field}={max_tokens} plus the {longest} prompt tokens exceeds the maximum "
-                           f"context length {limit}; use at most {limit - longest}", max_field,
-                           code="context_length_exceeded")
+    def check_prompts(self, prompts: list[list[int]], max_tokens: int, aliases: dict[str, str]):
+        """The engine's own checks (vocabulary, context length, KV cache), before anything is queued."""
+        for ids in prompts:
+            try:
+                self.engine.check_prompt(ids, max_tokens)
+            except InvalidRequest as exc:
+                code = "context_length_exceeded" if "context length" in str(exc) else None
+                raise invalid(exc, aliases, code) from None
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                         aliases: dict[str, str]) -> SamplingParams:
@@ -187,8 +174,8 @@ class OpenAIProtocol:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs, **given)
         try:
             params.validate(self.vocab_size)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param_of(str(exc), aliases)) from None
+        except InvalidRequest as exc:
+            raise invalid(exc, aliases) from None
         if req.priority and self.scheduling_policy != "priority":
             raise APIError(400, "priority needs --scheduling-policy priority", "priority")
         return params
@@ -247,18 +234,18 @@ class Exchange:
     prefix = object_name = ""
 
     def __init__(self, api: OpenAIProtocol, req: SamplingRequest, prompts: list[list[int]], max_tokens: int,
-                 logprobs: int | None, aliases: dict[str, str], fields: tuple[str, str], echoes: list[str]):
+                 logprobs: int | None, aliases: dict[str, str], echoes: list[str]):
         self.api, self.req, self.prompts, self.aliases, self.echoes = api, req, prompts, aliases, echoes
         self.params = api.sampling_params(req, max_tokens, logprobs, aliases)
-        api.check_context(prompts, max_tokens, *fields)
+        api.check_prompts(prompts, max_tokens, aliases)
         self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.head = {"id": self.request_id, "object": self.object_name, "created": int(time.time()),
                      "model": api.model_name}
         self.cursors: dict[int, ChoiceCursor] = {}
 
-    def engine_error(self, exc: ValueError) -> APIError:
-        """The engine rejected the input at add time (e.g. it can never fit the KV cache)."""
-        return APIError(400, str(exc), param_of(str(exc), self.aliases))
+    def engine_error(self, exc: InvalidRequest) -> APIError:
+        """The engine rejected the input at add time."""
+        return invalid(exc, self.aliases)
 
     def body(self, outs: list[RequestOutput]) -> dict:
         """The non-streamed answer, from each prompt's final output."""
@@ -315,10 +302,10 @@ class CompletionExchange(Exchange):
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported: the engine computes no prompt logprobs", "echo")
         texts = normalize_prompts(req.prompt)
-        prompts = [api.token_ids(p, "prompt") for p in texts]
+        prompts = [api.token_ids(p) for p in texts]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens   # OpenAI's legacy default
         echoes = [(t if isinstance(t, str) else api.tokenizer.decode(t)) if req.echo else "" for t in texts]
-        super().__init__(api, req, prompts, max_tokens, req.logprobs, {}, ("prompt", "max_tokens"), echoes)
+        super().__init__(api, req, prompts, max_tokens, req.logprobs, {}, echoes)
 
     def message(self, c, echo: str) -> dict:
         top_n = self.params.logprobs
@@ -372,7 +359,7 @@ class ChatExchange(Exchange):
             max_tokens = max(1, api.max_model_len - len(prompt))  # OpenAI: up to the context length
         aliases = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_field}
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        super().__init__(api, req, [prompt], max_tokens, logprobs, aliases, ("messages", max_field), [""])
+        super().__init__(api, req, [prompt], max_tokens, logprobs, aliases, [""])
 
     def opening(self) -> list[dict]:  # OpenAI opens every choice with the role alone
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -406,4 +393,4 @@ def render_chat(api: OpenAIProtocol, messages: list[ChatMessage]) -> list[int]:
         rendered = api.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
     except Exception as exc:  # a template may reject e.g. an unexpected role order
         raise APIError(400, f"messages could not be rendered with the chat template: {exc}", "messages") from None
-    return api.token_ids(rendered, "messages")
+    return api.token_ids(rendered)

@@ -33,9 +33,13 @@ def reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping
     """Scatter this step's K/V rows into their slots (slot = block * block_size + offset).
 
     key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
+    A slot of -1 leaves its row uncached (static batching's padding rows).
     The cache may be stored in a narrower dtype than the model computes in.
     """
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    keep = slot_mapping >= 0
+    if not keep.all():
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 

@@ -2,7 +2,7 @@
 Sampling: the per-request knobs (SamplingParams, vLLM's names and defaults) and one
 vectorized function that turns a batch of logits into next tokens.
 
-Owns: validation of every sampling field (a ValueError that names the field and the
+Owns: validation of every sampling field (an InvalidRequest that names the field and the
 allowed range), temperature / top-k / top-p / min-p, per-request seeds, logprobs.
 Does not touch sequences or stop conditions: the engine applies those to what this returns.
 
@@ -14,6 +14,8 @@ else is in the batch.
 from dataclasses import dataclass
 
 import torch
+
+import errors
 
 MAX_LOGPROBS = 20
 
@@ -40,8 +42,7 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None):
         def need(ok, field, allowed):
-            if not ok:
-                raise ValueError(f"{field} must be {allowed}, got {getattr(self, field)!r}")
+            errors.need(ok, field, allowed, getattr(self, field))
         need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
         need(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", ">= 0")
         need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
@@ -94,8 +95,8 @@ def apply_top_k_top_p_min_p(x, params):
         sorted_x, order = x.sort(dim=-1, descending=True)              # [num_seqs, vocab]
         ranks = torch.arange(x.shape[1]).unsqueeze(0)
         drop = ranks >= top_k.unsqueeze(1)
-        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        drop |= (cum - sorted_x.softmax(dim=-1)) >= top_p.unsqueeze(1)  # keep the token that crosses p
+        sorted_probs = sorted_x.softmax(dim=-1)
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)  # keep the token that crosses p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(1, order, sorted_x)
     if (min_p > 0).any():

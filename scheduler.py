@@ -11,21 +11,18 @@ running sequence (lowest priority, then latest arrival) is preempted: swapped to
 pool when it has room, else its blocks are freed and it is recomputed later (prompt plus
 the tokens it already generated), so nothing is lost and no output changes.
 
-A "static" mode does request-level batching instead, for comparison: take up to B
-requests, reserve each one's maximum length up front, admit nothing until all finish. Like
-Hugging Face `generate` and other static batchers, the batch is padded to its longest member:
-prompts are padded to the longest prompt (each member computes that many throwaway rows at
-the start), and a member that finishes keeps its slot as a padding row, recomputing a
-throwaway token every step, until the last one ends.
-
-Owns the queues and the decision. Does not build tensors or sample (engine.py) and does
-not pick block ids (kv_cache.py). Everything is in tokens: a sequence is just token_ids
-and num_computed_tokens, so prefill, chunked prefill, decode and recompute are one case.
+Owns the queues, the decision and the scheduler's part of the configuration. Does not build
+tensors or sample (engine.py) and does not pick block ids (kv_cache.py): block operations
+(copy-on-write copies, swaps) come back from the block manager and travel to the engine in
+the ScheduledBatch. Everything is in tokens: a sequence is just token_ids and
+num_computed_tokens, so prefill, chunked prefill, decode and recompute are one case.
+The request-level baseline that this loop replaces lives apart, in static_scheduler.py.
 """
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from errors import need
 from kv_cache import BlockManager
 
 
@@ -53,6 +50,7 @@ class Sequence:
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache at admission
     waited_steps: int = 0                 # lpm: times it was passed over
     request: object = None                # engine.Request this sequence belongs to
+    is_padding: bool = False              # static batching's throwaway rows: computed, never cached or sampled
 
     @property
     def num_output_tokens(self) -> int:
@@ -65,24 +63,36 @@ class Sequence:
 
 @dataclass
 class SchedulerConfig:
+    """The scheduler's part of the engine's configuration (EngineConfig extends it)."""
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 8192
-    mode: str = "continuous"             # or "static"
+    max_num_batched_tokens: int = 512    # per-step token budget; prompts longer than it are chunked
+    max_model_len: int | None = None     # default: the model's context length (the engine fills it in)
+    scheduler_mode: str = "continuous"   # continuous | static (static_scheduler.py, the baseline)
     static_batch_size: int = 8
-    policy: str = "fcfs"                 # fcfs | priority | lpm
+    scheduling_policy: str = "fcfs"      # fcfs | priority | lpm
     preemption_mode: str = "recompute"   # recompute | swap
     watermark: float = 0.01              # share of blocks kept free at admission, so decodes can grow
     lpm_max_waited_steps: int = 32       # lpm: a request passed over this often goes first
+
+    def validate(self):
+        for name, ok, allowed in [
+                ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+                ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+                ("scheduler_mode", self.scheduler_mode in ("continuous", "static"), "'continuous' or 'static'"),
+                ("static_batch_size", self.static_batch_size >= 1, ">= 1"),
+                ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority", "lpm"),
+                 "'fcfs', 'priority' or 'lpm'"),
+                ("preemption_mode", self.preemption_mode in ("recompute", "swap"), "'recompute' or 'swap'"),
+                ("watermark", 0 <= self.watermark < 1, "in [0, 1)")]:
+            need(ok, name, allowed, getattr(self, name))
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]                  # in batch order
     num_tokens: list[int]                 # tokens of each to compute this step
+    block_ops: list[tuple] = field(default_factory=list)   # copies and swaps to run before the forward
     num_preempted: int = 0
-    padding: list[Sequence] = field(default_factory=list)   # static mode: finished rows still computed
-    prompt_padding: list[tuple[Sequence, int]] = field(default_factory=list)   # static: (member, pad rows)
 
 
 class Scheduler:
@@ -91,8 +101,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
-        self.padding: list[Sequence] = []        # static mode: finished members that keep their slot
-        self.prompt_padding_owed: list[list] = []   # static: [member, pad rows its prompt still owes]
         self.num_preemptions = 0
         self.watermark_blocks = int(config.watermark * blocks.num_blocks)
 
@@ -100,24 +108,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence):
-        """A finished or aborted sequence leaves its queue and returns its blocks this step
-        (in static mode: when its whole batch has ended)."""
-        was_running = seq in self.running
+        """A finished or aborted sequence leaves its queue and returns its blocks this step."""
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
-        if seq.host_block_table:
-            self.blocks.free_host_blocks.extend(seq.host_block_table)
-            seq.host_block_table = []
-        seq.status = Status.FINISHED
-        if self.config.mode == "static" and was_running and self.running:
-            self.padding.append(seq)                       # keeps its blocks and its slot
-            return
+        self.blocks.free_host(seq)
         self.blocks.free(seq)
-        if not self.running:                               # the static batch has ended
-            for pad in self.padding:
-                self.blocks.free(pad)
-            self.padding.clear()
+        seq.status = Status.FINISHED
 
     def fork(self, parent: Sequence, child: Sequence):
         """n > 1: a new sample starts running beside its parent, sharing its blocks."""
@@ -128,10 +125,16 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
-        budget = self.config.max_num_batched_tokens
-        if self.config.mode == "static" and not self.running:
-            self._admit_static_batch()
-        # 1) running sequences, best first: decodes (1 token) before chunks of prefill
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if batch.num_preempted:
+            return batch                                   # memory is short: admit nobody this step
+        # swapped sequences come back before new ones are admitted
+        budget = self._swap_in(batch, budget)
+        self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch, budget) -> int:
+        """Running sequences, best first: decodes (1 token) before chunks of prefill."""
         order = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, self._rank(s)))
         for seq in order:
             if budget == 0:
@@ -141,21 +144,24 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self._make_room(seq, n, batch):
                 continue                                   # seq itself was preempted
-            self.blocks.allocate_slots(seq, n)
+            batch.block_ops += self.blocks.allocate_slots(seq, n)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
-        if self.config.mode == "static":
-            batch.padding = list(self.padding)
-            self._schedule_prompt_padding(batch, budget)
-            return batch
-        if batch.num_preempted:
-            return batch                                   # memory is short: admit nobody this step
-        # 2) swapped sequences come back before new ones are admitted
-        budget = self._swap_in(batch, budget)
-        # 3) admit waiting sequences
-        self._admit_waiting(batch, budget)
-        return batch
+        return budget
+
+    def finish_step(self, batch: ScheduledBatch) -> list[Sequence]:
+        """After the forward pass: the scheduled tokens are in the cache. Returns the sequences
+        whose chunk reached the end of their tokens: each samples its next token now."""
+        ready = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.is_padding:
+                continue
+            seq.num_computed_tokens += n
+            self.blocks.cache_full_blocks(seq)
+            if seq.num_computed_tokens == len(seq.token_ids):
+                ready.append(seq)
+        return ready
 
     def _rank(self, seq):
         """Order for running and for picking victims: lower priority value and earlier arrival win."""
@@ -177,7 +183,7 @@ class Scheduler:
         self.num_preemptions += 1
         batch.num_preempted += 1
         if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq):
-            self.blocks.swap_out(seq)
+            batch.block_ops += self.blocks.swap_out(seq)
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
         else:                                              # recompute: drop the KV, keep the tokens
@@ -194,8 +200,8 @@ class Scheduler:
             if not self.blocks.can_swap_in(seq, reserve=max(extra, 0) + self.watermark_blocks):
                 break
             self.swapped.popleft()
-            self.blocks.swap_in(seq)
-            self.blocks.allocate_slots(seq, n)
+            batch.block_ops += self.blocks.swap_in(seq)
+            batch.block_ops += self.blocks.allocate_slots(seq, n)
             self._start(seq, n, batch)
             budget -= n
         return budget
@@ -216,7 +222,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
             n = min(seq.num_uncomputed, budget)
-            self.blocks.allocate_slots(seq, n)
+            batch.block_ops += self.blocks.allocate_slots(seq, n)
             self._start(seq, n, batch)
             budget -= n
         for seq in self.waiting:
@@ -231,7 +237,7 @@ class Scheduler:
     def _preempt_for(self, seq, budget, batch) -> bool:
         """Priority policy: a waiting request may push out running ones of lower priority
         (not yet scheduled this step) to make room."""
-        if self.config.policy != "priority":
+        if self.config.scheduling_policy != "priority":
             return False
         while not self._fits(seq, budget):
             victims = [s for s in self.running if s not in batch.seqs and s.priority > seq.priority]
@@ -241,7 +247,7 @@ class Scheduler:
         return True
 
     def _next_waiting(self) -> Sequence:
-        policy = self.config.policy
+        policy = self.config.scheduling_policy
         if policy == "fcfs":
             return self.waiting[0]
         if policy == "priority":
@@ -251,28 +257,3 @@ class Scheduler:
         if starving:
             return min(starving, key=self._rank)
         return max(self.waiting, key=lambda s: (self.blocks.num_cached_tokens(s), -s.arrival_time, -s.seq_id))
-
-    # ------------------------------------------------------------------ static batching
-    def _admit_static_batch(self):
-        """Request-level batching: take up to B requests and reserve each one's whole length now."""
-        while self.waiting and len(self.running) < self.config.static_batch_size:
-            seq = self.waiting[0]
-            full_len = min(seq.num_prompt_tokens + seq.max_tokens, self.config.max_model_len)
-            if self.blocks.blocks_needed(full_len) > self.blocks.num_free_blocks():
-                break
-            self.waiting.popleft()
-            seq.num_computed_tokens = 0
-            self.blocks.allocate_slots(seq, full_len)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-        longest = max((s.num_prompt_tokens for s in self.running), default=0)
-        self.prompt_padding_owed = [[s, longest - s.num_prompt_tokens] for s in self.running]
-
-    def _schedule_prompt_padding(self, batch, budget):
-        """Left padding's cost: pad rows share the step's token budget with the real prompt chunks."""
-        for entry in self.prompt_padding_owed:
-            seq, n = entry[0], min(entry[1], budget)
-            if n > 0 and seq.status is Status.RUNNING:
-                batch.prompt_padding.append((seq, n))
-                entry[1] -= n
-                budget -= n

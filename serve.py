@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, InvalidRequest, SamplingParams
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
     OpenAIProtocol
 
@@ -163,7 +163,7 @@ class EngineLoop:
         return self.dead_reason is None and self.thread.is_alive()
 
     def num_waiting(self) -> int:
-        return self.stats.get("num_waiting", 0) + self.stats.get("num_swapped", 0) + self.num_pending_adds
+        return self.stats.num_waiting + self.stats.num_swapped + self.num_pending_adds
 
     def submit(self, run: Run) -> None:
         with self.lock:
@@ -248,8 +248,8 @@ class EngineLoop:
                 self.engine.add_request(request_id, prompt, run.params, priority=run.priority)
                 added.append(request_id)
                 self.tracked[request_id] = Tracked(run, index)
-        except Exception as exc:  # ValueError: bad input (400); anything else fails only this request (500)
-            if not isinstance(exc, ValueError):
+        except Exception as exc:  # InvalidRequest: bad input (400); anything else fails only this request (500)
+            if not isinstance(exc, InvalidRequest):
                 log.exception("add_request failed")
             for request_id in added:
                 self.tracked.pop(request_id, None)
@@ -360,7 +360,7 @@ class OpenAIServer:
         self.loop.submit(run)
         try:
             await run.admitted()
-        except ValueError as exc:  # the engine rejected the input at add time
+        except InvalidRequest as exc:  # the engine rejected the input at add time
             run.unfinished.clear()
             raise exchange.engine_error(exc) from None
         except BaseException:
@@ -400,23 +400,23 @@ class EventStream(StreamingResponse):
 
 def render_metrics(server: OpenAIServer) -> str:
     stats, loop, labels = server.loop.stats, server.loop, f'model_name="{server.model_name}"'
-    occupancy = stats.get("num_seqs_last_step", 0) / server.engine.config.max_num_seqs
+    occupancy = stats.num_seqs_last_step / server.engine.config.max_num_seqs
     series = [  # (name, type, help, value)
-        ("num_requests_running", "gauge", "Requests in the running batch.", stats.get("num_running", 0)),
-        ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats.get("num_waiting", 0)),
-        ("num_requests_swapped", "gauge", "Preempted requests swapped out to CPU.", stats.get("num_swapped", 0)),
-        ("num_preemptions_total", "counter", "Preemptions since start.", stats.get("num_preemptions", 0)),
-        ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0..1).", stats.get("kv_usage", 0.0)),
-        ("num_free_blocks", "gauge", "Free KV cache blocks.", stats.get("num_free_blocks", 0)),
-        ("num_total_blocks", "gauge", "All KV cache blocks.", stats.get("num_blocks", 0)),
-        ("prompt_tokens_total", "counter", "Prompt tokens processed.", stats.get("prompt_tokens_total", 0)),
-        ("generation_tokens_total", "counter", "Tokens generated.", stats.get("generation_tokens_total", 0)),
+        ("num_requests_running", "gauge", "Requests in the running batch.", stats.num_running),
+        ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats.num_waiting),
+        ("num_requests_swapped", "gauge", "Preempted requests swapped out to CPU.", stats.num_swapped),
+        ("num_preemptions_total", "counter", "Preemptions since start.", stats.num_preemptions),
+        ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0..1).", stats.kv_usage),
+        ("num_free_blocks", "gauge", "Free KV cache blocks.", stats.num_free_blocks),
+        ("num_total_blocks", "gauge", "All KV cache blocks.", stats.num_blocks),
+        ("prompt_tokens_total", "counter", "Prompt tokens processed.", stats.prompt_tokens_total),
+        ("generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens_total),
         ("batch_occupancy", "gauge", "Sequences in the last step / max_num_seqs.", occupancy),
         ("num_batched_tokens_last_step", "gauge", "Tokens in the last step.",
-         stats.get("num_batched_tokens_last_step", 0)),
+         stats.num_batched_tokens_last_step),
         ("queue_depth", "gauge", "Requests accepted over HTTP but not yet handed to the engine.",
          loop.num_pending_adds),
-        ("prefix_cache_hit_rate", "gauge", "Prefix cache hit rate (0..1).", stats.get("prefix_cache_hit_rate", 0.0)),
+        ("prefix_cache_hit_rate", "gauge", "Prefix cache hit rate (0..1).", stats.prefix_cache_hit_rate),
         ("request_failures_total", "counter", "Requests failed by an engine error.", loop.metrics.failed),
         ("request_aborted_total", "counter", "Requests aborted unfinished (client gone).", loop.metrics.aborted),
     ]

@@ -475,8 +475,9 @@ def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
         eng.step()                                            # "short" is now decoding
     eng.add_request("long", list(range(1000, 1200)), greedy(2))
     eng.step()
-    assert eng.last_step == {"num_seqs": 2, "num_batched_tokens": 32, "num_padding": 0,   # 1 decode + a 31-token chunk
-                             "num_prompt_padding": 0}
+    stats = eng.stats()                                       # 1 decode + a 31-token chunk
+    assert (stats.num_seqs_last_step, stats.num_batched_tokens_last_step, stats.num_padding_last_step,
+            stats.num_prompt_padding_last_step) == (2, 32, 0, 0)
     while eng.has_unfinished_requests():
         eng.step()
     assert_all_blocks_free(eng)
@@ -511,8 +512,8 @@ def test_static_batch_pads_finished_members_until_its_longest_ends():
     pads, prompt_pads, short_blocks = [], [], []
     while eng.has_unfinished_requests():
         eng.step()
-        pads.append(eng.last_step["num_padding"])
-        prompt_pads.append(eng.last_step["num_prompt_padding"])
+        pads.append(eng.stats().num_padding_last_step)
+        prompt_pads.append(eng.stats().num_prompt_padding_last_step)
         short_blocks.append(len(short.block_table))
         eng.check_invariants()
     # hand-computed: one step prefills both (the 5-token prompt padded by 7 rows to 12) and samples
@@ -707,8 +708,8 @@ def test_prefix_caching_gives_identical_outputs_and_skips_prefill():
     assert token_ids(first + rest) == expected
     shared = len(on.tokenizer.encode(SYSTEM)) // 16 * 16      # whole blocks of the common prefix
     assert all(o.metrics.num_cached_tokens >= shared - 16 for o in rest) and shared >= 160
-    assert on.engine.totals["prompt_tokens"] < off.engine.totals["prompt_tokens"] - 3 * shared
-    assert on.engine.stats()["prefix_cache_hit_rate"] > 0.5
+    assert on.engine.stats().prompt_tokens_total < off.engine.stats().prompt_tokens_total - 3 * shared
+    assert on.engine.stats().prefix_cache_hit_rate > 0.5
     assert on.engine.blocks.evictable                          # cached blocks outlive their requests
     assert_all_blocks_free(on.engine)
 

@@ -325,6 +325,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
 }
 
 // Copy row i of key/value into slot slot_mapping[i] of the caches (converted to the cache dtype).
+// Slot -1 means "do not cache this row" (vLLM's pad slot): static batching's padding rows.
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
                            at::Tensor value_cache, const at::Tensor& slot_mapping) {
   check_kv_cache(key_cache, value_cache);
@@ -338,7 +339,8 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
               "key/value must be [num_tokens, num_kv_heads, head_dim] matching slot_mapping and the cache");
   const int64_t* s = slots.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(s[i] >= 0 && s[i] < num_slots, "slot_mapping[", i, "] = ", s[i], " outside [0, ", num_slots, ")");
+    TORCH_CHECK(s[i] >= -1 && s[i] < num_slots, "slot_mapping[", i, "] = ", s[i], " outside [0, ", num_slots,
+                ") (or -1: not cached)");
   const int64_t bytes = row * k.element_size();
   const auto* ks = static_cast<const char*>(k.const_data_ptr());
   const auto* vs = static_cast<const char*>(v.const_data_ptr());
@@ -346,6 +348,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   auto* vd = static_cast<char*>(value_cache.mutable_data_ptr());
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      if (s[i] < 0) continue;
       std::memcpy(kd + s[i] * bytes, ks + i * bytes, bytes);
       std::memcpy(vd + s[i] * bytes, vs + i * bytes, bytes);
     }
