@@ -13,7 +13,7 @@
 //   - the blocks of a grid run in a shuffled order, several at once (one worker per core),
 //     so a kernel that depends on block order or shares global scratch between blocks fails.
 //   - 16-byte loads (copy16) must be 16-byte aligned, as on the GPU.
-// cuda_emu_configure() turns each of these off, so a test can show which one caught a bug.
+// cuda_emu_configure() turns each of these off (and forgets opt-ins), so a test can show which one caught a bug.
 // Slow and obvious on purpose: never a production path. Included by exactly one file per
 // library (it defines the extern "C" controls).
 #pragma once
@@ -243,6 +243,7 @@ T __shfl_xor_sync(unsigned, T value, int lane_mask, int = emu::kWarpSize) {
 extern "C" __attribute__((visibility("default"))) void cuda_emu_configure(int shuffle, int poison, int workers,
                                                                           int dry_run) {
   emu::config = {shuffle != 0, poison != 0, workers, dry_run != 0};
+  emu::shared_opt_in.clear();        // as a fresh process: no kernel opted in
 }
 
 // The launches since the last call, "name gx,gy,gz threads;" each; then the log is cleared.

@@ -219,7 +219,7 @@ __global__ void decode_kernel(Params p) {
 
   DecodeShared& s = block_shared<DecodeShared>();
 #ifdef PLANT_BUGS
-  if (PLANTED(kSharedOver48KB) || PLANTED(kSharedOptIn)) block_shared<float[2][kStageBytes]>()[0][0] = 0.f;
+  if (PLANTED(kSharedOver48KB) || PLANTED(kSharedOptIn)) block_shared<unsigned char[2][kStageBytes]>()[0][0] = 0;
   float (&q_s)[kMaxGroup][kMaxHeadDim] = PLANTED(kGlobalQuery) ? planted_global_query : s.q;
 #else
   float (&q_s)[kMaxGroup][kMaxHeadDim] = s.q;
