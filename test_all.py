@@ -1061,7 +1061,7 @@ def emulated_binding_attention(emulated_binding):
 
 
 @pytest.mark.parametrize("name, q_lens, ctx_lens, group, head_dim, block_size, kv_dtype", [
-    ("decode", [1, 1, 1], [1, 45, 200], 3, 64, 16, torch.float32),
+    ("decode-d128-float", [1, 1, 1], [1, 45, 200], 3, 128, 16, torch.float32),   # 16-row K/V stages
     ("decode-512-split", [1], [2000], 1, 64, 16, torch.bfloat16),
     ("decode-gqa4-d128", [1, 1, 1, 1], [1, 64, 65, 300], 4, 128, 8, torch.bfloat16),
     ("decode-gqa8-fp16", [1, 1], [130, 33], 8, 64, 1, torch.float16),
