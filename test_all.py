@@ -1367,6 +1367,157 @@ def test_resolve_backend_falls_back_with_one_warning(monkeypatch):
 
 
 # ##################################################################################################
+# simulate.py
+# ##################################################################################################
+
+import kv_cache
+import scheduler
+import simulate as sim
+
+A100, H100 = sim.GPUS["a100-80gb"], sim.GPUS["h100-sxm"]
+LLAMA2_7B, LLAMA2_13B, LLAMA3_8B = sim.MODELS["llama-2-7b"], sim.MODELS["llama-2-13b"], sim.MODELS["llama-3-8b"]
+
+
+def sim_args(*argv):
+    return sim.parse_run(["--gpu", "a100-80gb", "--model", "llama-2-13b", "--num-requests", "300", *argv])
+
+
+@pytest.fixture
+def captured_blocks(monkeypatch):
+    """Every BlockManager a simulation builds, so a test can inspect it afterwards."""
+    built, real_build = [], sim.build
+    def build(*a):
+        sched, blocks = real_build(*a)
+        built.append((sched, blocks))
+        return sched, blocks
+    monkeypatch.setattr(sim, "build", build)
+    return built
+
+
+def test_simulated_models_have_the_published_parameter_counts():
+    assert LLAMA2_7B.num_params == 6_738_415_616              # Llama-2-7B's published count, to the parameter
+    assert LLAMA2_13B.num_params == 13_015_864_320
+    assert LLAMA3_8B.num_params == 8_030_261_248
+    assert LLAMA3_8B.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2   # K and V, 32 layers, 8 KV heads, bf16
+
+
+def test_simulator_cost_model_matches_hand_computed_step_times():
+    # one decode row after 1000 cached tokens, Llama-2-7B on an A100: memory-bound
+    weights, kv = 2 * 6_738_415_616, 2 * 32 * 32 * 128 * 2
+    expected = (weights + 1001 * kv) / (2.0e12 * sim.MEM_EFFICIENCY) + sim.STEP_OVERHEAD_S
+    assert sim.step_time(A100, LLAMA2_7B, [(1, 1000)]) == pytest.approx(expected, rel=1e-12)
+    # a 2048-token prefill: compute-bound; causal attention sees 2048 * 2049 / 2 (query, key) pairs
+    flops = 2 * 6_738_415_616 * 2048 + 4 * 32 * 32 * 128 * (2048 * 2049 // 2)
+    expected = flops / (312e12 * sim.FLOP_EFFICIENCY) + sim.STEP_OVERHEAD_S
+    assert sim.step_time(A100, LLAMA2_7B, [(2048, 0)]) == pytest.approx(expected, rel=1e-12)
+    # a mixed step: a 100-token chunk after 300 cached, plus two decodes; ideal = bare roofline
+    rows = [(100, 300), (1, 50), (1, 7)]
+    bytes_moved = weights + (400 + 51 + 8) * kv
+    flops = 2 * 6_738_415_616 * 102 + 4 * 32 * 32 * 128 * (100 * 300 + 5050 + 50 + 1 + 7 + 1)
+    assert sim.step_cost(LLAMA2_7B, rows) == (bytes_moved, flops)
+    assert sim.step_time(H100, LLAMA2_7B, rows, ideal=True) == pytest.approx(max(bytes_moved / 3.35e12, flops / 989e12))
+    assert sim.step_time(H100, LLAMA2_7B, rows, tp=2, ideal=True) == pytest.approx(bytes_moved / 6.7e12)
+
+
+def test_simulator_reproduces_the_seed_numbers_within_20_percent():
+    r = sim.roofline(A100, LLAMA2_13B, batch=32, context=0)      # 26 GB of weights at 2 TB/s
+    assert r["weight_gb"] == pytest.approx(26, rel=0.2)
+    assert r["ideal"]["steps_per_s"] == pytest.approx(77, rel=0.2)
+    assert r["ideal"]["tok_s"] == pytest.approx(2450, rel=0.2)
+    tokens = sim.kv_pool_bytes(A100, LLAMA3_8B, 0.9) / LLAMA3_8B.kv_bytes_per_token
+    assert tokens == pytest.approx(500_000, rel=0.2)            # tokens in flight
+    assert tokens / 512 == pytest.approx(1000, rel=0.2)         # sequences of 512 tokens
+    cont = sim.simulate(sim_args("--num-requests", "1000"))
+    assert 0.8 * 1500 <= cont["total_tok_s"] <= 1.2 * 2000      # continuous batching, sustained ShareGPT load
+    assert 0.8 * 1500 <= cont["output_tok_s"] <= 1.2 * 2000
+    assert cont["kv_waste"] < 0.04                              # paged: under 4% ...
+    assert cont["kv_waste_contiguous"] >= 0.8 * 0.20            # ... against 20-30% for a contiguous reservation
+    static = sim.simulate(sim_args("--num-requests", "1000", "--scheduler-mode", "static", "--static-batch-size", "32"))
+    # Not reproduced (see the README): padded to its longest member, static batching on ShareGPT's
+    # long tail gives ~200 tok/s, not 400-600, so continuous is ~7x ahead, beyond the seed's 2-4x.
+    assert cont["output_tok_s"] / static["output_tok_s"] >= 2
+
+
+def test_simulator_drives_the_real_scheduler_and_block_manager(monkeypatch):
+    calls = {"schedule": 0, "allocate_slots": 0}
+    def counting(cls, name):
+        real = getattr(cls, name)
+        def wrapper(self, *a, **kw):
+            calls[name] += 1
+            return real(self, *a, **kw)
+        monkeypatch.setattr(cls, name, wrapper)
+    counting(scheduler.Scheduler, "schedule")
+    counting(kv_cache.BlockManager, "allocate_slots")
+    base = sim.simulate(sim_args())
+    assert calls["schedule"] == base["num_steps"] and calls["allocate_slots"] > base["num_steps"]
+    # a scheduler change: admit nobody while 8 sequences run. The simulation must see it.
+    real_fits = scheduler.Scheduler._fits
+    monkeypatch.setattr(scheduler.Scheduler, "_fits", lambda self, seq, budget: len(self.running) < 8 and real_fits(self, seq, budget))
+    capped = sim.simulate(sim_args())
+    assert capped["peak_running"] <= 8 < base["peak_running"]
+    assert capped["output_tok_s"] < base["output_tok_s"] / 2
+
+
+@pytest.mark.parametrize("argv", [
+    ("--gpu-memory-utilization", "0.36"),                                         # tiny pool: recompute preemption
+    ("--gpu-memory-utilization", "0.36", "--preemption-mode", "swap"),            # ... swap to host blocks
+    ("--scheduler-mode", "static", "--static-batch-size", "16"),
+    ("--workload", "uniform", "--input-len", "1000", "--output-len", "200", "--max-num-batched-tokens", "512"),
+])
+def test_simulation_frees_every_block_at_the_end(captured_blocks, argv):
+    res = sim.simulate(sim_args(*argv))
+    sched, blocks = captured_blocks[-1]
+    assert len(blocks.free_blocks) == blocks.num_blocks == res["num_blocks"]
+    assert len(blocks.free_host_blocks) == blocks.num_host_blocks
+    assert not sched.running and not sched.waiting
+    blocks.check_invariants([])
+    if argv[0] == "--gpu-memory-utilization":
+        assert res["num_preemptions"] > 0                        # the small pool really did preempt
+    if "swap" in argv:
+        assert blocks.num_swapped_out > 0
+
+
+def test_simulated_workloads_follow_the_vllm_paper_statistics():
+    for workload, (mean_in, mean_out) in [("sharegpt", (161, 338)), ("alpaca", (19.3, 58.5))]:
+        reqs = sim.make_requests(sim.parse_run(["--workload", workload, "--num-requests", "20000", "--request-rate", "4"]))
+        assert sum(r.input_len for r in reqs) / len(reqs) == pytest.approx(mean_in, rel=0.05)
+        assert sum(r.output_len for r in reqs) / len(reqs) == pytest.approx(mean_out, rel=0.05)
+        assert reqs[-1].arrival_time / len(reqs) == pytest.approx(1 / 4, rel=0.05)   # Poisson at 4/s
+    draw = lambda seed: [(r.input_len, r.output_len, r.arrival_time)
+                         for r in sim.make_requests(sim.parse_run(["--num-requests", "50", "--seed", seed]))]
+    assert draw("1") == draw("1") != draw("2")                  # seeded
+
+
+def test_simulate_cli_writes_the_listed_json_keys_roofline_and_plots(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    sim.main(["--gpu", "h100-sxm", "--model", "llama-2-7b", "--num-requests", "60", "--sweep-rates", "2,8",
+              "--sweep-variants", "continuous,static", "--out", str(out), "--plot", str(tmp_path)])
+    results = json.loads(out.read_text())
+    assert set(results) == {"continuous", "static"}
+    for res in results["continuous"] + results["static"]:
+        for key in ("output_tok_s", "total_tok_s", "requests_per_s", "peak_running", "mean_running",
+                    "kv_waste", "num_preemptions", "wall_s", "sim_s"):
+            assert math.isfinite(res[key]) and res[key] >= 0, key
+        for key in ("ttft_s", "tpot_s"):
+            assert set(res[key]) == {"p50", "p90", "p99"} and res[key]["p50"] <= res[key]["p99"]
+    assert (tmp_path / "throughput_vs_rate.png").stat().st_size > 0 and (tmp_path / "kv_usage.png").stat().st_size > 0
+    capsys.readouterr()
+    sim.main(["roofline", "--gpu", "a100-80gb", "--model", "llama-2-13b", "--batch", "32"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["bound"] == "memory" and r["modelled"]["steps_per_s"] < r["ideal"]["steps_per_s"]
+
+
+def test_bad_simulation_arguments_are_rejected_naming_the_field(capsys):
+    with pytest.raises(SystemExit):
+        sim.parse_run(["--num-requests", "0"])
+    assert "--num-requests must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim.parse_run(["--request-rate", "-1"])
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        sim.simulate(sim.parse_run(["--gpu", "a100-80gb", "--model", "llama-3-70b", "--num-requests", "1"]))
+
+
+# ##################################################################################################
 # serve.py (the OpenAI server)
 # ##################################################################################################
 
