@@ -11,6 +11,9 @@ extra work, and thousands of concurrent sequences run in seconds on a laptop.
 Owns: the GPU table, the model configs, the cost model, the workloads (ShareGPT/Alpaca-like length
 statistics, uniform) with Poisson arrivals, the metrics, the sweep and the plots. Does not decide
 anything the scheduler decides, and does not touch the engine, the kernels or the tokenizer.
+A request stops at exactly its drawn output length (max_tokens = that length, like ignore_eos).
+Prompts are distinct random tokens, so the prefix cache is off and lpm orders like fcfs; under
+--scheduling-policy priority, request k gets priority k % 3.
 
   python simulate.py --gpu h100-sxm --model llama-3-8b --workload sharegpt --num-requests 1000
   python simulate.py roofline --gpu a100-80gb --model llama-2-13b --batch 32
@@ -186,6 +189,7 @@ def build(args, num_blocks, num_host_blocks):
                           max_model_len=args.max_model_len, scheduler_mode=args.scheduler_mode,
                           static_batch_size=args.static_batch_size, scheduling_policy=args.scheduling_policy,
                           preemption_mode=args.preemption_mode)
+    cfg.validate()
     blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=False, num_host_blocks=num_host_blocks)
     sched = (StaticScheduler if args.scheduler_mode == "static" else Scheduler)(cfg, blocks)
     return sched, blocks
@@ -209,7 +213,7 @@ def simulate(args) -> dict:
                      "priority" else 0, arrival_time=r.arrival_time) for k, r in enumerate(reqs)]
     for seq, r in zip(seqs, reqs):
         seq.request = r
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     clock, arrived, done, steps, preemptions = 0.0, 0, 0, 0, 0
     busy = running_area = waste_area = contiguous_area = 0.0
     peak_running, timeline = 0, []
@@ -249,7 +253,8 @@ def simulate(args) -> dict:
             timeline.append((clock, blocks.usage(), len(running)))
     assert blocks.num_free_blocks() == blocks.num_blocks, "blocks leaked: some KV block is still held"
     return report(args, reqs, clock, busy, steps, preemptions, peak_running, running_area, waste_area,
-                  contiguous_area, num_blocks, timeline, time.perf_counter() - started)
+                  contiguous_area, num_blocks, timeline, time.perf_counter() - started,
+                  time.process_time() - started_cpu)
 
 
 def percentiles(values) -> dict:
@@ -260,7 +265,7 @@ def percentiles(values) -> dict:
 
 
 def report(args, reqs, wall, busy, steps, preemptions, peak_running, running_area, waste_area,
-           contiguous_area, num_blocks, timeline, sim_s) -> dict:
+           contiguous_area, num_blocks, timeline, sim_s, sim_cpu_s) -> dict:
     out_tokens = sum(r.output_len for r in reqs)
     in_tokens = sum(r.input_len for r in reqs)
     return {
@@ -277,7 +282,7 @@ def report(args, reqs, wall, busy, steps, preemptions, peak_running, running_are
         "num_preemptions": preemptions, "num_steps": steps, "mean_step_ms": 1e3 * busy / steps,
         "num_blocks": num_blocks, "kv_pool_tokens": num_blocks * args.block_size,
         "mean_input_len": in_tokens / len(reqs), "mean_output_len": out_tokens / len(reqs),
-        "wall_s": wall, "sim_s": sim_s, "timeline": timeline,
+        "wall_s": wall, "sim_s": sim_s, "sim_cpu_s": sim_cpu_s, "timeline": timeline,
     }
 
 
@@ -301,7 +306,7 @@ def print_table(res: dict):
             ("running peak/mean", f"{res['peak_running']}/{res['mean_running']:.0f}"),
             ("KV waste paged/contiguous", f"{res['kv_waste']:.1%}/{res['kv_waste_contiguous']:.1%}"),
             ("preemptions", res["num_preemptions"]), ("steps", res["num_steps"]),
-            ("simulated s / real s", f"{res['wall_s']:.1f} / {res['sim_s']:.1f}")]
+            ("simulated s / real s (CPU s)", f"{res['wall_s']:.1f} / {res['sim_s']:.1f} ({res['sim_cpu_s']:.1f})")]
     c = res["config"]
     print(f"| {c['model']} on {c['gpu']}, {c['workload']}, {c['scheduler_mode']}/{c['scheduling_policy']}, "
           f"rate {c['request_rate']} | |\n|---|---|")
