@@ -327,7 +327,7 @@ def plot(results: dict, directory: str):
         ax_kv.plot(t, [100 * u for u in usage], label=name)
         ax_run.plot(t, running, label=name)
     ax_kv.set(ylabel="KV blocks in use (%)", ylim=(0, 105), title="KV usage over time (last rate of each line)")
-    ax_run.set(xlabel="simulated time (s)", ylabel="running sequences")
+    ax_run.set(xlabel="simulated time (s)", ylabel="running (unfinished) sequences")
     ax_kv.legend()
     fig.tight_layout()
     fig.savefig(f"{directory}/kv_usage.png", dpi=110)

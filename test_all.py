@@ -1431,7 +1431,9 @@ def test_simulator_reproduces_the_seed_numbers_within_20_percent():
     assert 0.8 * 1500 <= cont["total_tok_s"] <= 1.2 * 2000      # continuous batching, sustained ShareGPT load
     assert 0.8 * 1500 <= cont["output_tok_s"] <= 1.2 * 2000
     assert cont["kv_waste"] < 0.04                              # paged: under 4% ...
-    assert cont["kv_waste_contiguous"] >= 0.8 * 0.20            # ... against 20-30% for a contiguous reservation
+    # ... against 20-30% for a contiguous reservation: of prompt + max_tokens it is ~39% on ShareGPT's
+    # long outputs, above the seed's range (see the README), so only its lower bound is held here
+    assert cont["kv_waste_contiguous"] >= 0.8 * 0.20
     static = sim.simulate(sim_args("--num-requests", "1000", "--scheduler-mode", "static", "--static-batch-size", "32"))
     # Not reproduced (see the README): padded to its longest member, static batching on ShareGPT's
     # long tail gives ~200 tok/s, not 400-600, so continuous is ~7x ahead, beyond the seed's 2-4x.
