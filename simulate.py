@@ -205,10 +205,11 @@ def simulate(args) -> dict:
                          f"{tp} x {gpu.name} at --gpu-memory-utilization {args.gpu_memory_utilization}; "
                          f"raise --tensor-parallel-size")
     reqs = make_requests(args)
-    longest = max(r.input_len + r.output_len for r in reqs)
-    if -(-longest // args.block_size) > num_blocks:
-        raise ValueError(f"a request of {longest} tokens can never fit the KV pool ({num_blocks} blocks)")
     sched, blocks = build(args, num_blocks, int(args.swap_space * 2**30 // block_bytes))
+    longest = max(r.input_len + r.output_len for r in reqs)
+    if blocks.blocks_needed(longest) > num_blocks - sched.watermark_blocks:
+        raise ValueError(f"a request of {longest} tokens can never fit the KV pool ({num_blocks} blocks of "
+                         f"{args.block_size}, {sched.watermark_blocks} kept free); raise --gpu-memory-utilization or shorten the requests")
     seqs = [Sequence(k, [k] * r.input_len, r.input_len, r.output_len, priority=k % 3 if args.scheduling_policy ==
                      "priority" else 0, arrival_time=r.arrival_time) for k, r in enumerate(reqs)]
     for seq, r in zip(seqs, reqs):
@@ -423,7 +424,10 @@ def main(argv=None):
         print(json.dumps(roofline(GPUS[a.gpu], MODELS[a.model], a.batch, a.context, a.tensor_parallel_size), indent=2))
         return
     args = parse_run(argv)
-    results = sweep(args) if args.sweep_rates else {args.scheduler_mode: [simulate(args)]}
+    try:
+        results = sweep(args) if args.sweep_rates else {args.scheduler_mode: [simulate(args)]}
+    except ValueError as e:                              # a configuration that cannot run: say why, no traceback
+        sys.exit(f"simulate.py: error: {e}")
     for runs in results.values():
         for res in runs:
             print_table(res)
