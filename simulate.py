@@ -24,7 +24,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kv_cache import BlockManager
 from scheduler import Scheduler, SchedulerConfig, Sequence
@@ -195,6 +195,34 @@ def build(args, num_blocks, num_host_blocks):
     return sched, blocks
 
 
+@dataclass
+class Tally:
+    """Step statistics, weighted by each step's simulated time."""
+    block_size: int
+    max_model_len: int
+    timeline_every: int
+    steps: int = 0
+    busy: float = 0.0                 # simulated seconds spent in steps
+    preemptions: int = 0
+    peak_running: int = 0
+    running_area: float = 0.0         # integral of running sequences over time
+    waste_area: float = 0.0           # ... of the share of allocated slots holding no K/V
+    contiguous_area: float = 0.0      # ... of the same, had each reserved prompt + max_tokens up front
+    timeline: list = field(default_factory=list)   # (clock, KV usage, running), every timeline_every steps
+
+    def record(self, clock, dt, batch, running, blocks):
+        self.steps, self.busy, self.preemptions = self.steps + 1, self.busy + dt, self.preemptions + batch.num_preempted
+        held = sum(s.num_computed_tokens for s in running)
+        allocated = (blocks.num_blocks - blocks.num_free_blocks()) * self.block_size
+        contiguous = sum(min(s.num_prompt_tokens + s.max_tokens, self.max_model_len) for s in running)
+        self.running_area += len(running) * dt
+        self.waste_area += (1 - held / allocated if allocated else 0.0) * dt
+        self.contiguous_area += (1 - held / contiguous if contiguous else 0.0) * dt
+        self.peak_running = max(self.peak_running, len(running))
+        if self.steps % self.timeline_every == 0:
+            self.timeline.append((clock, blocks.usage(), len(running)))
+
+
 def simulate(args) -> dict:
     """Run the workload through the real scheduler, one step at a time, on the simulated clock."""
     gpu, model, tp = GPUS[args.gpu], MODELS[args.model], args.tensor_parallel_size
@@ -209,15 +237,13 @@ def simulate(args) -> dict:
     longest = max(r.input_len + r.output_len for r in reqs)
     if blocks.blocks_needed(longest) > num_blocks - sched.watermark_blocks:
         raise ValueError(f"a request of {longest} tokens can never fit the KV pool ({num_blocks} blocks of "
-                         f"{args.block_size}, {sched.watermark_blocks} kept free); raise --gpu-memory-utilization or shorten the requests")
+                         f"{args.block_size}, {sched.watermark_blocks} kept free); "
+                         f"raise --gpu-memory-utilization or shorten the requests")
     seqs = [Sequence(k, [k] * r.input_len, r.input_len, r.output_len, priority=k % 3 if args.scheduling_policy ==
-                     "priority" else 0, arrival_time=r.arrival_time) for k, r in enumerate(reqs)]
-    for seq, r in zip(seqs, reqs):
-        seq.request = r
+                     "priority" else 0, arrival_time=r.arrival_time, request=r) for k, r in enumerate(reqs)]
+    tally = Tally(args.block_size, args.max_model_len, args.timeline_every)
     started, started_cpu = time.perf_counter(), time.process_time()
-    clock, arrived, done, steps, preemptions = 0.0, 0, 0, 0, 0
-    busy = running_area = waste_area = contiguous_area = 0.0
-    peak_running, timeline = 0, []
+    clock, arrived, done = 0.0, 0, 0
     while done < len(seqs):
         while arrived < len(seqs) and seqs[arrived].arrival_time <= clock:
             sched.add(seqs[arrived])
@@ -232,30 +258,18 @@ def simulate(args) -> dict:
         swapped = sum(1 for op in batch.block_ops if op[0] in ("in", "out"))
         dt = step_time(gpu, model, rows, tp) + swapped * block_bytes / (tp * gpu.pcie_bandwidth)
         clock += dt
-        steps, preemptions, busy = steps + 1, preemptions + batch.num_preempted, busy + dt
         for seq in sched.finish_step(batch):                    # their chunk reached the end: one token each
-            r = seq.request
-            if seq.num_output_tokens == 0 and math.isnan(r.first_token_time):
-                r.first_token_time = clock
+            if seq.num_output_tokens == 0 and math.isnan(seq.request.first_token_time):
+                seq.request.first_token_time = clock
             seq.token_ids.append(0)
             if seq.num_output_tokens >= seq.max_tokens:
-                r.finish_time = clock
+                seq.request.finish_time = clock
                 sched.remove(seq)
                 done += 1
-        running = sched.running
-        held = sum(s.num_computed_tokens for s in running)
-        allocated = (blocks.num_blocks - blocks.num_free_blocks()) * args.block_size
-        contiguous = sum(min(s.num_prompt_tokens + s.max_tokens, args.max_model_len) for s in running)
-        running_area += len(running) * dt
-        waste_area += (1 - held / allocated if allocated else 0.0) * dt
-        contiguous_area += (1 - held / contiguous if contiguous else 0.0) * dt
-        peak_running = max(peak_running, len(running))
-        if steps % args.timeline_every == 0:
-            timeline.append((clock, blocks.usage(), len(running)))
+        tally.record(clock, dt, batch, sched.running, blocks)
     assert blocks.num_free_blocks() == blocks.num_blocks, "blocks leaked: some KV block is still held"
-    return report(args, reqs, clock, busy, steps, preemptions, peak_running, running_area, waste_area,
-                  contiguous_area, num_blocks, timeline, time.perf_counter() - started,
-                  time.process_time() - started_cpu)
+    sim_s, sim_cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
+    return report(args, reqs, clock, tally, num_blocks, sim_s, sim_cpu_s)
 
 
 def percentiles(values) -> dict:
@@ -265,8 +279,7 @@ def percentiles(values) -> dict:
     return {f"p{p}": v[min(len(v) - 1, int(p / 100 * len(v)))] for p in (50, 90, 99)}
 
 
-def report(args, reqs, wall, busy, steps, preemptions, peak_running, running_area, waste_area,
-           contiguous_area, num_blocks, timeline, sim_s, sim_cpu_s) -> dict:
+def report(args, reqs, wall, tally: Tally, num_blocks, sim_s, sim_cpu_s) -> dict:
     out_tokens = sum(r.output_len for r in reqs)
     in_tokens = sum(r.input_len for r in reqs)
     return {
@@ -277,13 +290,13 @@ def report(args, reqs, wall, busy, steps, preemptions, peak_running, running_are
         "tpot_s": percentiles((r.finish_time - r.first_token_time) / (r.output_len - 1)
                               for r in reqs if r.output_len > 1),
         "e2e_s": percentiles(r.finish_time - r.arrival_time for r in reqs),
-        "peak_running": peak_running, "mean_running": running_area / busy,
-        "kv_waste": waste_area / busy,                      # allocated slots holding no K/V, time-averaged
-        "kv_waste_contiguous": contiguous_area / busy,      # the same, had each reserved prompt + max_tokens
-        "num_preemptions": preemptions, "num_steps": steps, "mean_step_ms": 1e3 * busy / steps,
+        "peak_running": tally.peak_running, "mean_running": tally.running_area / tally.busy,
+        "kv_waste": tally.waste_area / tally.busy,          # allocated slots holding no K/V, time-averaged
+        "kv_waste_contiguous": tally.contiguous_area / tally.busy,   # had each reserved prompt + max_tokens
+        "num_preemptions": tally.preemptions, "num_steps": tally.steps, "mean_step_ms": 1e3 * tally.busy / tally.steps,
         "num_blocks": num_blocks, "kv_pool_tokens": num_blocks * args.block_size,
         "mean_input_len": in_tokens / len(reqs), "mean_output_len": out_tokens / len(reqs),
-        "wall_s": wall, "sim_s": sim_s, "sim_cpu_s": sim_cpu_s, "timeline": timeline,
+        "wall_s": wall, "sim_s": sim_s, "sim_cpu_s": sim_cpu_s, "timeline": tally.timeline,
     }
 
 
@@ -342,7 +355,8 @@ def plot(results: dict, directory: str):
         ax_tp.plot(rates, [r["output_tok_s"] for r in runs], "o-", label=name)
         ax_ttft.plot(rates, [r["ttft_s"]["p99"] for r in runs], "o-", label=name)
     c = next(iter(results.values()))[0]["config"]
-    ax_tp.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title=f"{c['model']} on {c['gpu']}, {c['workload']}")
+    ax_tp.set(xlabel="request rate (req/s)", ylabel="output tokens/s",
+              title=f"{c['model']} on {c['gpu']}, {c['workload']}")
     ax_ttft.set(xlabel="request rate (req/s)", ylabel="p99 TTFT (s)", yscale="log", title="p99 time to first token")
     ax_tp.legend()
     fig.tight_layout()
