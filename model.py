@@ -108,6 +108,47 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+# ---------------------------------------------------------------------------- dtype
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((l for l in f if l.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+@functools.cache
+def cpu_bf16_native() -> tuple[bool, str]:
+    """(does this CPU multiply bfloat16 natively, why we think so). AMX tiles or AVX-512 BF16
+    dot products make bf16 matmuls run at twice fp32's rate (or more); without them oneDNN
+    emulates bf16 by converting to fp32 and bf16 only adds conversions."""
+    flags = _cpu_flags()
+    native = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    if native:
+        return True, f"CPU flags {', '.join(native)}"
+    if not flags:   # no /proc/cpuinfo (macOS, Windows): ask oneDNN, which checks CPUID itself
+        ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        cap = torch.backends.cpu.get_cpu_capability()
+        return (ok and cap == "AVX512"), f"no /proc/cpuinfo; oneDNN bf16 support {ok}, torch CPU capability {cap}"
+    return False, "no amx_bf16 or avx512_bf16 in the CPU flags"
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """dtype "auto": bfloat16 on CUDA and on CPUs with native bf16 math, float32 elsewhere.
+    -> (dtype, why), for the engine to log and bench.py to print."""
+    if requested != "auto":
+        return DTYPES[requested], "requested"
+    if device.type == "cuda":
+        return torch.bfloat16, "auto: CUDA"
+    native, why = cpu_bf16_native() if device.type == "cpu" else (False, f"device {device.type}")
+    return (torch.bfloat16 if native else torch.float32), f"auto: {why}"
+
+
 # ---------------------------------------------------------------------------- layers
 
 # Below this many rows csrc/linear_cpu.cpp streams the weight once and beats oneDNN; above

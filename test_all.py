@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch: 2 shared c
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import asyncio
+import copy
 import ctypes
 import importlib.util
 import json
@@ -298,7 +299,7 @@ def assert_all_blocks_free(engine: Engine):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_memory=SMALL_KV)
+    return LLM(dtype="float32", kv_cache_memory=SMALL_KV)
 
 
 @pytest.fixture(scope="module")
@@ -310,13 +311,13 @@ def hf_smollm():
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
 
 
-def ragged_forward(net, seqs, block_size=16):
+def ragged_forward(net, seqs, block_size=16, kv_dtype=torch.float32, backend="torch"):
     """Run several sequences as one packed batch through our model; logits of every position."""
     cfg = net.config
     total = sum(len(s) for s in seqs)
     num_blocks = sum(-(-len(s) // block_size) for s in seqs) + 1
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_hidden_layers)]
     # blocks handed out in reverse so tables are not contiguous
     free = list(range(num_blocks - 1, -1, -1))
     tables, slots, positions = [], [], []
@@ -327,7 +328,7 @@ def ragged_forward(net, seqs, block_size=16):
         positions += range(len(s))
     qsl = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).int()
     meta = M.AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
-                               torch.tensor([len(s) for s in seqs], dtype=torch.int32), qsl)
+                               torch.tensor([len(s) for s in seqs], dtype=torch.int32), qsl, backend)
     ids = torch.tensor([t for s in seqs for t in s])
     return net(ids, torch.tensor(positions), kv, meta, torch.arange(total))
 
@@ -346,6 +347,33 @@ def test_logits_match_transformers_on_embedded_smollm2(hf_smollm):
         diff = (ours[start:start + len(s)] - ref).abs().max().item()
         assert diff <= 1e-3, f"max abs logit diff {diff} for a sequence of {len(s)} tokens"
         start += len(s)
+
+
+# bfloat16 against transformers in bfloat16: both round every op's output to 8 mantissa bits,
+# in different orders (fused q/k/v, oneDNN vs MKL blocking), so logits differ by up to about
+# several units of bf16 at their magnitude (|logit| ~ 20 -> bf16 step 0.125). Measured
+# 2026-11-23 on this text: max 1.375, mean 0.157, top-1 agreement 0.984 over 62 positions
+# (transformers bf16 against its own float32 differs by as much: see the printed line).
+BF16_LOGIT_ATOL, BF16_LOGIT_MEAN_ATOL, BF16_TOP1_FLOOR = 2.5, 0.3, 0.9
+
+
+def test_bfloat16_logits_match_transformers_in_bfloat16(hf_smollm):
+    if not M.cpu_bf16_native()[0]:
+        print(f"note: {M.cpu_bf16_native()[1]}: bfloat16 runs emulated here (slow, still checked)")
+    hf_bf16 = copy.deepcopy(hf_smollm).to(torch.bfloat16)
+    net, _, _ = M.load_model(None, dtype=torch.bfloat16)
+    tok = Tokenizer.from_dir(M.resolve_model_dir(None))
+    seqs = [tok.encode(p) for p in PROMPTS[:3]] + [tok.encode(" ".join(CORPUS[:2]))]
+    ours = ragged_forward(net, seqs, kv_dtype=torch.bfloat16, backend="cpu")
+    ref = torch.cat([hf_bf16(torch.tensor([s])).logits[0].float() for s in seqs])
+    ref32 = torch.cat([hf_smollm(torch.tensor([s])).logits[0] for s in seqs])
+    diff = (ours - ref).abs()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"bf16 vs transformers bf16: max |dlogit| {diff.max():.3f}, mean {diff.mean():.4f}, "
+          f"top-1 agreement {agree:.3f} over {len(ref)} positions; transformers bf16 vs its fp32: "
+          f"max {(ref - ref32).abs().max():.3f}, mean {(ref - ref32).abs().mean():.4f}")
+    assert diff.max() <= BF16_LOGIT_ATOL and diff.mean() <= BF16_LOGIT_MEAN_ATOL
+    assert agree >= BF16_TOP1_FLOOR
 
 
 @pytest.mark.parametrize("arch", ["llama3_gqa", "qwen2_bias"])
@@ -439,7 +467,7 @@ def expected_32(llm):
 
 def test_preemption_keeps_outputs_identical(expected_32):
     # 9 blocks of 16 tokens for 6 sequences growing to ~40 tokens (3 blocks) each: must preempt
-    tiny = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64)
+    tiny = LLM(dtype="float32", kv_cache_memory=9 * 737280, max_num_batched_tokens=64)
     outs = tiny.generate(PROMPTS[:6], greedy(32))
     assert tiny.engine.scheduler.num_preemptions >= 3
     assert token_ids(outs) == expected_32
@@ -448,7 +476,7 @@ def test_preemption_keeps_outputs_identical(expected_32):
 
 
 def test_swap_preemption_keeps_outputs_identical(expected_32):
-    swap = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, preemption_mode="swap",
+    swap = LLM(dtype="float32", kv_cache_memory=9 * 737280, max_num_batched_tokens=64, preemption_mode="swap",
                swap_space="64MiB")
     outs = swap.generate(PROMPTS[:6], greedy(32))
     assert swap.engine.scheduler.num_preemptions >= 3
@@ -460,15 +488,15 @@ def test_swap_preemption_keeps_outputs_identical(expected_32):
 @pytest.mark.parametrize("budget", [1, 7, 64, 100_000])
 def test_chunked_prefill_budgets_give_identical_outputs(budget):
     prompts = PROMPTS[:3] + ["A long prompt that needs chunking: " + "alpha beta gamma delta " * 12]
-    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=100_000)
+    expected = token_ids(LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_batched_tokens=100_000)
                          .generate(prompts, greedy(12)))
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=budget)
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_batched_tokens=budget)
     assert token_ids(llm.generate(prompts, greedy(12))) == expected
     assert_all_blocks_free(llm.engine)
 
 
 def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=32)
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_batched_tokens=32)
     eng = llm.engine
     eng.add_request("short", "Hello", greedy(20))
     for _ in range(3):
@@ -485,14 +513,14 @@ def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
 
 def test_static_and_continuous_give_identical_outputs():
     params = [greedy(4 + 3 * i) for i in range(len(PROMPTS))]
-    cont = LLM(kv_cache_memory=SMALL_KV)
-    static = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3)
+    cont = LLM(dtype="float32", kv_cache_memory=SMALL_KV)
+    static = LLM(dtype="float32", kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3)
     assert token_ids(static.generate(PROMPTS, params)) == token_ids(cont.generate(PROMPTS, params))
     assert_all_blocks_free(static.engine)
 
 
 def test_static_mode_admits_nothing_until_the_batch_finishes():
-    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
+    eng = LLM(dtype="float32", kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
     for i, n in enumerate([2, 10, 3]):
         eng.add_request(f"r{i}", PROMPTS[i], greedy(n))
     seen = []
@@ -505,7 +533,7 @@ def test_static_mode_admits_nothing_until_the_batch_finishes():
 
 
 def test_static_batch_pads_finished_members_until_its_longest_ends():
-    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
+    eng = LLM(dtype="float32", kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
     eng.add_request("short", list(range(1000, 1012)), greedy(3))      # 12 prompt tokens
     eng.add_request("long", list(range(2000, 2005)), greedy(8))       # 5 prompt tokens
     short = eng.requests["short"].completions[0].seq
@@ -529,8 +557,8 @@ def test_static_mode_forks_write_their_own_blocks():
     # static batching reserves every block up front, so n > 1 forks share blocks none has written
     # yet; each fork must copy before writing, or the samples overwrite one another's KV
     p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
-    cont = LLM(kv_cache_memory=SMALL_KV).generate(["Write a word:"], p)[0]
-    static = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2)
+    cont = LLM(dtype="float32", kv_cache_memory=SMALL_KV).generate(["Write a word:"], p)[0]
+    static = LLM(dtype="float32", kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2)
     out = static.generate(["Write a word:"], p)[0]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in cont.outputs]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
@@ -554,7 +582,7 @@ def test_block_tables_grow_one_block_at_a_time(llm):
 
 
 def test_kv_pool_is_sized_from_the_memory_budget():
-    eng = LLM(kv_cache_memory="100MiB").engine
+    eng = LLM(dtype="float32", kv_cache_memory="100MiB").engine
     per_block = 2 * 30 * 16 * 3 * 64 * 4          # K and V, 30 layers, 16 tokens, 3 heads x 64, float32
     assert eng.blocks.num_blocks == 100 * 2**20 // per_block
     assert tuple(eng.kv_pool.kv_caches[0][0].shape) == (eng.blocks.num_blocks, 16, 3, 64)
@@ -583,8 +611,8 @@ def test_kernel_backend_gives_the_reference_backends_greedy_outputs(llm, kv_cach
     import paged_attention
     if paged_attention.resolve_backend("auto", "cpu") == "torch":
         pytest.skip("no C++ compiler: the CPU kernel could not be built, only the reference runs")
-    kernel = LLM(kv_cache_memory=SMALL_KV, attention_backend="cpu", kv_cache_dtype=kv_cache_dtype)
-    ref = LLM(kv_cache_memory=SMALL_KV, attention_backend="torch", kv_cache_dtype=kv_cache_dtype)
+    kernel = LLM(dtype="float32", kv_cache_memory=SMALL_KV, attention_backend="cpu", kv_cache_dtype=kv_cache_dtype)
+    ref = LLM(dtype="float32", kv_cache_memory=SMALL_KV, attention_backend="torch", kv_cache_dtype=kv_cache_dtype)
     assert kernel.engine.kv_pool.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
     assert token_ids(kernel.generate(PROMPTS, greedy(16))) == token_ids(ref.generate(PROMPTS, greedy(16)))
     assert_all_blocks_free(kernel.engine)
@@ -700,9 +728,9 @@ QUESTIONS = ["What is 2+2?", "Name a color.", "Where is Paris?", "Say hello.", "
 
 def test_prefix_caching_gives_identical_outputs_and_skips_prefill():
     prompts = [SYSTEM + q for q in QUESTIONS]
-    off = LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
+    off = LLM(dtype="float32", kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
     expected = token_ids(off.generate(prompts, greedy(10)))
-    on = LLM(kv_cache_memory=SMALL_KV)
+    on = LLM(dtype="float32", kv_cache_memory=SMALL_KV)
     first = on.generate(prompts[:1], greedy(10))              # warms the cache with the system prompt
     rest = on.generate(prompts[1:], greedy(10))
     assert token_ids(first + rest) == expected
@@ -716,8 +744,8 @@ def test_prefix_caching_gives_identical_outputs_and_skips_prefill():
 
 def test_prefix_cache_eviction_mid_workload_keeps_outputs_identical():
     prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 20 + q for i in range(3) for q in QUESTIONS[:2]]
-    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False).generate(prompts, greedy(8)))
-    small = LLM(kv_cache_memory=16 * 737280, max_num_seqs=2)  # too small to keep every document cached
+    expected = token_ids(LLM(dtype="float32", kv_cache_memory=SMALL_KV, enable_prefix_caching=False).generate(prompts, greedy(8)))
+    small = LLM(dtype="float32", kv_cache_memory=16 * 737280, max_num_seqs=2)  # too small to keep every document cached
     outs = []
     for p in prompts:
         outs += small.generate([p], greedy(8))
@@ -728,7 +756,7 @@ def test_prefix_cache_eviction_mid_workload_keeps_outputs_identical():
 
 
 def test_n_samples_copy_on_write_costs_one_prompt_plus_n_tails():
-    llm = LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
     eng = llm.engine
     prompt = list(range(1000, 1100))                           # 100 tokens: 6 full blocks + 4 tokens
     eng.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
@@ -758,21 +786,21 @@ def run_order(llm, requests):
 
 
 def test_fcfs_serves_in_arrival_order():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1)
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_seqs=1)
     reqs = [("c", "three", 0, 3.0), ("a", "one", 5, 1.0), ("b", "two", 0, 2.0)]
     assert run_order(llm, sorted(reqs, key=lambda r: r[3])) == ["a", "b", "c"]
 
 
 def test_priority_policy_serves_lower_value_first_ties_by_arrival():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="priority")
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="priority")
     reqs = [("low", "one", 5, 1.0), ("high", "two", 0, 2.0), ("mid_late", "three", 2, 4.0), ("mid", "four", 2, 3.0)]
     assert run_order(llm, reqs) == ["high", "mid", "mid_late", "low"]
 
 
 def test_priority_request_preempts_a_running_lower_priority_one():
     prompts = ["A story about a cat:", "Important:"]
-    expected = token_ids(LLM(kv_cache_memory=SMALL_KV).generate(prompts, greedy(40)))
-    llm = LLM(kv_cache_memory=5 * 737280, scheduling_policy="priority")   # 5 blocks: room for one
+    expected = token_ids(LLM(dtype="float32", kv_cache_memory=SMALL_KV).generate(prompts, greedy(40)))
+    llm = LLM(dtype="float32", kv_cache_memory=5 * 737280, scheduling_policy="priority")   # 5 blocks: room for one
     eng = llm.engine
     eng.add_request("background", prompts[0], greedy(40), priority=10)
     for _ in range(5):
@@ -789,7 +817,7 @@ def test_priority_request_preempts_a_running_lower_priority_one():
 
 def test_lpm_prefers_cached_prefixes_without_starving_others():
     doc = "Shared document: " + "the river flows to the sea " * 20
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="lpm")
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="lpm")
     llm.engine.scheduler.config.lpm_max_waited_steps = 12
     llm.generate([doc + "warm"], greedy(2))                     # the document is now cached
     reqs = [("cold1", "An unrelated question about trees", 0, 1.0),
@@ -799,7 +827,7 @@ def test_lpm_prefers_cached_prefixes_without_starving_others():
     # cached-prefix requests jump the queue, but the cold ones are served once they waited 12 steps
     assert order[0].startswith("hot") and set(order) == {r[0] for r in reqs}
     assert order.index("cold1") < len(order) - 1 and order.index("cold1") < order.index("cold2")
-    fcfs = run_order(LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1), reqs)
+    fcfs = run_order(LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_seqs=1), reqs)
     assert fcfs[:2] == ["cold1", "cold2"]
 
 
@@ -1074,7 +1102,7 @@ def booting_server():
     port, log = free_port(), tempfile.TemporaryFile()
     # 128MiB holds ~2900 tokens: less than max_model_len, so the engine itself must reject bigger requests
     proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--kv-cache-memory", "128MiB",
-                             "--max-num-seqs", "64"], cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+                             "--max-num-seqs", "64", "--dtype", "float32"], cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
     yield proc, f"http://127.0.0.1:{port}", log
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -1088,7 +1116,7 @@ def server_log(log) -> str:
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(kv_cache_memory="512MiB")
+    return LLM(dtype="float32", kv_cache_memory="512MiB")
 
 
 @pytest.fixture(scope="module")
