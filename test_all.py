@@ -907,6 +907,16 @@ def test_cpu_kernel_matches_reference_on_long_contexts(cpu_backend, kv_dtype, q_
     check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])   # 64 and 128 take the AVX-512 decode path, 32 the generic one
+def test_cpu_kernel_small_tiles_match_reference_at_every_width(cpu_backend, head_dim):
+    # tiles of 1-5 rows x group 3 = 3-15 query vectors (the decode path), causal inside the tile,
+    # contexts ending mid-block and past 16-key chunks of a 32-token block
+    for kv_dtype in DTYPES.values():
+        batch = make_batch([1, 2, 3, 4, 5, 1], [1, 18, 40, 33, 100, 77], num_kv_heads=2, group=3,
+                           head_dim=head_dim, block_size=32, kv_dtype=kv_dtype, seed=head_dim)
+        check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
+
+
 def test_cpu_kernel_keeps_bfloat16_queries(cpu_backend):
     batch = make_batch(*MIXED, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     check_against_reference(cpu_backend, batch, ATOL_BF16_QUERY)
