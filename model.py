@@ -108,6 +108,59 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+# ---------------------------------------------------------------------------- fused ops
+# Each layer's small elementwise ops (residual add + RMSNorm, RoPE, SwiGLU) cost a PyTorch
+# dispatch and a temporary each: ~10 per layer, 300 per decode step. csrc/fused_cpu.cpp does
+# each group in one pass over the rows. The plain-PyTorch versions below are the references
+# (and what runs on GPUs, in float16, or where the C++ build failed, after one warning).
+
+@functools.cache
+def _fused_cpu_built() -> bool:
+    return extensions.try_load("fused_cpu", "RMSNorm, RoPE and SwiGLU run as separate PyTorch ops (slower)")
+
+
+def fused_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _fused_cpu_built()
+
+
+def rms_norm_reference(x, weight, eps):
+    # normalise in float32 like transformers, whatever the compute dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def rms_norm(x, weight, eps, residual=None, fused=False):
+    """RMSNorm of x, or of residual + x when residual is given. -> (normed, new residual).
+    The new residual is x itself, or the sum; fused, the sum is written into `residual` and
+    the norm into `x` (both are this step's own temporaries)."""
+    if residual is None:
+        out = torch.ops.nanoserve_fused.rms_norm(x, weight, eps) if fused else rms_norm_reference(x, weight, eps)
+        return out, x
+    if fused:
+        torch.ops.nanoserve_fused.add_rms_norm_(x, residual, weight, eps)
+        return x, residual
+    residual = residual + x
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def rope_(qkv, cos, sin, num_heads, head_dim, fused=False):
+    """Rotate the first num_heads heads (q, then k) of every row of qkv [T, width] in place.
+    cos/sin: float32 [T, head_dim/2]."""
+    if fused:
+        return torch.ops.nanoserve_fused.rope_(qkv, cos, sin, num_heads, head_dim)
+    x = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)               # [T, heads, hd]
+    x.copy_(apply_rope(x, cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)))
+
+
+def silu_and_mul(gate_up, fused=False):
+    """SwiGLU's middle: silu(gate) * up, for gate_up = [gate | up] [T, 2 * intermediate]."""
+    if fused:
+        return torch.ops.nanoserve_fused.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)                                          # [T, intermediate] each
+    return F.silu(gate) * up
+
+
 # ---------------------------------------------------------------------------- dtype
 
 def _cpu_flags() -> set[str]:
@@ -197,11 +250,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        # normalise in float32 like the reference, whatever the compute dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+    def forward(self, x, residual=None, fused=False):
+        return rms_norm(x, self.weight, self.eps, residual, fused)
 
 
 class Attention(nn.Module):
@@ -214,13 +264,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, fused=False):
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                        # [T, (nh + 2*nkv) * hd]
+        rope_(qkv, cos, sin, self.n_heads + self.n_kv, self.head_dim, fused)   # q and k sit side by side
         q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
                              self.n_kv * self.head_dim], dim=-1)
-        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)   # [T, nh, hd]
-        k = apply_rope(k.view(T, self.n_kv, self.head_dim), cos, sin)      # [T, nkv, hd]
+        q = q.view(T, self.n_heads, self.head_dim)                    # [T, nh, hd]
+        k = k.view(T, self.n_kv, self.head_dim)                       # [T, nkv, hd]
         v = v.view(T, self.n_kv, self.head_dim)
         k_cache, v_cache = kv_cache
         paged_attention.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
@@ -235,9 +286,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)               # [T, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, fused=False):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), fused))   # [T, 2 * inter] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -248,9 +298,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta, fused=False):
+        """x: the last block's output, not yet added to residual (None before the first layer).
+        -> (this layer's MLP output, residual stream without it): the add is fused into the next norm."""
+        x, residual = self.input_layernorm(x, residual, fused)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, fused)
+        x, residual = self.post_attention_layernorm(x, residual, fused)
+        return self.mlp(x, fused), residual
 
 
 class Llama(nn.Module):
@@ -265,6 +319,7 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # a plain attribute, not a buffer: module.to(dtype) would round the RoPE angles to bf16
         self.inv_freq = rope_inv_freq(cfg)
+        self.use_fused_ops = True     # csrc/fused_cpu.cpp where it applies (bench turns it off to compare)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
@@ -272,12 +327,13 @@ class Llama(nn.Module):
         logits_indices: [num_sampled] rows of the flat batch to compute logits for.
         Returns float32 logits [num_sampled, vocab]."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
+        fused = self.use_fused_ops and fused_ops_available(x.device, x.dtype)
         freqs = positions.unsqueeze(1).float() * self.inv_freq            # [T, head_dim/2]
-        cos = freqs.cos().unsqueeze(1).to(x.dtype)                        # [T, 1, head_dim/2]
-        sin = freqs.sin().unsqueeze(1).to(x.dtype)
+        cos, sin = freqs.cos(), freqs.sin()                               # float32 [T, head_dim/2]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        x = self.norm(x[logits_indices])                                  # [num_sampled, hidden]
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, fused)
+        x, _ = self.norm(x[logits_indices], residual[logits_indices], fused)   # [num_sampled, hidden]
         return self.lm_head(x).float()                                    # [num_sampled, vocab]
 
 

@@ -402,6 +402,70 @@ def test_logits_match_transformers_on_tiny_random_configs(tmp_path, arch):
         start += len(s)
 
 
+# ---- fused per-layer ops (csrc/fused_cpu.cpp) against their plain-PyTorch references
+
+@pytest.fixture(scope="module")
+def fused_ops():
+    if not M._fused_cpu_built():
+        pytest.skip(f"csrc/fused_cpu.cpp could not be built: {extensions.failed.get('fused_cpu')}")
+
+
+# float32: only the summation order differs. bfloat16: the kernels round once, the references
+# after every op, so results differ by about one bf16 unit (2^-8 relative).
+FUSED_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_add_rms_norm_matches_reference(fused_ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(37, 576, generator=g) * 3).to(dtype), torch.randn(37, 576, generator=g).to(dtype)
+    weight = torch.rand(576, generator=g).to(dtype) + 0.5
+    want_norm = M.rms_norm_reference(x, weight, 1e-5)
+    got_norm, same = M.rms_norm(x.clone(), weight, 1e-5, fused=True)
+    torch.testing.assert_close(got_norm, want_norm, **FUSED_TOL[dtype])
+    want_sum = residual + x
+    want = M.rms_norm_reference(want_sum, weight, 1e-5)
+    got, got_sum = \
+        M.rms_norm(x.clone(), weight, 1e-5, residual.clone(), fused=True)
+    assert torch.equal(got_sum, want_sum)                      # one rounded add, as PyTorch's
+    torch.testing.assert_close(got, want, **FUSED_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_rope_in_place_matches_reference(fused_ops, dtype):
+    cfg = M.ModelConfig()
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(21, (9 + 2 * 3) * 64, generator=g).to(dtype)            # [T, (nh + 2 nkv) hd]
+    freqs = torch.randint(0, 2048, (21, 1)).float() * M.rope_inv_freq(cfg)     # [T, hd/2]
+    want = qkv.clone()
+    M.rope_(want, freqs.cos(), freqs.sin(), 12, 64)                             # q and k heads
+    got = qkv.clone()
+    M.rope_(got, freqs.cos(), freqs.sin(), 12, 64, fused=True)
+    torch.testing.assert_close(got, want, **FUSED_TOL[dtype])
+    assert torch.equal(got[:, 12 * 64:], qkv[:, 12 * 64:])                      # v untouched
+    q = qkv[:, :64].view(21, 1, 64).float()                                     # hand-written rotate-half
+    rot = torch.cat([-q[..., 32:], q[..., :32]], -1)
+    by_hand = q * torch.cat([freqs.cos()] * 2, -1).unsqueeze(1) + rot * torch.cat([freqs.sin()] * 2, -1).unsqueeze(1)
+    torch.testing.assert_close(got[:, :64].float(), by_hand.view(21, 64), **FUSED_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_silu_and_mul_matches_reference(fused_ops, dtype):
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(19, 2 * 1536, generator=g) * 6).to(dtype)           # covers both sigmoid branches
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])                   # saturated and zero
+    torch.testing.assert_close(M.silu_and_mul(gate_up, fused=True), M.silu_and_mul(gate_up), **FUSED_TOL[dtype])
+
+
+def test_model_fused_and_plain_ops_give_the_same_logits(fused_ops):
+    net, _, _ = M.load_model(None)
+    seqs = [[1, 504, 3458, 282, 4649, 314], list(range(100, 140))]
+    fused = ragged_forward(net, seqs)
+    net.use_fused_ops = False
+    plain = ragged_forward(net, seqs)
+    assert (fused - plain).abs().max().item() <= 1e-3
+
+
 SMOLLM2_LINEAR_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]   # (in, out)
 
 
