@@ -487,6 +487,24 @@ def test_cpu_linear_matches_f_linear_on_smollm2_shapes(smollm2_linear_weights, r
     assert torch.allclose(M.linear(x, smollm2_linear_weights[0], bias), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 64])   # both sides of SMALL_M_ROWS_BF16
+def test_cpu_linear_bfloat16_matches_float32_math_on_smollm2_shapes(smollm2_linear_weights, rows):
+    # oracle: the same bf16 inputs multiplied in float32 (exact products, float32 sums), then one
+    # rounding to bf16: at most one bf16 unit (2^-8 relative) apart, plus summation order
+    g = torch.Generator().manual_seed(rows)
+    for w in smollm2_linear_weights[:4]:
+        w16, x16 = w.bfloat16(), torch.randn(rows, w.shape[1], generator=g).bfloat16()
+        ref = torch.nn.functional.linear(x16.float(), w16.float())
+        got = M.linear(x16, w16)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=2e-3, msg=f"{tuple(w.shape)} x {rows} rows")
+    bias = torch.randn(960, generator=g).bfloat16()
+    x16 = torch.randn(rows, 576, generator=g).bfloat16()
+    ref = torch.nn.functional.linear(x16.float(), smollm2_linear_weights[0].bfloat16().float(), bias.float())
+    torch.testing.assert_close(M.linear(x16, smollm2_linear_weights[0].bfloat16(), bias).float(), ref,
+                               rtol=8e-3, atol=2e-3)
+
+
 def test_cpu_linear_without_fast_kernels_warns_once_and_uses_f_linear(monkeypatch):
     if not M._cpu_linear_kernels()[0]:
         pytest.skip("no C++ compiler: csrc/linear_cpu.cpp could not be built")
