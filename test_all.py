@@ -1037,6 +1037,55 @@ def test_reshape_and_cache_rejects_out_of_range_slots(cpu_backend):
                              torch.tensor([8]), backend="cpu")
 
 
+# ---- the same C++ on a CPU without AVX-512 ---------------------------------------------------
+
+AVX2_FLAGS = ["-march=x86-64-v3"]     # AVX2 + FMA + F16C, no AVX-512: the oldest CPU the kernels target
+CPU_SOURCES = ["paged_attention_cpu.cpp", "linear_cpu.cpp", "fused_cpu.cpp"]
+
+
+def test_cpu_kernels_compile_for_avx2_only_cpus():
+    # -march=native here has AVX-512; the #if'd AVX-512 paths must have AVX2 twins that compile.
+    # Syntax only (templates instantiated, no code generated), the three files at once: ~25 s.
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler: cannot compile-check the CPU kernels")
+    from torch.utils import cpp_extension
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    procs = {src: subprocess.Popen([cxx, "-fsyntax-only", "-std=c++20", "-fopenmp", "-Wall", "-Werror",
+                                    *AVX2_FLAGS, *includes, str(CSRC / src)], stderr=subprocess.PIPE, text=True)
+             for src in CPU_SOURCES}
+    for src, proc in procs.items():
+        err = proc.communicate()[1]
+        assert proc.returncode == 0, f"{src}: {err[-3000:]}"
+
+
+AVX2_NUMERICS = """
+import sys, torch, extensions
+for build in extensions.BUILDS.values():   # this process builds and loads the AVX2-only variants
+    build["extra_cflags"] = [f for f in build.get("extra_cflags", []) if f != "-march=native"] + sys.argv[1:]
+import model as M, paged_attention as pa, test_all as T
+for kind in ("cpu", "linear_cpu", "fused_cpu"):
+    extensions.load(kind)
+for kv in (torch.float32, torch.bfloat16):
+    T.check_against_reference(lambda *b: pa.paged_attention(*b, backend="cpu"), T.make_batch(*T.MIXED, kv_dtype=kv), T.ATOL[kv])
+x, w = torch.randn(3, 576), torch.randn(960, 576)
+torch.testing.assert_close(M.linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+got = M.linear(x.bfloat16(), w.bfloat16()).float()
+torch.testing.assert_close(got, torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float()), rtol=8e-3, atol=2e-2)
+gu = torch.randn(5, 64) * 4
+torch.testing.assert_close(M.silu_and_mul(gu, fused=True), M.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
+print("avx2 numerics ok")
+"""
+
+
+def test_cpu_kernels_built_for_avx2_only_match_the_references():
+    # builds all three libraries without AVX-512 (~2 min the first time, cached after): opt-in
+    if os.environ.get("NANOSERVE_TEST_AVX2_BUILD") != "1":
+        pytest.skip("set NANOSERVE_TEST_AVX2_BUILD=1 to build the kernels for AVX2 only and check their numerics")
+    result = subprocess.run([sys.executable, "-c", AVX2_NUMERICS, *AVX2_FLAGS], cwd=HERE, capture_output=True, text=True)
+    assert result.returncode == 0 and "avx2 numerics ok" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
 # ---- CUDA kernel: compile check, emulated execution, real GPU --------------------------------
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the launchers' codes
