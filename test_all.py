@@ -1045,7 +1045,10 @@ CPU_SOURCES = ["paged_attention_cpu.cpp", "linear_cpu.cpp", "fused_cpu.cpp"]
 
 def test_cpu_kernels_compile_for_avx2_only_cpus():
     # -march=native here has AVX-512; the #if'd AVX-512 paths must have AVX2 twins that compile.
-    # Syntax only (templates instantiated, no code generated), the three files at once: ~25 s.
+    # Syntax only (templates instantiated, no code generated), the three files at once: 25-100 s
+    # on 2 shared cores (torch's headers), so opt-in like the build below.
+    if os.environ.get("NANOSERVE_TEST_AVX2_BUILD") != "1":
+        pytest.skip("set NANOSERVE_TEST_AVX2_BUILD=1 to compile-check the CPU kernels for AVX2 only")
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler: cannot compile-check the CPU kernels")
