@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 import paged_attention
@@ -307,7 +308,8 @@ class Engine:
         ctx_lens = torch.tensor(starts) + q_lens                                  # [num_rows]
         qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=qsl[1:])                                      # [num_rows + 1]
-        row = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)           # [num_tokens] row of each token
+        # numpy's repeat: ~3 us; torch.repeat_interleave on CPU takes 0.3-2 ms (it goes parallel)
+        row = torch.from_numpy(np.repeat(np.arange(len(seqs)), batch.num_tokens))   # [num_tokens] row of each token
         positions = ctx_lens[row] - q_lens[row] + (torch.arange(len(row)) - qsl[row])   # [num_tokens]
         # padding rows (static batching) may read past their own table: width covers every context
         width = max(max(len(s.block_table) for s in seqs), -(-int(ctx_lens.max()) // bs))
@@ -340,7 +342,9 @@ class Engine:
             rows += [i] * len(targets)
             completions += targets
         params = [c.seq.request.params for c in completions]
-        tokens, logprobs = sample(logits[rows], params, [c.generator for c in completions])
+        if rows != list(range(len(logits))):                # n > 1 repeats rows; else skip the [rows, vocab] copy
+            logits = logits[rows]
+        tokens, logprobs = sample(logits, params, [c.generator for c in completions])
         t1 = time.perf_counter()
         now = time.monotonic()
         touched = {}
