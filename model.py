@@ -5,7 +5,10 @@ forward() takes the tokens of many sequences packed into one flat tensor [num_to
 with their positions: no padding anywhere. Each layer writes its new K/V into the paged
 pool and attends through paged_attention.py; logits are computed only for the rows the
 engine will sample from (the last token of each sequence that finishes its chunk).
-This file owns the math and the weights. It does not know about blocks, queues or
+This file owns the math, the weights and the compute dtype ("auto": bfloat16 where the CPU
+multiplies bf16 natively, see cpu_bf16_native). On CPU the linear layers and the fused
+per-layer ops (residual add + RMSNorm, RoPE, SwiGLU) run C++ kernels from csrc/, each
+with a plain-PyTorch reference beside it. It does not know about blocks, queues or
 sampling: the engine hands it flat tensors (input ids, positions, an AttentionMetadata).
 
 Loading: a Hugging Face checkpoint directory (config.json + *.safetensors, sharded or
