@@ -193,12 +193,13 @@ def offline_throughput(num_requests=64, **engine_overrides) -> dict:
 
 
 def bf16_linear_table(rows=(1, 8, 32, 64, 128, 512), repeats=3) -> dict:
-    """ms of one pass over SmolLM2's per-layer linear shapes: float32 through model.linear vs
-    bfloat16 through F.linear (oneDNN) and oneDNN's _linear_pointwise, at each row count."""
+    """ms of one pass over SmolLM2's per-layer linear shapes: float32 and bfloat16 through
+    model.linear (the engine's path) vs bfloat16 through F.linear and oneDNN's _linear_pointwise."""
     import torch.nn.functional as F
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
     ws = {dt: [torch.randn(n, k).to(dt) for k, n in shapes] for dt in (torch.float32, torch.bfloat16)}
     paths = {"float32 model.linear": (torch.float32, M.linear),
+             "bfloat16 model.linear": (torch.bfloat16, M.linear),
              "bfloat16 F.linear": (torch.bfloat16, F.linear),
              "bfloat16 onednn": (torch.bfloat16,
                                  lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))}

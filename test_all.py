@@ -16,6 +16,7 @@ import asyncio
 import copy
 import ctypes
 import importlib.util
+import itertools
 import json
 import math
 import random
@@ -993,10 +994,16 @@ def test_cpu_kernel_matches_reference_on_long_contexts(cpu_backend, kv_dtype, q_
 def test_cpu_kernel_small_tiles_match_reference_at_every_width(cpu_backend, head_dim):
     # tiles of 1-5 rows x group 3 = 3-15 query vectors (the decode path), causal inside the tile,
     # contexts ending mid-block and past 16-key chunks of a 32-token block
-    for kv_dtype in DTYPES.values():
-        batch = make_batch([1, 2, 3, 4, 5, 1], [1, 18, 40, 33, 100, 77], num_kv_heads=2, group=3,
-                           head_dim=head_dim, block_size=32, kv_dtype=kv_dtype, seed=head_dim)
-        check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
+    # 8 sequences: with 1 thread an item takes all KV heads of a sequence, with 2+ one head each
+    threads = torch.get_num_threads()
+    try:
+        for kv_dtype, num_threads in itertools.product(DTYPES.values(), [1, threads]):
+            torch.set_num_threads(num_threads)
+            batch = make_batch([1, 2, 3, 4, 5, 1, 1, 2], [1, 18, 40, 33, 100, 77, 300, 47], num_kv_heads=2, group=3,
+                               head_dim=head_dim, block_size=32, kv_dtype=kv_dtype, seed=head_dim)
+            check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_cpu_kernel_keeps_bfloat16_queries(cpu_backend):
