@@ -354,7 +354,7 @@ def test_logits_match_transformers_on_embedded_smollm2(hf_smollm):
 # in different orders (fused q/k/v, oneDNN vs MKL blocking), so logits differ by up to about
 # several units of bf16 at their magnitude (|logit| ~ 20 -> bf16 step 0.125). Measured
 # 2026-11-23 on this text: max 1.375, mean 0.157, top-1 agreement 0.984 over 62 positions
-# (transformers bf16 against its own float32 differs by as much: see the printed line).
+# (transformers bf16 against its own float32 differs by as much: max 1.301, mean 0.149).
 BF16_LOGIT_ATOL, BF16_LOGIT_MEAN_ATOL, BF16_TOP1_FLOOR = 2.5, 0.3, 0.9
 
 
@@ -367,12 +367,10 @@ def test_bfloat16_logits_match_transformers_in_bfloat16(hf_smollm):
     seqs = [tok.encode(p) for p in PROMPTS[:3]] + [tok.encode(" ".join(CORPUS[:2]))]
     ours = ragged_forward(net, seqs, kv_dtype=torch.bfloat16, backend="cpu")
     ref = torch.cat([hf_bf16(torch.tensor([s])).logits[0].float() for s in seqs])
-    ref32 = torch.cat([hf_smollm(torch.tensor([s])).logits[0] for s in seqs])
     diff = (ours - ref).abs()
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"bf16 vs transformers bf16: max |dlogit| {diff.max():.3f}, mean {diff.mean():.4f}, "
-          f"top-1 agreement {agree:.3f} over {len(ref)} positions; transformers bf16 vs its fp32: "
-          f"max {(ref - ref32).abs().max():.3f}, mean {(ref - ref32).abs().mean():.4f}")
+          f"top-1 agreement {agree:.3f} over {len(ref)} positions")
     assert diff.max() <= BF16_LOGIT_ATOL and diff.mean() <= BF16_LOGIT_MEAN_ATOL
     assert agree >= BF16_TOP1_FLOOR
 
