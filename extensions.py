@@ -34,6 +34,10 @@ BUILDS = {   # torch.utils.cpp_extension.load arguments per library
     "linear_cpu": dict(
         name="nanoserve_linear_cpu", sources=["linear_cpu.cpp"],
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"]),
+    # model.py's fused per-layer ops: residual add + RMSNorm, RoPE in place, SwiGLU
+    "fused_cpu": dict(
+        name="nanoserve_fused_cpu", sources=["fused_cpu.cpp"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"]),
 }
 _loaded = set()     # kinds whose ops are registered in torch.ops
 failed = {}         # kind -> why its build failed (warned about once)

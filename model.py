@@ -5,7 +5,10 @@ forward() takes the tokens of many sequences packed into one flat tensor [num_to
 with their positions: no padding anywhere. Each layer writes its new K/V into the paged
 pool and attends through paged_attention.py; logits are computed only for the rows the
 engine will sample from (the last token of each sequence that finishes its chunk).
-This file owns the math and the weights. It does not know about blocks, queues or
+This file owns the math, the weights and the compute dtype ("auto": bfloat16 where the CPU
+multiplies bf16 natively, see cpu_bf16_native). On CPU the linear layers and the fused
+per-layer ops (residual add + RMSNorm, RoPE, SwiGLU) run C++ kernels from csrc/, each
+with a plain-PyTorch reference beside it. It does not know about blocks, queues or
 sampling: the engine hands it flat tensors (input ids, positions, an AttentionMetadata).
 
 Loading: a Hugging Face checkpoint directory (config.json + *.safetensors, sharded or
@@ -108,6 +111,100 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+# ---------------------------------------------------------------------------- fused ops
+# Each layer's small elementwise ops (residual add + RMSNorm, RoPE, SwiGLU) cost a PyTorch
+# dispatch and a temporary each: ~10 per layer, 300 per decode step. csrc/fused_cpu.cpp does
+# each group in one pass over the rows. The plain-PyTorch versions below are the references
+# (and what runs on GPUs, in float16, or where the C++ build failed, after one warning).
+
+@functools.cache
+def _fused_cpu_built() -> bool:
+    return extensions.try_load("fused_cpu", "RMSNorm, RoPE and SwiGLU run as separate PyTorch ops (slower)")
+
+
+def fused_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _fused_cpu_built()
+
+
+def rms_norm_reference(x, weight, eps):
+    # normalise in float32 like transformers, whatever the compute dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def rms_norm(x, weight, eps, residual=None, fused=False):
+    """RMSNorm of x, or of residual + x when residual is given. -> (normed, new residual).
+    The new residual is x itself, or the sum; fused, the sum is written into `residual` and
+    the norm into `x` (both are this step's own temporaries)."""
+    if residual is None:
+        out = torch.ops.nanoserve_fused.rms_norm(x, weight, eps) if fused else rms_norm_reference(x, weight, eps)
+        return out, x
+    if fused:
+        torch.ops.nanoserve_fused.add_rms_norm_(x, residual, weight, eps)
+        return x, residual
+    residual = residual + x
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def rope_(qkv, cos, sin, num_heads, head_dim, fused=False):
+    """Rotate the first num_heads heads (q, then k) of every row of qkv [T, width] in place.
+    cos/sin: float32 [T, head_dim/2]."""
+    if fused:
+        return torch.ops.nanoserve_fused.rope_(qkv, cos, sin, num_heads, head_dim)
+    x = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)               # [T, heads, hd]
+    x.copy_(apply_rope(x, cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)))
+
+
+def silu_and_mul(gate_up, fused=False):
+    """SwiGLU's middle: silu(gate) * up, for gate_up = [gate | up] [T, 2 * intermediate]."""
+    if fused:
+        return torch.ops.nanoserve_fused.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)                                          # [T, intermediate] each
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------- dtype
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((l for l in f if l.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+@functools.cache
+def cpu_bf16_native() -> tuple[bool, str]:
+    """(does this CPU multiply bfloat16 natively, why we think so). AMX tiles or AVX-512 BF16
+    dot products make bf16 matmuls run at twice fp32's rate (or more); without them oneDNN
+    emulates bf16 by converting to fp32 and bf16 only adds conversions."""
+    flags = _cpu_flags()
+    native = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    if native:
+        return True, f"CPU flags {', '.join(native)}"
+    if not flags:   # no /proc/cpuinfo (macOS, Windows): ask oneDNN, which checks CPUID itself
+        ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        cap = torch.backends.cpu.get_cpu_capability()
+        return (ok and cap == "AVX512"), f"no /proc/cpuinfo; oneDNN bf16 support {ok}, torch CPU capability {cap}"
+    return False, "no amx_bf16 or avx512_bf16 in the CPU flags"
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """dtype "auto": bfloat16 on CUDA and on CPUs with native bf16 math, float32 elsewhere.
+    -> (dtype, why), for the engine to log and bench.py to print."""
+    if requested != "auto":
+        return DTYPES[requested], "requested"
+    if device.type == "cuda":
+        return torch.bfloat16, "auto: CUDA"
+    native, why = cpu_bf16_native() if device.type == "cpu" else (False, f"device {device.type}")
+    return (torch.bfloat16 if native else torch.float32), f"auto: {why}"
+
+
 # ---------------------------------------------------------------------------- layers
 
 # Below this many rows csrc/linear_cpu.cpp streams the weight once and beats oneDNN; above
@@ -128,14 +225,27 @@ def _cpu_linear_kernels() -> tuple[bool, bool]:
     return small_m, onednn
 
 
+# bfloat16: linear_cpu.cpp's bf16 kernel (AVX512_BF16 dot products) beats F.linear (oneDNN)
+# below 16 rows. ms per pass over all SmolLM2-135M weights, 2 Zen 4 cores, shared (2026-11-23),
+# at M = 1 / 4 / 8 / 16 / 32: kernel 10.0 / 10.1 / 15.9 / 21.6 / 28.7, F.linear 17.5 / 15.4 /
+# 16.5 / 19.8 / 27.0 (float32 for comparison: 15.6 at M = 1, 79 at M = 64 vs bf16's 42).
+SMALL_M_ROWS_BF16 = 16
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with faster kernels for float32 on CPU (MKL's sgemm is slow at few rows)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    """F.linear, with faster kernels on CPU for few rows (MKL's sgemm and oneDNN's bf16 gemm
+    are slow there) and oneDNN for float32 above."""
+    if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # [M, K]
     (M, K), N = x2.shape, weight.shape[0]
     small_m, onednn = _cpu_linear_kernels()
-    if small_m and M < SMALL_M_ROWS and K % 8 == 0 and N % 4 == 0:
+    if x.dtype == torch.bfloat16:
+        if small_m and M < SMALL_M_ROWS_BF16 and K % 32 == 0 and N % 4 == 0:
+            out = torch.ops.nanoserve_linear.linear_small_m_bf16(x2, weight.contiguous(), bias)
+        else:
+            out = F.linear(x2, weight, bias)
+    elif small_m and M < SMALL_M_ROWS and K % 8 == 0 and N % 4 == 0:
         out = torch.ops.nanoserve_linear.linear_small_m(x2, weight.contiguous(), bias)
     elif onednn:
         out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
@@ -156,11 +266,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        # normalise in float32 like the reference, whatever the compute dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+    def forward(self, x, residual=None, fused=False):
+        return rms_norm(x, self.weight, self.eps, residual, fused)
 
 
 class Attention(nn.Module):
@@ -173,13 +280,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, fused=False):
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                        # [T, (nh + 2*nkv) * hd]
+        rope_(qkv, cos, sin, self.n_heads + self.n_kv, self.head_dim, fused)   # q and k sit side by side
         q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
                              self.n_kv * self.head_dim], dim=-1)
-        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)   # [T, nh, hd]
-        k = apply_rope(k.view(T, self.n_kv, self.head_dim), cos, sin)      # [T, nkv, hd]
+        q = q.view(T, self.n_heads, self.head_dim)                    # [T, nh, hd]
+        k = k.view(T, self.n_kv, self.head_dim)                       # [T, nkv, hd]
         v = v.view(T, self.n_kv, self.head_dim)
         k_cache, v_cache = kv_cache
         paged_attention.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
@@ -194,9 +302,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)               # [T, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, fused=False):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), fused))   # [T, 2 * inter] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -207,9 +314,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta, fused=False):
+        """x: the last block's output, not yet added to residual (None before the first layer).
+        -> (this layer's MLP output, residual stream without it): the add is fused into the next norm."""
+        x, residual = self.input_layernorm(x, residual, fused)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, fused)
+        x, residual = self.post_attention_layernorm(x, residual, fused)
+        return self.mlp(x, fused), residual
 
 
 class Llama(nn.Module):
@@ -224,6 +335,7 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # a plain attribute, not a buffer: module.to(dtype) would round the RoPE angles to bf16
         self.inv_freq = rope_inv_freq(cfg)
+        self.use_fused_ops = True     # csrc/fused_cpu.cpp where it applies (bench turns it off to compare)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
@@ -231,12 +343,13 @@ class Llama(nn.Module):
         logits_indices: [num_sampled] rows of the flat batch to compute logits for.
         Returns float32 logits [num_sampled, vocab]."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
+        fused = self.use_fused_ops and fused_ops_available(x.device, x.dtype)
         freqs = positions.unsqueeze(1).float() * self.inv_freq            # [T, head_dim/2]
-        cos = freqs.cos().unsqueeze(1).to(x.dtype)                        # [T, 1, head_dim/2]
-        sin = freqs.sin().unsqueeze(1).to(x.dtype)
+        cos, sin = freqs.cos(), freqs.sin()                               # float32 [T, head_dim/2]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        x = self.norm(x[logits_indices])                                  # [num_sampled, hidden]
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, fused)
+        x, _ = self.norm(x[logits_indices], residual[logits_indices], fused)   # [num_sampled, hidden]
         return self.lm_head(x).float()                                    # [num_sampled, vocab]
 
 

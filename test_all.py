@@ -13,8 +13,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch: 2 shared c
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import asyncio
+import copy
 import ctypes
 import importlib.util
+import itertools
 import json
 import math
 import random
@@ -298,7 +300,7 @@ def assert_all_blocks_free(engine: Engine):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_memory=SMALL_KV)
+    return LLM(dtype="float32", kv_cache_memory=SMALL_KV)
 
 
 @pytest.fixture(scope="module")
@@ -310,13 +312,13 @@ def hf_smollm():
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
 
 
-def ragged_forward(net, seqs, block_size=16):
+def ragged_forward(net, seqs, block_size=16, kv_dtype=torch.float32, backend="torch"):
     """Run several sequences as one packed batch through our model; logits of every position."""
     cfg = net.config
     total = sum(len(s) for s in seqs)
     num_blocks = sum(-(-len(s) // block_size) for s in seqs) + 1
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_hidden_layers)]
     # blocks handed out in reverse so tables are not contiguous
     free = list(range(num_blocks - 1, -1, -1))
     tables, slots, positions = [], [], []
@@ -327,7 +329,7 @@ def ragged_forward(net, seqs, block_size=16):
         positions += range(len(s))
     qsl = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).int()
     meta = M.AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
-                               torch.tensor([len(s) for s in seqs], dtype=torch.int32), qsl)
+                               torch.tensor([len(s) for s in seqs], dtype=torch.int32), qsl, backend)
     ids = torch.tensor([t for s in seqs for t in s])
     return net(ids, torch.tensor(positions), kv, meta, torch.arange(total))
 
@@ -346,6 +348,31 @@ def test_logits_match_transformers_on_embedded_smollm2(hf_smollm):
         diff = (ours[start:start + len(s)] - ref).abs().max().item()
         assert diff <= 1e-3, f"max abs logit diff {diff} for a sequence of {len(s)} tokens"
         start += len(s)
+
+
+# bfloat16 against transformers in bfloat16: both round every op's output to 8 mantissa bits,
+# in different orders (fused q/k/v, oneDNN vs MKL blocking), so logits differ by up to about
+# several units of bf16 at their magnitude (|logit| ~ 20 -> bf16 step 0.125). Measured
+# 2026-11-23 on this text: max 1.375, mean 0.157, top-1 agreement 0.984 over 62 positions
+# (transformers bf16 against its own float32 differs by as much: max 1.301, mean 0.149).
+BF16_LOGIT_ATOL, BF16_LOGIT_MEAN_ATOL, BF16_TOP1_FLOOR = 2.5, 0.3, 0.9
+
+
+def test_bfloat16_logits_match_transformers_in_bfloat16(hf_smollm):
+    if not M.cpu_bf16_native()[0]:
+        print(f"note: {M.cpu_bf16_native()[1]}: bfloat16 runs emulated here (slow, still checked)")
+    hf_bf16 = copy.deepcopy(hf_smollm).to(torch.bfloat16)
+    net, _, _ = M.load_model(None, dtype=torch.bfloat16)
+    tok = Tokenizer.from_dir(M.resolve_model_dir(None))
+    seqs = [tok.encode(p) for p in PROMPTS[:3]] + [tok.encode(" ".join(CORPUS[:2]))]
+    ours = ragged_forward(net, seqs, kv_dtype=torch.bfloat16, backend="cpu")
+    ref = torch.cat([hf_bf16(torch.tensor([s])).logits[0].float() for s in seqs])
+    diff = (ours - ref).abs()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"bf16 vs transformers bf16: max |dlogit| {diff.max():.3f}, mean {diff.mean():.4f}, "
+          f"top-1 agreement {agree:.3f} over {len(ref)} positions")
+    assert diff.max() <= BF16_LOGIT_ATOL and diff.mean() <= BF16_LOGIT_MEAN_ATOL
+    assert agree >= BF16_TOP1_FLOOR
 
 
 @pytest.mark.parametrize("arch", ["llama3_gqa", "qwen2_bias"])
@@ -374,6 +401,70 @@ def test_logits_match_transformers_on_tiny_random_configs(tmp_path, arch):
         start += len(s)
 
 
+# ---- fused per-layer ops (csrc/fused_cpu.cpp) against their plain-PyTorch references
+
+@pytest.fixture(scope="module")
+def fused_ops():
+    if not M._fused_cpu_built():
+        pytest.skip(f"csrc/fused_cpu.cpp could not be built: {extensions.failed.get('fused_cpu')}")
+
+
+# float32: only the summation order differs. bfloat16: the kernels round once, the references
+# after every op, so results differ by about one bf16 unit (2^-8 relative).
+FUSED_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_add_rms_norm_matches_reference(fused_ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(37, 576, generator=g) * 3).to(dtype), torch.randn(37, 576, generator=g).to(dtype)
+    weight = torch.rand(576, generator=g).to(dtype) + 0.5
+    want_norm = M.rms_norm_reference(x, weight, 1e-5)
+    got_norm, same = M.rms_norm(x.clone(), weight, 1e-5, fused=True)
+    torch.testing.assert_close(got_norm, want_norm, **FUSED_TOL[dtype])
+    want_sum = residual + x
+    want = M.rms_norm_reference(want_sum, weight, 1e-5)
+    got, got_sum = \
+        M.rms_norm(x.clone(), weight, 1e-5, residual.clone(), fused=True)
+    assert torch.equal(got_sum, want_sum)                      # one rounded add, as PyTorch's
+    torch.testing.assert_close(got, want, **FUSED_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_rope_in_place_matches_reference(fused_ops, dtype):
+    cfg = M.ModelConfig()
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(21, (9 + 2 * 3) * 64, generator=g).to(dtype)            # [T, (nh + 2 nkv) hd]
+    freqs = torch.randint(0, 2048, (21, 1)).float() * M.rope_inv_freq(cfg)     # [T, hd/2]
+    want = qkv.clone()
+    M.rope_(want, freqs.cos(), freqs.sin(), 12, 64)                             # q and k heads
+    got = qkv.clone()
+    M.rope_(got, freqs.cos(), freqs.sin(), 12, 64, fused=True)
+    torch.testing.assert_close(got, want, **FUSED_TOL[dtype])
+    assert torch.equal(got[:, 12 * 64:], qkv[:, 12 * 64:])                      # v untouched
+    q = qkv[:, :64].view(21, 1, 64).float()                                     # hand-written rotate-half
+    rot = torch.cat([-q[..., 32:], q[..., :32]], -1)
+    by_hand = q * torch.cat([freqs.cos()] * 2, -1).unsqueeze(1) + rot * torch.cat([freqs.sin()] * 2, -1).unsqueeze(1)
+    torch.testing.assert_close(got[:, :64].float(), by_hand.view(21, 64), **FUSED_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_silu_and_mul_matches_reference(fused_ops, dtype):
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(19, 2 * 1536, generator=g) * 6).to(dtype)           # covers both sigmoid branches
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])                   # saturated and zero
+    torch.testing.assert_close(M.silu_and_mul(gate_up, fused=True), M.silu_and_mul(gate_up), **FUSED_TOL[dtype])
+
+
+def test_model_fused_and_plain_ops_give_the_same_logits(fused_ops):
+    net, _, _ = M.load_model(None)
+    seqs = [[1, 504, 3458, 282, 4649, 314], list(range(100, 140))]
+    fused = ragged_forward(net, seqs)
+    net.use_fused_ops = False
+    plain = ragged_forward(net, seqs)
+    assert (fused - plain).abs().max().item() <= 1e-3
+
+
 SMOLLM2_LINEAR_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]   # (in, out)
 
 
@@ -393,6 +484,24 @@ def test_cpu_linear_matches_f_linear_on_smollm2_shapes(smollm2_linear_weights, r
     x = torch.randn(1, rows, 576)
     ref = torch.nn.functional.linear(x, smollm2_linear_weights[0], bias)
     assert torch.allclose(M.linear(x, smollm2_linear_weights[0], bias), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 64])   # both sides of SMALL_M_ROWS_BF16
+def test_cpu_linear_bfloat16_matches_float32_math_on_smollm2_shapes(smollm2_linear_weights, rows):
+    # oracle: the same bf16 inputs multiplied in float32 (exact products, float32 sums), then one
+    # rounding to bf16: at most one bf16 unit (2^-8 relative) apart, plus summation order
+    g = torch.Generator().manual_seed(rows)
+    for w in smollm2_linear_weights[:4]:
+        w16, x16 = w.bfloat16(), torch.randn(rows, w.shape[1], generator=g).bfloat16()
+        ref = torch.nn.functional.linear(x16.float(), w16.float())
+        got = M.linear(x16, w16)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=2e-3, msg=f"{tuple(w.shape)} x {rows} rows")
+    bias = torch.randn(960, generator=g).bfloat16()
+    x16 = torch.randn(rows, 576, generator=g).bfloat16()
+    ref = torch.nn.functional.linear(x16.float(), smollm2_linear_weights[0].bfloat16().float(), bias.float())
+    torch.testing.assert_close(M.linear(x16, smollm2_linear_weights[0].bfloat16(), bias).float(), ref,
+                               rtol=8e-3, atol=2e-3)
 
 
 def test_cpu_linear_without_fast_kernels_warns_once_and_uses_f_linear(monkeypatch):
@@ -439,7 +548,7 @@ def expected_32(llm):
 
 def test_preemption_keeps_outputs_identical(expected_32):
     # 9 blocks of 16 tokens for 6 sequences growing to ~40 tokens (3 blocks) each: must preempt
-    tiny = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64)
+    tiny = LLM(dtype="float32", kv_cache_memory=9 * 737280, max_num_batched_tokens=64)
     outs = tiny.generate(PROMPTS[:6], greedy(32))
     assert tiny.engine.scheduler.num_preemptions >= 3
     assert token_ids(outs) == expected_32
@@ -448,7 +557,7 @@ def test_preemption_keeps_outputs_identical(expected_32):
 
 
 def test_swap_preemption_keeps_outputs_identical(expected_32):
-    swap = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, preemption_mode="swap",
+    swap = LLM(dtype="float32", kv_cache_memory=9 * 737280, max_num_batched_tokens=64, preemption_mode="swap",
                swap_space="64MiB")
     outs = swap.generate(PROMPTS[:6], greedy(32))
     assert swap.engine.scheduler.num_preemptions >= 3
@@ -460,15 +569,15 @@ def test_swap_preemption_keeps_outputs_identical(expected_32):
 @pytest.mark.parametrize("budget", [1, 7, 64, 100_000])
 def test_chunked_prefill_budgets_give_identical_outputs(budget):
     prompts = PROMPTS[:3] + ["A long prompt that needs chunking: " + "alpha beta gamma delta " * 12]
-    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=100_000)
+    expected = token_ids(LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_batched_tokens=100_000)
                          .generate(prompts, greedy(12)))
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=budget)
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_batched_tokens=budget)
     assert token_ids(llm.generate(prompts, greedy(12))) == expected
     assert_all_blocks_free(llm.engine)
 
 
 def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=32)
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_batched_tokens=32)
     eng = llm.engine
     eng.add_request("short", "Hello", greedy(20))
     for _ in range(3):
@@ -485,14 +594,14 @@ def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
 
 def test_static_and_continuous_give_identical_outputs():
     params = [greedy(4 + 3 * i) for i in range(len(PROMPTS))]
-    cont = LLM(kv_cache_memory=SMALL_KV)
-    static = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3)
+    cont = LLM(dtype="float32", kv_cache_memory=SMALL_KV)
+    static = LLM(dtype="float32", kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3)
     assert token_ids(static.generate(PROMPTS, params)) == token_ids(cont.generate(PROMPTS, params))
     assert_all_blocks_free(static.engine)
 
 
 def test_static_mode_admits_nothing_until_the_batch_finishes():
-    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
+    eng = LLM(dtype="float32", kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
     for i, n in enumerate([2, 10, 3]):
         eng.add_request(f"r{i}", PROMPTS[i], greedy(n))
     seen = []
@@ -505,7 +614,7 @@ def test_static_mode_admits_nothing_until_the_batch_finishes():
 
 
 def test_static_batch_pads_finished_members_until_its_longest_ends():
-    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
+    eng = LLM(dtype="float32", kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
     eng.add_request("short", list(range(1000, 1012)), greedy(3))      # 12 prompt tokens
     eng.add_request("long", list(range(2000, 2005)), greedy(8))       # 5 prompt tokens
     short = eng.requests["short"].completions[0].seq
@@ -529,8 +638,8 @@ def test_static_mode_forks_write_their_own_blocks():
     # static batching reserves every block up front, so n > 1 forks share blocks none has written
     # yet; each fork must copy before writing, or the samples overwrite one another's KV
     p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
-    cont = LLM(kv_cache_memory=SMALL_KV).generate(["Write a word:"], p)[0]
-    static = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2)
+    cont = LLM(dtype="float32", kv_cache_memory=SMALL_KV).generate(["Write a word:"], p)[0]
+    static = LLM(dtype="float32", kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2)
     out = static.generate(["Write a word:"], p)[0]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in cont.outputs]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
@@ -554,7 +663,7 @@ def test_block_tables_grow_one_block_at_a_time(llm):
 
 
 def test_kv_pool_is_sized_from_the_memory_budget():
-    eng = LLM(kv_cache_memory="100MiB").engine
+    eng = LLM(dtype="float32", kv_cache_memory="100MiB").engine
     per_block = 2 * 30 * 16 * 3 * 64 * 4          # K and V, 30 layers, 16 tokens, 3 heads x 64, float32
     assert eng.blocks.num_blocks == 100 * 2**20 // per_block
     assert tuple(eng.kv_pool.kv_caches[0][0].shape) == (eng.blocks.num_blocks, 16, 3, 64)
@@ -583,8 +692,8 @@ def test_kernel_backend_gives_the_reference_backends_greedy_outputs(llm, kv_cach
     import paged_attention
     if paged_attention.resolve_backend("auto", "cpu") == "torch":
         pytest.skip("no C++ compiler: the CPU kernel could not be built, only the reference runs")
-    kernel = LLM(kv_cache_memory=SMALL_KV, attention_backend="cpu", kv_cache_dtype=kv_cache_dtype)
-    ref = LLM(kv_cache_memory=SMALL_KV, attention_backend="torch", kv_cache_dtype=kv_cache_dtype)
+    kernel = LLM(dtype="float32", kv_cache_memory=SMALL_KV, attention_backend="cpu", kv_cache_dtype=kv_cache_dtype)
+    ref = LLM(dtype="float32", kv_cache_memory=SMALL_KV, attention_backend="torch", kv_cache_dtype=kv_cache_dtype)
     assert kernel.engine.kv_pool.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
     assert token_ids(kernel.generate(PROMPTS, greedy(16))) == token_ids(ref.generate(PROMPTS, greedy(16)))
     assert_all_blocks_free(kernel.engine)
@@ -700,9 +809,9 @@ QUESTIONS = ["What is 2+2?", "Name a color.", "Where is Paris?", "Say hello.", "
 
 def test_prefix_caching_gives_identical_outputs_and_skips_prefill():
     prompts = [SYSTEM + q for q in QUESTIONS]
-    off = LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
+    off = LLM(dtype="float32", kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
     expected = token_ids(off.generate(prompts, greedy(10)))
-    on = LLM(kv_cache_memory=SMALL_KV)
+    on = LLM(dtype="float32", kv_cache_memory=SMALL_KV)
     first = on.generate(prompts[:1], greedy(10))              # warms the cache with the system prompt
     rest = on.generate(prompts[1:], greedy(10))
     assert token_ids(first + rest) == expected
@@ -716,8 +825,8 @@ def test_prefix_caching_gives_identical_outputs_and_skips_prefill():
 
 def test_prefix_cache_eviction_mid_workload_keeps_outputs_identical():
     prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 20 + q for i in range(3) for q in QUESTIONS[:2]]
-    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False).generate(prompts, greedy(8)))
-    small = LLM(kv_cache_memory=16 * 737280, max_num_seqs=2)  # too small to keep every document cached
+    expected = token_ids(LLM(dtype="float32", kv_cache_memory=SMALL_KV, enable_prefix_caching=False).generate(prompts, greedy(8)))
+    small = LLM(dtype="float32", kv_cache_memory=16 * 737280, max_num_seqs=2)  # too small to keep every document cached
     outs = []
     for p in prompts:
         outs += small.generate([p], greedy(8))
@@ -728,7 +837,7 @@ def test_prefix_cache_eviction_mid_workload_keeps_outputs_identical():
 
 
 def test_n_samples_copy_on_write_costs_one_prompt_plus_n_tails():
-    llm = LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
     eng = llm.engine
     prompt = list(range(1000, 1100))                           # 100 tokens: 6 full blocks + 4 tokens
     eng.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
@@ -758,21 +867,21 @@ def run_order(llm, requests):
 
 
 def test_fcfs_serves_in_arrival_order():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1)
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_seqs=1)
     reqs = [("c", "three", 0, 3.0), ("a", "one", 5, 1.0), ("b", "two", 0, 2.0)]
     assert run_order(llm, sorted(reqs, key=lambda r: r[3])) == ["a", "b", "c"]
 
 
 def test_priority_policy_serves_lower_value_first_ties_by_arrival():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="priority")
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="priority")
     reqs = [("low", "one", 5, 1.0), ("high", "two", 0, 2.0), ("mid_late", "three", 2, 4.0), ("mid", "four", 2, 3.0)]
     assert run_order(llm, reqs) == ["high", "mid", "mid_late", "low"]
 
 
 def test_priority_request_preempts_a_running_lower_priority_one():
     prompts = ["A story about a cat:", "Important:"]
-    expected = token_ids(LLM(kv_cache_memory=SMALL_KV).generate(prompts, greedy(40)))
-    llm = LLM(kv_cache_memory=5 * 737280, scheduling_policy="priority")   # 5 blocks: room for one
+    expected = token_ids(LLM(dtype="float32", kv_cache_memory=SMALL_KV).generate(prompts, greedy(40)))
+    llm = LLM(dtype="float32", kv_cache_memory=5 * 737280, scheduling_policy="priority")   # 5 blocks: room for one
     eng = llm.engine
     eng.add_request("background", prompts[0], greedy(40), priority=10)
     for _ in range(5):
@@ -789,7 +898,7 @@ def test_priority_request_preempts_a_running_lower_priority_one():
 
 def test_lpm_prefers_cached_prefixes_without_starving_others():
     doc = "Shared document: " + "the river flows to the sea " * 20
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="lpm")
+    llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="lpm")
     llm.engine.scheduler.config.lpm_max_waited_steps = 12
     llm.generate([doc + "warm"], greedy(2))                     # the document is now cached
     reqs = [("cold1", "An unrelated question about trees", 0, 1.0),
@@ -799,7 +908,7 @@ def test_lpm_prefers_cached_prefixes_without_starving_others():
     # cached-prefix requests jump the queue, but the cold ones are served once they waited 12 steps
     assert order[0].startswith("hot") and set(order) == {r[0] for r in reqs}
     assert order.index("cold1") < len(order) - 1 and order.index("cold1") < order.index("cold2")
-    fcfs = run_order(LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1), reqs)
+    fcfs = run_order(LLM(dtype="float32", kv_cache_memory=SMALL_KV, max_num_seqs=1), reqs)
     assert fcfs[:2] == ["cold1", "cold2"]
 
 
@@ -879,6 +988,22 @@ def test_cpu_kernel_matches_reference_on_long_contexts(cpu_backend, kv_dtype, q_
     check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])   # 64 and 128 take the AVX-512 decode path, 32 the generic one
+def test_cpu_kernel_small_tiles_match_reference_at_every_width(cpu_backend, head_dim):
+    # tiles of 1-5 rows x group 3 = 3-15 query vectors (the decode path), causal inside the tile,
+    # contexts ending mid-block and past 16-key chunks of a 32-token block
+    # 8 sequences: with 1 thread an item takes all KV heads of a sequence, with 2+ one head each
+    threads = torch.get_num_threads()
+    try:
+        for kv_dtype, num_threads in itertools.product(DTYPES.values(), [1, threads]):
+            torch.set_num_threads(num_threads)
+            batch = make_batch([1, 2, 3, 4, 5, 1, 1, 2], [1, 18, 40, 33, 100, 77, 300, 47], num_kv_heads=2, group=3,
+                               head_dim=head_dim, block_size=32, kv_dtype=kv_dtype, seed=head_dim)
+            check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cpu_kernel_keeps_bfloat16_queries(cpu_backend):
     batch = make_batch(*MIXED, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     check_against_reference(cpu_backend, batch, ATOL_BF16_QUERY)
@@ -915,6 +1040,58 @@ def test_reshape_and_cache_rejects_out_of_range_slots(cpu_backend):
     with pytest.raises(RuntimeError, match="outside"):
         pa.reshape_and_cache(torch.randn(1, 1, 64), torch.randn(1, 1, 64), *caches,
                              torch.tensor([8]), backend="cpu")
+
+
+# ---- the same C++ on a CPU without AVX-512 ---------------------------------------------------
+
+AVX2_FLAGS = ["-march=x86-64-v3"]     # AVX2 + FMA + F16C, no AVX-512: the oldest CPU the kernels target
+CPU_SOURCES = ["paged_attention_cpu.cpp", "linear_cpu.cpp", "fused_cpu.cpp"]
+
+
+def test_cpu_kernels_compile_for_avx2_only_cpus():
+    # -march=native here has AVX-512; the #if'd AVX-512 paths must have AVX2 twins that compile.
+    # Syntax only (templates instantiated, no code generated), the three files at once: 25-100 s
+    # on 2 shared cores (torch's headers), so opt-in like the build below.
+    if os.environ.get("NANOSERVE_TEST_AVX2_BUILD") != "1":
+        pytest.skip("set NANOSERVE_TEST_AVX2_BUILD=1 to compile-check the CPU kernels for AVX2 only")
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler: cannot compile-check the CPU kernels")
+    from torch.utils import cpp_extension
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    procs = {src: subprocess.Popen([cxx, "-fsyntax-only", "-std=c++20", "-fopenmp", "-Wall", "-Werror",
+                                    *AVX2_FLAGS, *includes, str(CSRC / src)], stderr=subprocess.PIPE, text=True)
+             for src in CPU_SOURCES}
+    for src, proc in procs.items():
+        err = proc.communicate()[1]
+        assert proc.returncode == 0, f"{src}: {err[-3000:]}"
+
+
+AVX2_NUMERICS = """
+import sys, torch, extensions
+for build in extensions.BUILDS.values():   # this process builds and loads the AVX2-only variants
+    build["extra_cflags"] = [f for f in build.get("extra_cflags", []) if f != "-march=native"] + sys.argv[1:]
+import model as M, paged_attention as pa, test_all as T
+for kind in ("cpu", "linear_cpu", "fused_cpu"):
+    extensions.load(kind)
+for kv in (torch.float32, torch.bfloat16):
+    T.check_against_reference(lambda *b: pa.paged_attention(*b, backend="cpu"), T.make_batch(*T.MIXED, kv_dtype=kv), T.ATOL[kv])
+x, w = torch.randn(3, 576), torch.randn(960, 576)
+torch.testing.assert_close(M.linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+got = M.linear(x.bfloat16(), w.bfloat16()).float()
+torch.testing.assert_close(got, torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float()), rtol=8e-3, atol=2e-2)
+gu = torch.randn(5, 64) * 4
+torch.testing.assert_close(M.silu_and_mul(gu, fused=True), M.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
+print("avx2 numerics ok")
+"""
+
+
+def test_cpu_kernels_built_for_avx2_only_match_the_references():
+    # builds all three libraries without AVX-512 (~2 min the first time, cached after): opt-in
+    if os.environ.get("NANOSERVE_TEST_AVX2_BUILD") != "1":
+        pytest.skip("set NANOSERVE_TEST_AVX2_BUILD=1 to build the kernels for AVX2 only and check their numerics")
+    result = subprocess.run([sys.executable, "-c", AVX2_NUMERICS, *AVX2_FLAGS], cwd=HERE, capture_output=True, text=True)
+    assert result.returncode == 0 and "avx2 numerics ok" in result.stdout, result.stdout + result.stderr[-3000:]
 
 
 # ---- CUDA kernel: compile check, emulated execution, real GPU --------------------------------
@@ -1542,7 +1719,7 @@ def booting_server():
     port, log = free_port(), tempfile.TemporaryFile()
     # 128MiB holds ~2900 tokens: less than max_model_len, so the engine itself must reject bigger requests
     proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--kv-cache-memory", "128MiB",
-                             "--max-num-seqs", "64"], cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+                             "--max-num-seqs", "64", "--dtype", "float32"], cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
     yield proc, f"http://127.0.0.1:{port}", log
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -1556,7 +1733,7 @@ def server_log(log) -> str:
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(kv_cache_memory="512MiB")
+    return LLM(dtype="float32", kv_cache_memory="512MiB")
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@
 // L1) and computes them against every activation row, kTileM rows at a time with dot
 // products along K. Threads split the output columns (torch's thread count).
 //
-// Registered as torch.ops.nanoserve_linear.linear_small_m; needs K % 8 == 0 and N % 4 == 0
-// (model.linear checks) and float32 contiguous inputs. Built with -O3 -march=native (AVX2+FMA).
+// Registered as torch.ops.nanoserve_linear.linear_small_m (float32; needs K % 8 == 0 and
+// N % 4 == 0) and linear_small_m_bf16 (bfloat16; K % 32 == 0), contiguous inputs (model.linear
+// checks). Built with -O3 -march=native: AVX2+FMA at least, AVX512_BF16 used where present.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -16,6 +17,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 
 namespace {
@@ -84,9 +87,102 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// ---- bfloat16: the same stream over the weight, half the bytes ---------------------------------
+// With AVX512_BF16 (Zen 4, Cooper Lake and later Xeons) _mm512_dpbf16_ps multiplies 32 bf16
+// pairs exactly and accumulates in float32, so x and the weight are used as stored. Elsewhere
+// (AVX2) each 8 bf16 become floats with a shift (bf16 is the top half of a float) before an FMA.
+// Either way the sums are float32 and rounded to bf16 once, on store. Needs K % 32 == 0.
+inline uint16_t round_to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+#if defined(__AVX512BF16__)
+template <int MR>
+void tile_bf16(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out,
+               int64_t m0, int64_t n0, int64_t K, int64_t N, const uint16_t* prefetch) {
+  __m512 acc[MR][kRows];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kRows; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    if (prefetch) {   // the next tile's kRows rows: 4 x 64 bytes per step of 32 elements
+      for (int j = 0; j < kRows; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * K + k), _MM_HINT_T0);
+    }
+    __m512bh wv[kRows];
+    for (int j = 0; j < kRows; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + (n0 + j) * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * K + k);
+      for (int j = 0; j < kRows; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kRows; ++j)
+      out[(m0 + i) * N + n0 + j] = round_to_bf16(_mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f));
+}
+#else
+inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+template <int MR>
+void tile_bf16(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out,
+               int64_t m0, int64_t n0, int64_t K, int64_t N, const uint16_t* prefetch) {
+  __m256 acc[MR][kRows];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kRows; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    if (prefetch && k % 32 == 0)
+      for (int j = 0; j < kRows; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * K + k), _MM_HINT_T0);
+    __m256 wv[kRows];
+    for (int j = 0; j < kRows; ++j) wv[j] = bf16x8(w + (n0 + j) * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = bf16x8(x + (m0 + i) * K + k);
+      for (int j = 0; j < kRows; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float sums[4];
+    _mm_storeu_ps(sums, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    for (int j = 0; j < kRows; ++j) out[(m0 + i) * N + n0 + j] = round_to_bf16(sums[j] + (bias ? bias[n0 + j] : 0.f));
+  }
+}
+#endif
+
+// x [M, K] bf16, weight [N, K] bf16, bias [N] (any float dtype) or None -> [M, N] bf16
+at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shape mismatch");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs only");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(K % 32 == 0 && N % kRows == 0, "need K % 32 == 0 and N % 4 == 0");
+  at::Tensor b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias must be [N]");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.const_data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  at::parallel_for(0, N / kRows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* next = t + 1 < end ? wp + (t + 1) * kRows * K : nullptr;
+      int64_t m = 0;
+      for (; m + kTileM <= M; m += kTileM, next = nullptr) tile_bf16<kTileM>(xp, wp, b, op, m, t * kRows, K, N, next);
+      for (; m < M; ++m, next = nullptr) tile_bf16<1>(xp, wp, b, op, m, t * kRows, K, N, next);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nanoserve_linear, m) {
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("linear_small_m", c10::DispatchKey::CPU, TORCH_FN(linear_small_m));
+  m.def("linear_small_m_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("linear_small_m_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_bf16));
 }

@@ -1,7 +1,8 @@
 // CPU kernels behind paged_attention.py's "cpu" backend: ragged paged attention and the
 // fused KV write (reshape_and_cache). Semantics are exactly paged_attention_reference's.
 //
-// Parallel work item = (sequence, KV head, tile of up to kTileRows query rows). Items are
+// Parallel work item = (sequence, KV head, tile of up to kTileRows query rows); with AVX-512 and
+// enough decode sequences, (sequence, all KV heads, tile) so that blocks are read whole. Items are
 // flattened and handed out dynamically, longest first, so 64 decode rows and one long prefill
 // chunk both keep every core busy. Inside an item, each KV block is loaded (and converted
 // from bf16/fp16 to float) once and used by every query row of the tile and every query
@@ -10,6 +11,8 @@
 // prefill tiles (>= 16 query vectors) with q transposed, vectorized over the query vectors.
 // The next block's rows are prefetched, since the block table defeats hardware prefetch.
 //
+// Decode-sized tiles (fewer than 16 query vectors, head_dim 64 or 128) take an AVX-512 path
+// where the compiler targets it (scores of 16 keys per register, vector exp); see below.
 // Registered as torch.ops.nanoserve_cpu.{paged_attention, reshape_and_cache}; built by
 // paged_attention.py with -O3 -march=native -fopenmp. Lean headers keep the build ~10 s.
 #include <ATen/Parallel.h>
@@ -17,6 +20,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -149,6 +153,7 @@ struct Batch {                      // raw views of the call's tensors
 
 struct WorkItem {
   int seq, kv_head;
+  int num_heads;                    // KV heads kv_head .. kv_head + num_heads - 1 (> 1: AVX-512 path only)
   int row_begin, row_end;           // query rows (indices into `query`) of this tile
   int first_pos;                    // absolute position of row_begin
   int64_t cost;                     // ~ rows x context, for longest-first ordering
@@ -238,6 +243,190 @@ void attend_tile(const Batch& b, const KV* key_cache, const KV* value_cache, con
   }
 }
 
+// ---- decode tiles with AVX-512 -------------------------------------------------------------
+// A decode item has few query vectors (the GQA group, e.g. 3), so the generic path above spends
+// its time on one horizontal sum per (query, key) and a scalar exp per key, not on reading KV.
+// Here keys go 16 at a time: each query's 16 dot products are left as 16 vectors and summed by
+// one transpose-and-add tree (45 ops instead of 16 horizontal sums), the scores of 16 keys sit in
+// one register for the max, the exp and the sum, and K/V rows are converted to float in
+// registers as they are used (no buffer). Query vectors go kMB at a time so that their q (or
+// their output accumulators) stay in registers: C = head_dim / 16 registers each.
+// Built only where the compiler targets AVX-512 (-march=native on such a CPU); elsewhere the
+// generic path runs. Exactly the same math as the generic path, in another summation order.
+#if defined(__AVX512F__)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {   // bf16 = the top half of a float
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp_nonpositive() on 16 lanes: same range reduction and polynomial.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(two_n));
+}
+
+// out[i] = sum of the 16 lanes of v[i], for 16 vectors: pairs, then quads, then 128-bit lanes.
+inline __m512 sum16x16(const __m512* v) {
+  __m512 pair[8], quad[4];
+  for (int i = 0; i < 8; ++i)   // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) { // per 128-bit lane: the lane's sums of a, b, c, d
+    const __m512d a = _mm512_castps_pd(pair[2 * i]), b = _mm512_castps_pd(pair[2 * i + 1]);
+    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 half[2];               // 128-bit lanes added pairwise, two quads per result
+  for (int i = 0; i < 2; ++i)
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// C = head_dim / 16; kMB query vectors share each K/V row load, their q or acc in registers.
+// The item covers KV heads [kv_head, kv_head + num_heads): with all of a sequence's heads in
+// one item, a block is read front to back (every head's rows are interleaved in it), which
+// DRAM serves much faster than each head's 128-byte slices read by separate items.
+template <typename KV, int C>
+void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w,
+                         Scratch& s) {
+  constexpr int D = 16 * C, kMB = C <= 4 ? 4 : 2;
+  const int G = b.group, bs = b.block_size, H = w.num_heads;
+  const int rows = w.row_end - w.row_begin, M = rows * G;    // query vectors per KV head, < 16
+  for (int h = 0; h < H; ++h)
+    for (int m = 0; m < M; ++m) {     // state index h * M + m
+      const float* src = b.query + ((int64_t)(w.row_begin + m / G) * b.num_heads + (w.kv_head + h) * G + m % G) * D;
+      for (int d = 0; d < D; ++d) s.q[(h * M + m) * D + d] = src[d] * b.scale;
+      s.row_max[h * M + m] = kNegInf;
+      s.row_sum[h * M + m] = 0.f;
+    }
+  std::fill(s.acc.begin(), s.acc.begin() + (int64_t)H * M * D, 0.f);
+  const int kv_len = w.first_pos + rows;
+  const int64_t row_stride = (int64_t)b.num_kv_heads * D;
+  const int* block_table = b.block_tables + w.seq * b.max_blocks;
+  alignas(64) float p[16 * 16];                  // [m][key]: scores, then softmax weights
+  for (int start = 0; start < kv_len; start += bs) {
+    const int n = std::min(bs, kv_len - start);
+    const int64_t base = ((int64_t)block_table[start / bs] * bs * b.num_kv_heads + w.kv_head) * D;
+    if (start + bs < kv_len) {   // the next block's rows of our heads (contiguous when H is all)
+      const int64_t next = ((int64_t)block_table[start / bs + 1] * bs * b.num_kv_heads + w.kv_head) * D;
+      const int next_n = std::min(bs, kv_len - start - bs);
+      prefetch_rows(key_cache + next, row_stride, next_n, H * D);
+      prefetch_rows(value_cache + next, row_stride, next_n, H * D);
+    }
+    for (int t0 = 0; t0 < n; t0 += 16)
+      for (int h = 0; h < H; ++h) {
+        const int nt = std::min(16, n - t0);
+        const KV* k = key_cache + base + h * D + t0 * row_stride;
+        const KV* v = value_cache + base + h * D + t0 * row_stride;
+        float* q_h = &s.q[h * M * D];
+        float* acc_h = &s.acc[h * M * D];
+        float* max_h = &s.row_max[h * M];
+        float* sum_h = &s.row_sum[h * M];
+        // scores of kMB query vectors at a time against nt keys
+        for (int m0 = 0; m0 < M; m0 += kMB) {
+          const int mb = std::min(kMB, M - m0);
+          __m512 q[kMB][C];
+          for (int i = 0; i < kMB; ++i)
+            for (int c = 0; c < C; ++c) q[i][c] = i < mb ? _mm512_loadu_ps(&q_h[(m0 + i) * D + 16 * c]) : _mm512_setzero_ps();
+          __m512 dots[kMB][16];
+          for (int t = 0; t < 16; ++t) {
+            if (t >= nt) {
+              for (int i = 0; i < kMB; ++i) dots[i][t] = _mm512_setzero_ps();
+              continue;
+            }
+            __m512 kc[C];
+            for (int c = 0; c < C; ++c) kc[c] = load16(k + t * row_stride + 16 * c);
+            for (int i = 0; i < kMB; ++i) {
+              __m512 a = _mm512_mul_ps(q[i][0], kc[0]);
+              for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[i][c], kc[c], a);
+              dots[i][t] = a;
+            }
+          }
+          for (int i = 0; i < mb; ++i) _mm512_store_ps(&p[(m0 + i) * 16], sum16x16(dots[i]));
+        }
+        // online softmax over these keys, 16 lanes at once
+        for (int m = 0; m < M; ++m) {
+          const int visible = std::min(nt, w.first_pos + m / G - start - t0 + 1);   // causal
+          if (visible <= 0) {
+            _mm512_store_ps(&p[m * 16], _mm512_setzero_ps());
+            continue;
+          }
+          const __mmask16 live = visible >= 16 ? __mmask16(0xffff) : __mmask16((1u << visible) - 1);
+          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), live, _mm512_load_ps(&p[m * 16]));
+          const float new_max = std::max(max_h[m], _mm512_reduce_max_ps(sc));
+          const float correction = exp_nonpositive(max_h[m] - new_max);
+          const __m512 e = exp_nonpositive16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
+          _mm512_store_ps(&p[m * 16], e);
+          sum_h[m] = sum_h[m] * correction + _mm512_reduce_add_ps(e);
+          max_h[m] = new_max;
+          if (correction != 1.f)
+            for (int c = 0; c < C; ++c)
+              _mm512_storeu_ps(&acc_h[m * D + 16 * c],
+                               _mm512_mul_ps(_mm512_loadu_ps(&acc_h[m * D + 16 * c]), _mm512_set1_ps(correction)));
+        }
+        // acc += p @ V, kMB query vectors at a time with their accumulators in registers
+        for (int m0 = 0; m0 < M; m0 += kMB) {
+          const int mb = std::min(kMB, M - m0);
+          __m512 acc[kMB][C];
+          for (int i = 0; i < kMB; ++i)
+            for (int c = 0; c < C; ++c) acc[i][c] = i < mb ? _mm512_loadu_ps(&acc_h[(m0 + i) * D + 16 * c]) : _mm512_setzero_ps();
+          for (int t = 0; t < nt; ++t) {
+            __m512 vc[C];
+            for (int c = 0; c < C; ++c) vc[c] = load16(v + t * row_stride + 16 * c);
+            for (int i = 0; i < kMB; ++i) {
+              const __m512 pt = _mm512_set1_ps(p[(m0 + std::min(i, mb - 1)) * 16 + t]);
+              for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pt, vc[c], acc[i][c]);
+            }
+          }
+          for (int i = 0; i < mb; ++i)
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(&acc_h[(m0 + i) * D + 16 * c], acc[i][c]);
+        }
+      }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int m = 0; m < M; ++m) {
+      float* dst = b.out + ((int64_t)(w.row_begin + m / G) * b.num_heads + (w.kv_head + h) * G + m % G) * D;
+      const float inv = 1.f / s.row_sum[h * M + m];
+      for (int d = 0; d < D; ++d) dst[d] = s.acc[(h * M + m) * D + d] * inv;
+    }
+}
+
+// Can decode tiles of this batch take the AVX-512 path with one item per sequence (all KV
+// heads)? Only with enough sequences to keep every thread busy, and state that fits Scratch.
+bool whole_sequence_items(const Batch& b, int num_seqs, int rows) {
+  return (b.head_dim == 64 || b.head_dim == 128) && rows * b.group < kLanes && rows * b.num_kv_heads <= kTileRows &&
+         num_seqs >= 4 * at::get_num_threads();
+}
+#endif  // __AVX512F__
+
+// The AVX-512 path for decode-sized tiles of the usual head sizes, else the generic one.
+template <typename KV>
+void attend(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w, Scratch& s) {
+#if defined(__AVX512F__)
+  if ((w.row_end - w.row_begin) * b.group < kLanes) {
+    if (b.head_dim == 64) return attend_small_avx512<KV, 4>(b, key_cache, value_cache, w, s);
+    if (b.head_dim == 128) return attend_small_avx512<KV, 8>(b, key_cache, value_cache, w, s);
+  }
+#endif
+  attend_tile<KV>(b, key_cache, value_cache, w, s);   // num_heads == 1 here
+}
+
 template <typename KV>
 void run_items(const Batch& b, const at::Tensor& key_cache, const at::Tensor& value_cache,
                const std::vector<WorkItem>& items) {
@@ -249,7 +438,7 @@ void run_items(const Batch& b, const at::Tensor& key_cache, const at::Tensor& va
   {
     Scratch scratch(b);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) attend_tile<KV>(b, k, v, items[i], scratch);
+    for (int64_t i = 0; i < num_items; ++i) attend<KV>(b, k, v, items[i], scratch);
   }
 }
 
@@ -310,8 +499,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
     }
     for (int r = 0; r < q_len; r += kTileRows) {
       const int rows = std::min(kTileRows, q_len - r), first_pos = cl[i] - q_len + r;
-      for (int h = 0; h < num_kv_heads; ++h)
-        items.push_back({i, h, qs[i] + r, qs[i] + r + rows, first_pos, (int64_t)rows * (first_pos + rows)});
+      const int64_t cost = (int64_t)rows * (first_pos + rows);
+#if defined(__AVX512F__)
+      if (whole_sequence_items(b, num_seqs, rows)) {
+        items.push_back({i, 0, num_kv_heads, qs[i] + r, qs[i] + r + rows, first_pos, cost * num_kv_heads});
+        continue;
+      }
+#endif
+      for (int h = 0; h < num_kv_heads; ++h) items.push_back({i, h, 1, qs[i] + r, qs[i] + r + rows, first_pos, cost});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });

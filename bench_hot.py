@@ -1,0 +1,226 @@
+"""
+Measurements of the hot path (issue 10) that bench.py calls and prints: the paged-attention
+kernel's KV read speed against plain memory bandwidth, the per-phase cost of Engine.step as
+the batch grows, a batch-64 decode step against the matmul roofline at the engine's dtype,
+and the offline workload's useful output tokens/s. Each function returns a plain dict (every
+ratio measured in one process, interleaved, because the machine is shared); none prints.
+
+Owns only measuring. Does not change the engine or pick settings; bench.py owns the tables,
+the peers and the targets. `python bench_hot.py` prints every dict, for a quick look.
+"""
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")   # as bench.py: brief spin, then sleep
+
+import random
+import statistics
+import time
+
+import torch
+
+import model as M
+import paged_attention as pa
+
+
+def _best_median(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times), statistics.median(times)
+
+
+def read_bandwidth_gbs(nbytes=512 * 2**20, repeats=3) -> float:
+    """Plain read bandwidth: best GB/s of summing a tensor far larger than the caches."""
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    return nbytes / _best_median(x.sum, repeats)[0] / 1e9
+
+
+def decode_kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=16, seed=0):
+    """A decode batch (one query row per sequence) over scattered blocks, SmolLM2's head shape."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = -(-ctx // block)
+    num_blocks = batch * blocks_per_seq
+    q = torch.randn(batch, heads, head_dim, generator=g)                       # [batch, heads, head_dim]
+    k = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(kv_dtype)
+    v = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(kv_dtype)
+    tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    return q, k, v, tables, lens, qsl
+
+
+def bench_kernel_bandwidth(batch=64, contexts=(512, 1024, 2048), kv_dtype=torch.bfloat16, repeats=5,
+                           backend="cpu") -> dict:
+    """KV bytes read per second by the paged-attention kernel at decode, against the plain read
+    bandwidth measured between its runs. -> {"read_gbs", "contexts": {ctx: {"ms", "kv_gbs",
+    "read_gbs", "ratio", "max_abs_diff"}}}; the diff is against the PyTorch reference on the
+    first 4 sequences."""
+    out = {"batch": batch, "kv_dtype": str(kv_dtype).removeprefix("torch."), "backend": backend, "contexts": {}}
+    reads = []
+    for ctx in contexts:
+        q, k, v, tables, lens, qsl = decode_kernel_inputs(batch, ctx, kv_dtype)
+        call = lambda: pa.paged_attention(q, k, v, tables, lens, qsl, 0.125, backend=backend)  # noqa: E731
+        got = call()
+        ref = pa.paged_attention_reference(q[:4], k, v, tables[:4], lens[:4], qsl[:5], 0.125)
+        kv_bytes = 2 * k.numel() * k.element_size()            # every block of K and V is read once
+        best = float("inf")
+        read = 0.0
+        for _ in range(repeats):                                # interleaved: same load on both
+            best = min(best, _best_median(call, 1)[0])
+            read = max(read, read_bandwidth_gbs(repeats=1))
+        reads.append(read)
+        out["contexts"][ctx] = {"ms": best * 1e3, "kv_gbs": kv_bytes / best / 1e9, "read_gbs": read,
+                                "ratio": kv_bytes / best / 1e9 / read,
+                                "max_abs_diff": (got[:4] - ref).abs().max().item()}
+    out["read_gbs"] = max(reads)
+    out["min_ratio"] = min(c["ratio"] for c in out["contexts"].values())
+    return out
+
+
+# ---------------------------------------------------------------------------- engine steps
+
+def _engine(**overrides):
+    from engine import Engine
+    cfg = dict(kv_cache_memory="1GiB", enable_prefix_caching=False, max_num_seqs=64)
+    return Engine(**{**cfg, **overrides})
+
+
+def _random_prompt(rng, vocab, n):
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def decode_steps(engine, batch, prompt_len=32, steps=6, temperature=0.0) -> dict:
+    """Run `batch` sequences to decode, then time `steps` pure decode steps: median wall ms
+    and the engine's own phase split (engine.phase_times) per step. Leaves no request behind."""
+    from engine import SamplingParams
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 8, ignore_eos=True, seed=1 if temperature else None)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, _random_prompt(rng, vocab, prompt_len), params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()                                        # one warm decode step
+    before = dict(vars(engine.phase_times))
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    phases = {k: (v - before[k]) / steps * 1e3 for k, v in vars(engine.phase_times).items()}
+    for rid in ids:
+        engine.abort_request(rid)
+    return {"batch": batch, "step_ms_median": statistics.median(walls) * 1e3, "step_ms_min": min(walls) * 1e3,
+            "phase_ms": phases}
+
+
+def phase_breakdown(batches=(1, 8, 64), engine=None, steps=6) -> dict:
+    """Per-phase ms of a decode step (schedule / prepare / forward / sample / update) at each
+    batch, and the Python phases (all but forward) per sequence: flat per-step Python work
+    shows as per-sequence cost that does not grow with the batch."""
+    engine = engine or _engine()
+    out = {}
+    for b in batches:
+        r = decode_steps(engine, b, steps=steps)
+        host = sum(v for k, v in r["phase_ms"].items() if k != "forward")
+        r["python_ms"] = host
+        r["python_us_per_seq"] = host / b * 1e3
+        out[b] = r
+    return out
+
+
+def matmul_only_ms(engine, batch, repeats=3) -> float:
+    """Time of only the model's linear layers at `batch` rows, in the engine's dtype, through
+    model.linear (the path the engine takes): the matmul roofline of a decode step."""
+    net = engine.model
+    weights = [m.weight for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    run = lambda: [M.linear(xs[w.shape[1]], w) for w in weights]   # noqa: E731
+    run()
+    return _best_median(run, repeats)[0] * 1e3
+
+
+def decode_vs_roofline(batch=64, engine=None, steps=6) -> dict:
+    """A batch-`batch` decode step against the matmul-only time at the engine's dtype."""
+    engine = engine or _engine()
+    r = decode_steps(engine, batch, steps=steps)
+    mm = matmul_only_ms(engine, batch)
+    return {"batch": batch, "dtype": str(engine.dtype).removeprefix("torch."), "step_ms": r["step_ms_median"],
+            "matmul_only_ms": mm, "of_matmul_roofline": mm / r["step_ms_median"], "phase_ms": r["phase_ms"]}
+
+
+def fused_ops_speedup(batch=64, engine=None, steps=6) -> dict:
+    """Decode step ms with csrc/fused_cpu.cpp's ops and with the plain PyTorch ops, interleaved."""
+    engine = engine or _engine()
+    times = {True: [], False: []}
+    for _ in range(2):
+        for fused in (True, False):
+            engine.model.use_fused_ops = fused
+            times[fused].append(decode_steps(engine, batch, steps=steps)["step_ms_median"])
+    engine.model.use_fused_ops = True
+    return {"batch": batch, "fused_ms": min(times[True]), "plain_ms": min(times[False]),
+            "speedup": min(times[False]) / min(times[True])}
+
+
+# ---------------------------------------------------------------------------- the issue's workload
+
+def issue_workload(num_requests=64, seed=0, vocab=49152):
+    """64 random token-id prompts (~133 tokens on average), outputs 16-256: the issue's shape."""
+    rng = random.Random(seed)
+    prompts = [_random_prompt(rng, vocab, rng.randint(67, 200)) for _ in range(num_requests)]
+    return prompts, [rng.randint(16, 256) for _ in range(num_requests)]
+
+
+def offline_throughput(num_requests=64, **engine_overrides) -> dict:
+    """Useful output tokens/s of LLM.generate on the issue's workload: greedy, EOS ignored,
+    max_num_seqs=64, prefix caching off; one short warm-up first."""
+    from engine import LLM, SamplingParams
+    llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False, max_num_seqs=64, **engine_overrides)
+    prompts, outs = issue_workload(num_requests, vocab=llm.engine.model_config.vocab_size)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+    llm.generate(prompts[:4], params[:4])                 # warm-up: builds, first-touch allocations
+    t = time.perf_counter()
+    done = llm.generate(prompts, params)
+    wall = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in done)
+    return {"dtype": str(llm.engine.dtype).removeprefix("torch."), "requests": num_requests,
+            "prompt_tokens": sum(map(len, prompts)), "output_tokens": tokens, "wall_s": wall,
+            "output_tok_s": tokens / wall}
+
+
+def bf16_linear_table(rows=(1, 8, 32, 64, 128, 512), repeats=3) -> dict:
+    """ms of one pass over SmolLM2's per-layer linear shapes: float32 and bfloat16 through
+    model.linear (the engine's path) vs bfloat16 through F.linear and oneDNN's _linear_pointwise."""
+    import torch.nn.functional as F
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+    ws = {dt: [torch.randn(n, k).to(dt) for k, n in shapes] for dt in (torch.float32, torch.bfloat16)}
+    paths = {"float32 model.linear": (torch.float32, M.linear),
+             "bfloat16 model.linear": (torch.bfloat16, M.linear),
+             "bfloat16 F.linear": (torch.bfloat16, F.linear),
+             "bfloat16 onednn": (torch.bfloat16,
+                                 lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))}
+    out = {}
+    for m in rows:
+        out[m] = {}
+        for name, (dt, fn) in paths.items():
+            xs = [torch.randn(m, k).to(dt) for k, _ in shapes]
+            run = lambda: [fn(x, w) for x, w in zip(xs, ws[dt])]   # noqa: E731
+            run()
+            out[m][name] = _best_median(run, repeats)[0] * 1e3
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    torch.set_num_threads(os.cpu_count())
+    import sys
+    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "linear", "offline"]
+    calls = {"kernel": bench_kernel_bandwidth, "phases": phase_breakdown, "roofline": decode_vs_roofline,
+             "fused": fused_ops_speedup, "linear": bf16_linear_table,
+             "offline": lambda: [offline_throughput(), offline_throughput(dtype="float32")]}
+    for part in parts:
+        print(part, json.dumps(calls[part](), indent=1), flush=True)
