@@ -137,10 +137,13 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
     apply_min_tokens(logits, states)
     apply_logit_bias(logits, params)
     apply_penalties(logits, states)
-    tokens = logits.argmax(dim=-1)                                     # [num_seqs] greedy for every row
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if rows:
-        tokens[rows] = draw(logits[rows], [states[i] for i in rows], generator)
+    if len(rows) == len(states):                                       # all sample: no copy, no argmax
+        tokens = draw(logits, states, generator)                       # [num_seqs]
+    else:
+        tokens = logits.argmax(dim=-1)                                 # [num_seqs] greedy rows
+        if rows:
+            tokens[rows] = draw(logits[rows], [states[i] for i in rows], generator)
     tokens = tokens.tolist()
     if raw_logprobs is None:
         return tokens, [None] * len(states)
@@ -148,11 +151,15 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
 
 
 def draw(x, states, generator):
-    """x: [k, vocab] logits of rows that sample. Temperature, filters, then inverse CDF."""
+    """x: [k, vocab] logits of rows that sample (overwritten). Temperature, filters, then inverse CDF."""
     params = [s.params for s in states]
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    x = apply_top_k_top_p_min_p(x.div_(temps.unsqueeze(1)), params)  # [k, vocab]
-    x = x.sub_(x.max(dim=-1, keepdim=True).values).exp_()            # unnormalized probs; masked -> 0
+    inv_temp = 1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32)   # [k, 1]
+    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        x = apply_top_k_top_p_min_p(x.mul_(inv_temp), params)         # [k, vocab]
+        inv_temp = torch.ones_like(inv_temp)
+    # exp((x - max) / T) in two passes over the logits (max(x / T) = max(x) / T); masked -> 0
+    x_max = x.max(dim=-1, keepdim=True).values                        # [k, 1]
+    x = torch.addcmul(-x_max * inv_temp, x, inv_temp).exp_()          # [k, vocab] unnormalized probs
     cdf = x.cumsum_(dim=-1)                                           # [k, vocab]
     u = uniforms(states, generator) * cdf[:, -1]                      # [k] a point in each row's mass
     picked = torch.searchsorted(cdf, u.unsqueeze(1), right=True)      # [k, 1] first token whose cdf passes u
@@ -165,9 +172,9 @@ def uniforms(states, generator):
     shared = [i for i, s in enumerate(states) if s.generator is None]
     if shared:
         u[shared] = torch.rand(len(shared), generator=generator)
-    for i, s in enumerate(states):
-        if s.generator is not None:
-            u[i] = torch.rand(1, generator=s.generator)[0]
+    seeded = [i for i, s in enumerate(states) if s.generator is not None]
+    if seeded:
+        u[seeded] = torch.cat([torch.rand(1, generator=states[i].generator) for i in seeded])
     return u
 
 

@@ -35,6 +35,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None            # a Lark grammar (llguidance's dialect)
     json_object: bool | None = None       # any JSON object
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens (shorter outputs)
 
     def validate(self):
         """Raise InvalidRequest('structured_outputs', ...) unless exactly one kind is set and it compiles."""
@@ -52,12 +53,13 @@ class StructuredOutputsParams:
     def to_grammar(self) -> str:
         """The llguidance grammar text of whichever kind is set."""
         M = llguidance.LLMatcher
+        options = {"whitespace_flexible": not self.disable_any_whitespace}
         try:
             if self.json is not None:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-                return M.grammar_from_json_schema(schema)
+                return M.grammar_from_json_schema(schema, defaults=options)
             if self.json_object:
-                return M.grammar_from_json_schema({"type": "object"})
+                return M.grammar_from_json_schema({"type": "object"}, defaults=options)
         except (ValueError, TypeError) as exc:
             raise errors.InvalidRequest("structured_outputs", f"structured_outputs json is not a JSON schema: "
                                                               f"{exc}") from None
