@@ -138,7 +138,7 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
     apply_logit_bias(logits, params)
     apply_penalties(logits, states)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if len(rows) == len(states):                                       # all sample: no copy, no argmax
+    if rows and len(rows) == len(states):                              # all sample: no copy, no argmax
         tokens = draw(logits, states, generator)                       # [num_seqs]
     else:
         tokens = logits.argmax(dim=-1)                                 # [num_seqs] greedy rows

@@ -686,11 +686,12 @@ def transformers_greedy(hf, prompt, p: SamplingParams, end_ids):
     """Greedy decoding with transformers' logits and the rules above; stops like the engine."""
     out = []
     with torch.no_grad():
+        step = hf(torch.tensor([prompt]), use_cache=True)
         while len(out) < p.max_tokens:
-            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
-            out.append(int(vllm_logits_rules(logits, prompt, out, p, end_ids).argmax()))
-            if not p.ignore_eos and out[-1] in end_ids and len(out) > p.min_tokens:
+            out.append(int(vllm_logits_rules(step.logits[0, -1], prompt, out, p, end_ids).argmax()))
+            if not p.ignore_eos and out[-1] in end_ids:
                 break
+            step = hf(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
     return out
 
 
@@ -698,23 +699,26 @@ def test_penalties_logit_bias_and_min_tokens_match_transformers(llm_f32, hf_smol
     tok, end_ids = llm_f32.tokenizer, llm_f32.engine.eos_token_ids
     cat = tok.encode("Repeat after me: the cat, the cat, the cat,")
     count = tok.encode("1, 2, 3, 4,")
-    say_hi = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi"}]))
+    say_hi = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi"}]) + "Hello! How can I help?")
     cases = [  # (prompt, params): one batch, so each processor runs on its rows only
-        (cat, greedy(10)),
-        (cat, greedy(10, repetition_penalty=1.5)),
-        (cat, greedy(10, presence_penalty=2.0)),
-        (cat, greedy(10, frequency_penalty=1.5)),
-        (cat, greedy(10, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.5)),
-        (count, greedy(10)),
-        (count, greedy(10, logit_bias={tok.encode(" 7")[0]: 8.0, tok.encode(" 5")[0]: -100.0})),
-        (say_hi, SamplingParams(temperature=0, max_tokens=12, min_tokens=9)),
-        (say_hi, SamplingParams(temperature=0, max_tokens=12)),
+        (cat, greedy(8)),
+        (cat, greedy(8, repetition_penalty=1.5)),
+        (cat, greedy(8, presence_penalty=2.0)),
+        (cat, greedy(8, frequency_penalty=1.5)),
+        (cat, greedy(8, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.5)),
+        (count, greedy(8)),
+        (count, greedy(8, logit_bias={tok.encode(" 7")[0]: 8.0, tok.encode(" 5")[0]: -100.0})),
+        (say_hi, SamplingParams(temperature=0, max_tokens=30)),
     ]
     outs = token_ids(llm_f32.generate([c[0] for c in cases], [c[1] for c in cases]))
+    n = len(outs[-1])
+    assert outs[-1][-1] in end_ids and n < 30                                 # the free chat answer ends
+    cases.append((say_hi, SamplingParams(temperature=0, max_tokens=30, min_tokens=n + 3)))
+    outs += token_ids(llm_f32.generate([say_hi], cases[-1][1]))
     for (prompt, p), ours in zip(cases, outs):
         assert ours == transformers_greedy(hf_smollm, prompt, p, end_ids), p
     assert all(o != outs[0] for o in outs[1:4]) and outs[6] != outs[5], "each rule changes its greedy output"
-    assert len(outs[8]) < 9 and len(outs[7]) >= 9 and outs[7][-1] in end_ids   # EOS held back until 9 tokens
+    assert len(outs[-1]) >= n + 3 and outs[-1][:n - 1] == outs[-2][:n - 1]   # EOS held back until min_tokens
     assert_all_blocks_free(llm_f32.engine)
 
 
@@ -722,7 +726,8 @@ def test_prompt_logprobs_match_transformers_chunked_and_from_the_prefix_cache(hf
     # a 16-token budget cuts the prompt into chunks; the second run hits the prefix cache for
     # whole blocks, whose positions the engine recomputes (one extra forward that writes nothing)
     llm = LLM(kv_cache_memory=SMALL_KV, dtype="float32", max_num_batched_tokens=16)
-    prompt = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+    prompt = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is "
+              "Madrid. The capital of Portugal is Lisbon. The capital of Italy is")
     ids = llm.tokenizer.encode(prompt)
     with torch.no_grad():
         ref = hf_smollm(torch.tensor([ids])).logits[0].log_softmax(-1)            # [len, vocab]
