@@ -157,13 +157,31 @@ def draw(x, states, generator):
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
         x = apply_top_k_top_p_min_p(x.mul_(inv_temp), params)         # [k, vocab]
         inv_temp = torch.ones_like(inv_temp)
-    # exp((x - max) / T) in two passes over the logits (max(x / T) = max(x) / T); masked -> 0
-    x_max = x.max(dim=-1, keepdim=True).values                        # [k, 1]
-    x = torch.addcmul(-x_max * inv_temp, x, inv_temp).exp_()          # [k, vocab] unnormalized probs
-    cdf = x.cumsum_(dim=-1)                                           # [k, vocab]
-    u = uniforms(states, generator) * cdf[:, -1]                      # [k] a point in each row's mass
-    picked = torch.searchsorted(cdf, u.unsqueeze(1), right=True)      # [k, 1] first token whose cdf passes u
-    return picked.squeeze(1).clamp_(max=x.shape[1] - 1)
+    # exp((x - max) / T), in place (max(x / T) = max(x) / T); masked -> 0
+    x = x.sub_(x.amax(dim=-1, keepdim=True))                           # [k, vocab]
+    if (inv_temp != 1).any():
+        x = x.mul_(inv_temp)
+    return inverse_cdf(x.exp_(), uniforms(states, generator))
+
+
+def inverse_cdf(probs, u, block=128):
+    """probs: [k, vocab] unnormalized, u: [k] in [0, 1). The token where each row's cumulative mass
+    first passes u * total. Two levels, because a full-vocabulary cumsum is a slow sequential
+    scan: block sums (a fast reduction), the cumsum of those, then one block's own cumsum."""
+    k, vocab = probs.shape
+    if vocab % block:
+        probs = torch.nn.functional.pad(probs, (0, block - vocab % block))   # zero mass
+    blocks = probs.view(k, -1, block)                                  # [k, num_blocks, block]
+    block_cdf = blocks.sum(dim=-1).cumsum_(dim=-1)                     # [k, num_blocks]
+    total = block_cdf[:, -1:]                                          # [k, 1]
+    target = torch.minimum(u.unsqueeze(1) * total, total * (1 - 2**-20))   # strictly inside the mass
+    b = torch.searchsorted(block_cdf, target, right=True)              # [k, 1] first block past target
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_(min=0)), 0.0)
+    rows = torch.arange(k) * blocks.shape[1] + b.squeeze(1)            # [k] row of the chosen block
+    inner_cdf = blocks.view(-1, block).index_select(0, rows).cumsum_(dim=-1)   # [k, block]
+    rest = torch.minimum(target - before, inner_cdf[:, -1:] * (1 - 2**-20))
+    j = torch.searchsorted(inner_cdf, rest, right=True)                # [k, 1] lands on a token with mass
+    return (b * block + j).squeeze(1)
 
 
 def uniforms(states, generator):
