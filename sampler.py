@@ -235,7 +235,8 @@ def apply_logit_bias(logits, params):
             cols += list(p.logit_bias)
             biases += list(p.logit_bias.values())
     if rows:
-        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(biases), accumulate=True)
+        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(biases, dtype=logits.dtype),
+                          accumulate=True)
 
 
 def apply_penalties(logits, states):
@@ -248,9 +249,8 @@ def apply_penalties(logits, states):
     counts = torch.stack([states[i].output_counts for i in rows])      # [r, vocab] int32
     seen = torch.stack([states[i].in_prompt for i in rows]) | (counts > 0)  # [r, vocab]
     params = [states[i].params for i in rows]
-    rep = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)      # [r, 1]
-    freq = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
+    rep, freq, pres = (torch.tensor([[getattr(p, name)] for p in params], dtype=torch.float32)   # [r, 1] each
+                       for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
     x = logits[rows]                                                   # [r, vocab]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x -= freq * counts + pres * (counts > 0)
