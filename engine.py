@@ -6,11 +6,13 @@ Engine.step() is the whole loop body, in the order data flows:
   build the flat batch  -> input ids, positions, slot mapping, block tables, context lens,
                            query offsets (no padding: tokens of all sequences packed)
   model forward         -> logits for the last token of each sequence that completes its chunk
-  sample                -> next tokens (sampler.py)
+  sample                -> next tokens (sampler.py: penalties, logit_bias, min_tokens and grammar
+                           masks from structured_output.py, each on just the rows that ask)
   update                -> append tokens, detokenize, check stop conditions, retire finished
                            sequences (their blocks return to the pool this very step)
 LLM.generate() drives step() until every request is done; serve.py drives it from a thread.
-Owns requests, their outputs and metrics; validates input at the edge (add_request).
+Owns requests, their outputs and metrics (prompt logprobs included: extra logits rows of the
+prefill the request already does); validates input at the edge (add_request).
 """
 import itertools
 import os
@@ -441,6 +443,8 @@ class Engine:
             if at != -1:
                 c.text = c.text[:at]
                 return self._finish(c, "stop", stop, now)
+        if c.sampling.grammar is not None and c.sampling.grammar.is_finished:   # nothing but EOS could follow
+            return self._finish(c, "stop", None, now)
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(c, "length", None, now)
 

@@ -10,9 +10,9 @@ temperature, top-k / top-p / min-p and the draw; per-request seeds; logprobs.
 Does not touch sequences or stop conditions: the engine applies those to what this returns.
 Each processor runs only on the rows that use it, so a batch of plain requests pays nothing.
 
-Why inverse-CDF with one uniform per row: the cumulative sum of exp(logits/T) searched at
-u * total draws exactly from softmax(logits/T), costs one exp and one cumsum per logit, and
-takes a single random number per row. A seeded row draws that number from its own generator,
+Why inverse-CDF with one uniform per row: the cumulative mass of exp(logits/T) searched at
+u * total draws exactly from softmax(logits/T), costs one exp and one add per logit (block sums,
+then a cumsum of one block: see inverse_cdf), and takes a single random number per row. A seeded row draws that number from its own generator,
 so it samples the same token whatever else is in the batch; unseeded rows share one call.
 (Drawing Exp(1) noise for every logit, as the exponential race does, cost more than the model.)
 """

@@ -6,12 +6,12 @@ Owns StructuredOutputsParams (vLLM 0.32's name and fields), the compilation of e
 llguidance grammar, one Grammar (an llguidance matcher) per completion that advances with every
 token, and the batched mask: one bitmask row per constrained completion, unpacked and applied
 to just those rows of the logits. Does not sample (sampler.py) or decide when a request stops
-(engine.py; the grammar only ever allows EOS once it is complete).
+(engine.py ends a completion at EOS or once its grammar can take nothing more).
 
 Why llguidance rather than xgrammar: both are maintained and used by vLLM; llguidance is one
 Rust wheel with no Python dependencies, while xgrammar pulls in transformers and triton (about
-a gigabyte here) for a runtime that needs neither. llguidance computes a 49k-token mask in
-tens of microseconds once warm, and builds its token trie from our tokenizer's bytes directly.
+a gigabyte here) for a runtime that needs neither. llguidance builds its token trie from our
+tokenizer's bytes and fills the masks of a batch in parallel (bench_structured.py measures the cost).
 """
 import json
 from dataclasses import dataclass
