@@ -202,13 +202,18 @@ def apply_top_k_top_p_min_p(x, params):
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     if (top_k < x.shape[1]).any() or (top_p < 1).any():
-        sorted_x, order = x.sort(dim=-1, descending=True)              # [num_seqs, vocab]
-        ranks = torch.arange(x.shape[1]).unsqueeze(0)
-        drop = ranks >= top_k.unsqueeze(1)
-        sorted_probs = sorted_x.softmax(dim=-1)
-        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)  # keep the token that crosses p
+        # every row has a top_k: its k best are all that can survive, so topk replaces the full sort
+        width = int(top_k.max())
+        if width < x.shape[1]:
+            sorted_x, order = x.topk(width, dim=-1)                   # [num_seqs, width] descending
+        else:
+            sorted_x, order = x.sort(dim=-1, descending=True)          # [num_seqs, vocab]
+        ranks = torch.arange(width).unsqueeze(0)
+        sorted_x = sorted_x.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+        sorted_probs = sorted_x.softmax(dim=-1)                        # top-p over what top-k kept (vLLM's order)
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)  # keep the token that crosses p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+        x = torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
     if (min_p > 0).any():
         # p >= min_p * p_max  <=>  logit >= max logit + log(min_p): no softmax needed
         floor = x.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)

@@ -787,6 +787,26 @@ def test_structured_outputs_survive_preemption(llm_f32, mode):
     assert_all_blocks_free(tiny.engine)
 
 
+def test_top_p_applies_to_what_top_k_kept_and_draws_follow_the_distribution():
+    from sampler import SamplingState, apply_top_k_top_p_min_p, sample
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))
+    # top_k 2 keeps 0.5 and 0.3, renormalized 0.625 and 0.375: top_p 0.62 keeps the first alone,
+    # top_p 0.7 both (over the full distribution 0.5 < 0.62 would have kept both in either case)
+    out = apply_top_k_top_p_min_p(logits.clone(), [SamplingParams(top_k=2, top_p=0.62),
+                                                   SamplingParams(top_k=2, top_p=0.7)])
+    assert torch.isfinite(out).tolist() == [[True, False, False, False], [True, True, False, False]]
+    # the two-level inverse CDF, over a vocabulary that is not a multiple of its block of 128
+    x = torch.full((1, 300), float("-inf"))
+    hot = [0, 5, 127, 128, 200, 299]
+    x[0, hot] = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 1.5])
+    state = [SamplingState(SamplingParams(temperature=1.0), [1], 300, None, set())]
+    gen, counts = torch.Generator().manual_seed(0), torch.zeros(300)
+    for _ in range(4000):
+        counts[sample(x.clone(), state, gen)[0][0]] += 1
+    assert counts[hot].sum() == 4000                                   # never a masked token
+    assert torch.allclose(counts[hot] / 4000, x[0, hot].softmax(-1), atol=0.03)
+
+
 @pytest.mark.parametrize("params,field", [
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3.0), "frequency_penalty"),
