@@ -775,14 +775,14 @@ def test_structured_outputs_parse_validate_and_leave_free_rows_alone(llm_f32):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_structured_outputs_survive_preemption(llm_f32, mode):
     from structured_output import StructuredOutputsParams as SO
-    p = SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json_object=True))
+    p = SamplingParams(temperature=0, max_tokens=24, structured_outputs=SO(json_object=True))
     prompts = [llm_f32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:5]]
     expected = [o.outputs[0].text for o in llm_f32.generate(prompts, p)]
-    # 9 blocks of 16 for 5 sequences of ~60 tokens: preemption is certain
+    # 9 blocks of 16 for 5 sequences of ~50 tokens: preemption is certain
     tiny = LLM(kv_cache_memory=9 * 737280, dtype="float32", max_num_batched_tokens=64, preemption_mode=mode,
                swap_space="64MiB" if mode == "swap" else 0)
     outs = tiny.generate(prompts, p)
-    assert tiny.engine.scheduler.num_preemptions >= 2
+    assert tiny.engine.scheduler.num_preemptions >= 1
     assert [o.outputs[0].text for o in outs] == expected
     assert_all_blocks_free(tiny.engine)
 
