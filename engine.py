@@ -6,11 +6,13 @@ Engine.step() is the whole loop body, in the order data flows:
   build the flat batch  -> input ids, positions, slot mapping, block tables, context lens,
                            query offsets (no padding: tokens of all sequences packed)
   model forward         -> logits for the last token of each sequence that completes its chunk
-  sample                -> next tokens (sampler.py)
+  sample                -> next tokens (sampler.py: penalties, logit_bias, min_tokens and grammar
+                           masks from structured_output.py, each on just the rows that ask)
   update                -> append tokens, detokenize, check stop conditions, retire finished
                            sequences (their blocks return to the pool this very step)
 LLM.generate() drives step() until every request is done; serve.py drives it from a thread.
-Owns requests, their outputs and metrics; validates input at the edge (add_request).
+Owns requests, their outputs and metrics (prompt logprobs included: extra logits rows of the
+prefill the request already does); validates input at the edge (add_request).
 """
 import functools
 import itertools
@@ -26,13 +28,14 @@ import paged_attention
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
 from model import AttentionMetadata, load_model, resolve_dtype
-from sampler import SamplingParams, make_generator, sample
+from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence, Status
 from static_scheduler import StaticScheduler
+from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["LLM", "Engine", "EngineConfig", "EngineStats", "InvalidRequest", "SamplingParams",
-           "RequestOutput", "CompletionOutput"]
+           "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 @dataclass
@@ -136,6 +139,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # None for the first prompt token
 
 
 @dataclass
@@ -144,7 +148,7 @@ class Completion:
     index: int
     seq: Sequence | None
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
+    sampling: SamplingState           # its seed's generator, token counts for penalties, its grammar
     text: str = ""
     emitted_text: int = 0             # chars of text already sent as deltas
     emitted_tokens: int = 0
@@ -161,6 +165,7 @@ class Request:
     params: SamplingParams
     completions: list[Completion]
     metrics: RequestMetrics
+    prompt_logprobs: list | None = None   # filled chunk by chunk during prefill; entry j is token j's
 
     @property
     def finished(self):
@@ -196,6 +201,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
+        self.grammars: GrammarCompiler | None = None                   # built at the first structured request
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step = step_counts(ScheduledBatch([], []))
         self.phase_times = PhaseTimes()
@@ -223,14 +229,24 @@ class Engine:
         text, ids = self._tokenize(prompt)
         self.check_prompt(ids, params.max_tokens)
         now = time.monotonic() if arrival_time is None else arrival_time
-        req = Request(request_id, text, ids, params, [], RequestMetrics(now, num_prompt_tokens=len(ids)))
-        for i in range(params.n):
+        req = Request(request_id, text, ids, params, [], RequestMetrics(now, num_prompt_tokens=len(ids)),
+                      None if params.prompt_logprobs is None else [None])
+        for i in range(params.n):             # each of n samples: its own seed stream, counts and grammar state
+            state = SamplingState(params, ids, self.model_config.vocab_size, make_generator(params.seed, i),
+                                  self.eos_token_ids, self._grammar(params.structured_outputs))
             req.completions.append(Completion(i, None, IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True),
-                                              make_generator(params.seed, i) or self.generator))
+                                              state))
         seq = Sequence(next(self.seq_ids), list(ids), len(ids), params.max_tokens, priority, now, request=req)
         req.completions[0].seq = seq                # samples 1..n-1 fork from it after its prefill
         self.requests[request_id] = req
         self.scheduler.add(seq)
+
+    def _grammar(self, structured: StructuredOutputsParams | None):
+        if structured is None:
+            return None
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self.grammars.compile(structured)
 
     def check_prompt(self, ids: list[int], max_tokens: int):
         """Can a prompt of these token ids, with max_tokens more, ever run here? (serve.py asks
@@ -286,8 +302,15 @@ class Engine:
         if not batch.seqs:
             return []
         input_ids, positions, meta, logits_indices = self._build_batch(batch)
+        prompt_indices, prompt_plan = self._prompt_logprob_rows(batch)
+        num_sampled = len(logits_indices)
+        if prompt_indices:                                  # prompt logprobs: more rows of the same forward
+            logits_indices = torch.cat([logits_indices, torch.tensor(prompt_indices, device=self.device)])
         t2 = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_pool.kv_caches, meta, logits_indices)  # [num_sampled, vocab]
+        logits = self.model(input_ids, positions, self.kv_pool.kv_caches, meta, logits_indices)  # [num_sampled (+ prompt rows), vocab]
+        if prompt_indices:
+            self._record_prompt_logprobs(logits[num_sampled:], prompt_plan)
+            logits = logits[:num_sampled]
         t3 = time.perf_counter()
         self.num_steps += 1
         self.num_prompt_tokens += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
@@ -341,10 +364,9 @@ class Engine:
                 targets = [c for c in req.completions if c.seq is seq]
             rows += [i] * len(targets)
             completions += targets
-        params = [c.seq.request.params for c in completions]
         if rows != list(range(len(logits))):                # n > 1 repeats rows; else skip the [rows, vocab] copy
             logits = logits[rows]
-        tokens, logprobs = sample(logits, params, [c.generator for c in completions])
+        tokens, logprobs = sample(logits, [c.sampling for c in completions], self.generator)
         t1 = time.perf_counter()
         now = time.monotonic()
         touched = {}
@@ -355,6 +377,49 @@ class Engine:
         self.phase_times.sample += t1 - t0
         self.phase_times.update += time.perf_counter() - t1
         return outputs
+
+    def _prompt_logprob_rows(self, batch):
+        """Prompt logprobs ride on the prefill the request already does: the logits of prompt
+        position p give token p+1's logprob. Returns the flat-batch rows to add to this step's
+        logits and, per request, the positions [lo, hi) they cover. Positions a prefix-cache hit
+        skipped are recomputed here first (`_forward_cached_positions`); a recompute after
+        preemption finds them already recorded and adds nothing."""
+        rows, plan, offset = [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            req, start = seq.request, seq.num_computed_tokens
+            if not seq.is_padding and req is not None and req.prompt_logprobs is not None:
+                needed, last = len(req.prompt_logprobs) - 1, seq.num_prompt_tokens - 1   # next position; end
+                if needed < min(start, last):               # a cache hit skipped [needed, start)
+                    hi = min(start, last)
+                    self._record_prompt_logprobs(self._forward_cached_positions(seq, needed, hi), [(req, needed, hi)])
+                lo, hi = max(start, len(req.prompt_logprobs) - 1), min(start + n, last)
+                if lo < hi:
+                    rows += range(offset + lo - start, offset + hi - start)
+                    plan.append((req, lo, hi))
+            offset += n
+        return rows, plan
+
+    def _forward_cached_positions(self, seq, lo: int, hi: int):
+        """Logits at positions [lo, hi) of seq, whose K/V already sit in its cached blocks: one extra
+        forward that reads the cache and writes nothing (slot -1)."""
+        dev, q = self.device, hi - lo
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((q,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([seq.block_table], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor([hi], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=dev), backend=self.attention_backend)
+        return self.model(torch.tensor(seq.token_ids[lo:hi], device=dev), torch.arange(lo, hi, device=dev),
+                          self.kv_pool.kv_caches, meta, torch.arange(q, device=dev))    # [q, vocab]
+
+    def _record_prompt_logprobs(self, logits, plan):
+        """logits: [rows, vocab], the rows of plan's (request, lo, hi) ranges in order."""
+        logprobs = logits.float().log_softmax(dim=-1).cpu()                             # [rows, vocab]
+        offset = 0
+        for req, lo, hi in plan:
+            targets = req.prompt_token_ids[lo + 1:hi + 1]
+            req.prompt_logprobs += top_logprobs(logprobs[offset:offset + hi - lo], targets,
+                                                [req.params.prompt_logprobs] * (hi - lo))
+            offset += hi - lo
 
     def _fork_samples(self, req: Request, parent: Sequence):
         """Prefill done once for n samples: the other n-1 start here, sharing the prompt's blocks."""
@@ -367,6 +432,7 @@ class Engine:
     def _append_token(self, c: Completion, token: int, logprob, now):
         seq, req = c.seq, c.seq.request
         seq.token_ids.append(token)
+        c.sampling.append(token)
         self.num_generation_tokens += 1
         req.metrics.num_generated_tokens += 1
         if req.metrics.first_token_time is None:
@@ -375,14 +441,17 @@ class Engine:
             c.logprobs = c.logprobs or []
             c.logprobs.append(logprob)
         p = req.params
-        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+        can_stop = seq.num_output_tokens >= p.min_tokens    # min_tokens: no stop id, EOS or stop string before
+        if can_stop and (token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)):
             return self._finish(c, "stop", token, now)
         c.text += c.detok.step(token)
-        for stop in p.stop:                                 # search only where a new match can start
+        for stop in (p.stop if can_stop else ()):           # search only where a new match can start
             at = c.text.find(stop, max(0, c.emitted_text - len(stop) + 1))
             if at != -1:
                 c.text = c.text[:at]
                 return self._finish(c, "stop", stop, now)
+        if c.sampling.grammar is not None and c.sampling.grammar.is_finished:   # nothing but EOS could follow
+            return self._finish(c, "stop", None, now)
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(c, "length", None, now)
 
@@ -411,7 +480,9 @@ class Engine:
             c.emitted_text, c.emitted_tokens = visible, len(ids)
         if req.finished:
             self.requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics)
+        prompt_logprobs = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics,
+                             prompt_logprobs)
 
     # ------------------------------------------------------------------ introspection
     def all_sequences(self):

@@ -18,7 +18,7 @@ from typing import AsyncIterator, Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine import Engine, InvalidRequest, RequestOutput, SamplingParams
+from engine import Engine, InvalidRequest, RequestOutput, SamplingParams, StructuredOutputsParams
 
 MAX_N = 16  # choices per prompt; more would let one request crowd out the batch
 
@@ -85,9 +85,13 @@ class SamplingRequest(Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     priority: int = 0
-    frequency_penalty: float | None = None   # accepted only as 0: the sampler has no penalties
+    frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra (vllm bench serve sends 1.0)
+    min_tokens: int | None = None            # vLLM's extra
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None      # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict | None = None   # vLLM's extra: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     user: str | None = None                  # the caller's end-user id for its own bookkeeping
 
 
@@ -118,14 +122,47 @@ class ChatRequest(SamplingRequest):
 
 
 def reject_unsupported(req: SamplingRequest) -> None:
-    """OpenAI fields we parse but cannot honour: accepted at their neutral value, rejected otherwise."""
-    for field in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, field):
-            raise APIError(400, f"{field} is not supported (only 0)", field)
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
+    """Fields whose combination we cannot honour. (Fields we do not know at all are rejected by
+    the schema: e.g. `tools`, `tool_choice`, `functions`; `suffix` and `best_of` > n by CompletionExchange.)"""
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if req.response_format is not None and req.structured_outputs is not None:
+        raise APIError(400, "give either response_format or structured_outputs, not both", "structured_outputs")
+
+
+def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """OpenAI's response_format (or vLLM's structured_outputs) as the engine's StructuredOutputsParams.
+    Whether the schema compiles is checked by SamplingParams.validate, under the same field name."""
+    if req.structured_outputs is not None:
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        unknown = set(req.structured_outputs) - set(kinds)
+        if unknown:
+            raise APIError(400, f"structured_outputs: unsupported key(s) {sorted(unknown)}; use one of {kinds}",
+                           "structured_outputs")
+        return StructuredOutputsParams(**req.structured_outputs)
+    fmt = req.response_format
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise APIError(400, "response_format.json_schema must be an object whose `schema` is a JSON schema "
+                                "object", "response_format")
+        return StructuredOutputsParams(json=spec.get("schema", {}))   # OpenAI: a missing schema allows any JSON
+    raise APIError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
+                        f"{fmt.get('type')!r}", "response_format")
+
+
+def logit_bias(req: SamplingRequest) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, i.e. strings."""
+    if req.logit_bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in req.logit_bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
 
 # ----------------------------------------------------------------------------- the served model's limits
@@ -164,18 +201,25 @@ class OpenAIProtocol:
                 raise invalid(exc, aliases, code) from None
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                        aliases: dict[str, str]) -> SamplingParams:
+                        aliases: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
         if req.n is not None and req.n > MAX_N:
             raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", "n")
         if req.seed is not None and not 0 <= req.seed < 2**32:  # the engine overflows on huge seeds
             raise APIError(400, f"seed must be an integer in [0, 2**32), got {req.seed}", "seed")
-        names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
+        names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
         given = {name: getattr(req, name) for name in names if getattr(req, name) is not None}
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs, **given)
+        if req.response_format is not None:
+            aliases = {**aliases, "structured_outputs": "response_format"}
         try:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs, logit_bias=logit_bias(req),
+                                    structured_outputs=structured_outputs(req), **given)
             params.validate(self.vocab_size)
         except InvalidRequest as exc:
             raise invalid(exc, aliases) from None
+        except TypeError as exc:    # StructuredOutputsParams(**body) with a wrong shape
+            raise APIError(400, f"structured_outputs: {exc}", "structured_outputs") from None
         if req.priority and self.scheduling_policy != "priority":
             raise APIError(400, "priority needs --scheduling-policy priority", "priority")
         return params
@@ -210,10 +254,11 @@ def usage(prompts: list[list[int]], outs: list) -> dict:
 
 class ChoiceCursor:
     """What of one choice has been streamed so far: tokens sent, the text offset reached, and the
-    echoed prompt still to send in front of the first text."""
+    echoed prompt still to send in front of the first text (with the prompt's output, for its logprobs)."""
 
-    def __init__(self, echo: str = ""):
+    def __init__(self, echo: str = "", prompt_output: RequestOutput | None = None):
         self.num_tokens, self.text_offset, self.finished, self.echo = 0, len(echo), False, echo
+        self.prompt_output = prompt_output
 
     def has_news(self, c, with_logprobs: bool) -> bool:
         """Worth a chunk: new text, the finish, or (with logprobs) new tokens. Tokens whose text is held
@@ -234,9 +279,9 @@ class Exchange:
     prefix = object_name = ""
 
     def __init__(self, api: OpenAIProtocol, req: SamplingRequest, prompts: list[list[int]], max_tokens: int,
-                 logprobs: int | None, aliases: dict[str, str], echoes: list[str]):
+                 logprobs: int | None, aliases: dict[str, str], echoes: list[str], prompt_logprobs: int | None = None):
         self.api, self.req, self.prompts, self.aliases, self.echoes = api, req, prompts, aliases, echoes
-        self.params = api.sampling_params(req, max_tokens, logprobs, aliases)
+        self.params = api.sampling_params(req, max_tokens, logprobs, aliases, prompt_logprobs)
         api.check_prompts(prompts, max_tokens, aliases)
         self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.head = {"id": self.request_id, "object": self.object_name, "created": int(time.time()),
@@ -249,7 +294,7 @@ class Exchange:
 
     def body(self, outs: list[RequestOutput]) -> dict:
         """The non-streamed answer, from each prompt's final output."""
-        choices = [{"index": i * self.params.n + c.index, **self.message(c, self.echoes[i])}
+        choices = [{"index": i * self.params.n + c.index, **self.message(c, self.echoes[i], out)}
                    for i, out in enumerate(outs) for c in out.outputs]
         return {**self.head, "choices": choices, "usage": usage(self.prompts, outs)}
 
@@ -262,7 +307,7 @@ class Exchange:
             async for index, out in outputs:
                 outs[index] = out
                 for c in out.outputs:
-                    choice = self.chunk(index, c)
+                    choice = self.chunk(index, c, out)
                     if choice is not None:
                         yield sse({**self.head, "choices": [choice]})
             if self.req.stream_options and self.req.stream_options.include_usage:
@@ -271,10 +316,10 @@ class Exchange:
             yield sse(exc.body())
         yield "data: [DONE]\n\n"
 
-    def chunk(self, index: int, c) -> dict | None:
+    def chunk(self, index: int, c, out: RequestOutput) -> dict | None:
         """The streamed choice for what is new in c since its last chunk, or None if nothing is."""
         choice_index = index * self.params.n + c.index
-        cursor = self.cursors.setdefault(choice_index, ChoiceCursor(self.echoes[index]))
+        cursor = self.cursors.setdefault(choice_index, ChoiceCursor(self.echoes[index], out))
         if not cursor.has_news(c, self.params.logprobs is not None):
             return None
         choice = {"index": choice_index, **self.delta(c, cursor)}
@@ -284,7 +329,7 @@ class Exchange:
     def opening(self) -> list[dict]:
         return []
 
-    def message(self, c, echo: str) -> dict:
+    def message(self, c, echo: str, out: RequestOutput) -> dict:
         raise NotImplementedError
 
     def delta(self, c, cursor: ChoiceCursor) -> dict:
@@ -299,17 +344,21 @@ class CompletionExchange(Exchange):
             raise APIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise APIError(400, "best_of is not supported (must equal n)", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported: the engine computes no prompt logprobs", "echo")
         texts = normalize_prompts(req.prompt)
         prompts = [api.token_ids(p) for p in texts]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens   # OpenAI's legacy default
         echoes = [(t if isinstance(t, str) else api.tokenizer.decode(t)) if req.echo else "" for t in texts]
-        super().__init__(api, req, prompts, max_tokens, req.logprobs, {}, echoes)
+        # echo with logprobs: the prompt's logprobs, computed during its prefill
+        prompt_logprobs = req.logprobs if req.echo else None
+        super().__init__(api, req, prompts, max_tokens, req.logprobs, {}, echoes, prompt_logprobs)
 
-    def message(self, c, echo: str) -> dict:
+    def message(self, c, echo: str, out: RequestOutput) -> dict:
         top_n = self.params.logprobs
-        logprobs = None if top_n is None else self.logprobs(c, 0, len(c.token_ids), 0, top_n)[0]
+        logprobs = None
+        if top_n is not None:
+            logprobs = self.logprobs(c, 0, len(c.token_ids), len(echo), top_n)[0]
+            if echo:
+                logprobs = join_logprobs(self.echo_logprobs(out, top_n), logprobs)
         return {"text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
     def delta(self, c, cursor: ChoiceCursor) -> dict:
@@ -317,7 +366,22 @@ class CompletionExchange(Exchange):
         if top_n is not None:
             logprobs, cursor.text_offset = self.logprobs(c, cursor.num_tokens, len(c.token_ids),
                                                          cursor.text_offset, top_n)
+            if cursor.echo:
+                logprobs = join_logprobs(self.echo_logprobs(cursor.prompt_output, top_n), logprobs)
         return {"text": cursor.echo + c.delta_text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def echo_logprobs(self, out: RequestOutput, top_n: int) -> dict:
+        """The echoed prompt's part of legacy logprobs; the first token has none (null), as in OpenAI."""
+        tokens, token_logprobs, top, offsets, text_offset = [], [], [], [], 0
+        for token_id, logprobs in zip(out.prompt_token_ids, out.prompt_logprobs):
+            text = self.api.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(None if logprobs is None else finite(logprobs[token_id]))
+            top.append(None if logprobs is None else
+                       {self.api.token_text(t): finite(v) for t, v in top_entries(logprobs, top_n)})
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def logprobs(self, c, start: int, end: int, text_offset: int, top_n: int) -> tuple[dict, int]:
         """OpenAI's legacy logprobs for tokens [start, end) of choice c, and the text offset after them."""
@@ -331,6 +395,10 @@ class CompletionExchange(Exchange):
             text_offset += len(text)
         body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
         return body, text_offset
+
+
+def join_logprobs(first: dict, then: dict) -> dict:
+    return {key: first[key] + then[key] for key in first}
 
 
 def normalize_prompts(prompt) -> list[str | list[int]]:
@@ -365,7 +433,7 @@ class ChatExchange(Exchange):
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(self.params.n)]
 
-    def message(self, c, echo: str) -> dict:
+    def message(self, c, echo: str, out: RequestOutput) -> dict:
         return {"message": {"role": "assistant", "content": c.text},
                 "logprobs": self.logprobs(c, 0), "finish_reason": c.finish_reason}
 

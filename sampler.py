@@ -1,21 +1,27 @@
 """
-Sampling: the per-request knobs (SamplingParams, vLLM's names and defaults) and one
-vectorized function that turns a batch of logits into next tokens.
+Sampling: the per-request knobs (SamplingParams, vLLM's names and defaults), the state a
+completion carries between steps (SamplingState: token counts, its random stream, its grammar),
+and one vectorized function that turns a batch of logits into next tokens.
 
 Owns: validation of every sampling field (an InvalidRequest that names the field and the
-allowed range), temperature / top-k / top-p / min-p, per-request seeds, logprobs.
+allowed range); in this order, as vLLM applies them: the grammar mask (structured_output.py
+compiles it), min_tokens, logit_bias, repetition / frequency / presence penalties, then
+temperature, top-k / top-p / min-p and the draw; per-request seeds; logprobs.
 Does not touch sequences or stop conditions: the engine applies those to what this returns.
+Each processor runs only on the rows that use it, so a batch of plain requests pays nothing.
 
-Why an exponential race instead of torch.multinomial: argmax(p / E) with E ~ Exp(1) draws
-exactly from p, and lets each seeded row take its noise from its own generator while the
-arithmetic stays one batched op. A seeded request thus samples the same tokens whatever
-else is in the batch.
+Why inverse-CDF with one uniform per row: the cumulative mass of exp(logits/T) searched at
+u * total draws exactly from softmax(logits/T), costs one exp and one add per logit (block sums,
+then a cumsum of one block: see inverse_cdf), and takes a single random number per row. A seeded row draws that number from its own generator,
+so it samples the same token whatever else is in the batch; unseeded rows share one call.
+(Drawing Exp(1) noise for every logit, as the exponential race does, cost more than the model.)
 """
 from dataclasses import dataclass
 
 import torch
 
 import errors
+from structured_output import StructuredOutputsParams, apply_grammar_masks
 
 MAX_LOGPROBS = 20
 
@@ -29,10 +35,17 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0                  # EOS and stop_token_ids are masked until this many are out
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0        # OpenAI's additive rules, over output tokens only
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0      # CTRL's multiplicative rule, over prompt and output tokens
+    logit_bias: dict[int, float] | None = None
     logprobs: int | None = None          # return the top-N logprobs of every sampled token
+    prompt_logprobs: int | None = None   # and of every prompt token (top-N plus the token itself)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -40,22 +53,46 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
     def validate(self, vocab_size: int | None = None):
         def need(ok, field, allowed):
             errors.need(ok, field, allowed, getattr(self, field))
-        need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
-        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", ">= 0")
-        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        need(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "-1 (off), 0 (off) or a positive integer")
-        need(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-             "logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
+
+        def number(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
         vocab = vocab_size or 2**31
+        need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
+        need(number(self.temperature) and self.temperature >= 0, "temperature", ">= 0")
+        need(number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "-1 (off), 0 (off) or a positive integer")
+        need(number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"an integer in [0, max_tokens={self.max_tokens}]")
+        need(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
+        need(number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        need(number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        need(number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"), "repetition_penalty",
+             "a finite number > 0 (1 is off)")
+        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            isinstance(t, int) and 0 <= t < vocab for t in self.logit_bias)), "logit_bias",
+            f"a map from token ids in [0, {vocab}) to biases")
+        need(self.logit_bias is None or all(number(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+             "logit_bias", "a map whose biases are in [-100, 100]")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            need(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), field,
+                 f"an integer in [0, {MAX_LOGPROBS}] or None")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
         need(all(isinstance(t, int) and 0 <= t < vocab for t in self.stop_token_ids),
              "stop_token_ids", f"token ids in [0, {vocab})")
+        if self.structured_outputs is not None:
+            need(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                 "a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
 
 def make_generator(seed: int | None, index: int = 0):
@@ -65,25 +102,98 @@ def make_generator(seed: int | None, index: int = 0):
     return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**63)
 
 
-def sample(logits, params: list[SamplingParams], generators: list):
-    """logits: [num_seqs, vocab] float32. Returns (tokens [num_seqs] list[int],
-    logprobs list[dict[int, float] | None]) — logprobs are the model's, before temperature."""
-    num_seqs, vocab = logits.shape
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    greedy = temps == 0
-    tokens = logits.argmax(dim=-1)                                     # [num_seqs]
-    if not greedy.all():
-        x = logits / temps.clamp(min=1e-5).unsqueeze(1)                # [num_seqs, vocab]
-        x = apply_top_k_top_p_min_p(x, params)
-        probs = x.softmax(dim=-1)
-        noise = torch.empty_like(probs)                                # Exp(1) noise, one row per sequence
-        for i, g in enumerate(generators):
-            if not greedy[i]:
-                noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
-        tokens = torch.where(greedy, tokens, sampled)
+class SamplingState:
+    """What the sampler remembers about one completion between steps. Kept incrementally by
+    `append` (one scalar update per token), never recounted; tensors exist only when used."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int,
+                 generator: torch.Generator | None, end_ids: set[int], grammar=None):
+        self.params, self.generator, self.grammar = params, generator, grammar
+        self.num_output_tokens = 0
+        self.output_counts = self.in_prompt = None
+        if params.uses_penalties:
+            self.output_counts = torch.zeros(vocab_size, dtype=torch.int32)          # [vocab]
+            self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)               # [vocab]
+            self.in_prompt[torch.tensor(prompt_ids)] = True
+        # masked until min_tokens: the engine's EOS ids (unless ignored) and the request's stop ids
+        self.min_tokens_banned = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else end_ids))
+
+    def append(self, token: int):
+        self.num_output_tokens += 1
+        if self.output_counts is not None:
+            self.output_counts[token] += 1
+        if self.grammar is not None:
+            self.grammar.advance(token)
+
+
+def sample(logits, states: list[SamplingState], generator: torch.Generator | None = None):
+    """logits: [num_seqs, vocab] float32, one row per completion (modified in place).
+    generator: the engine's stream for unseeded rows. Returns (tokens list[int],
+    logprobs list[dict[int, float] | None]): logprobs are the model's, before any processing."""
+    params = [s.params for s in states]
+    want = [p.logprobs for p in params]
+    raw_logprobs = logits.log_softmax(dim=-1) if any(w is not None for w in want) else None   # [num_seqs, vocab]
+    apply_grammar_masks(logits, [s.grammar for s in states])
+    apply_min_tokens(logits, states)
+    apply_logit_bias(logits, params)
+    apply_penalties(logits, states)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if rows and len(rows) == len(states):                              # all sample: no copy, no argmax
+        tokens = draw(logits, states, generator)                       # [num_seqs]
+    else:
+        tokens = logits.argmax(dim=-1)                                 # [num_seqs] greedy rows
+        if rows:
+            tokens[rows] = draw(logits[rows], [states[i] for i in rows], generator)
     tokens = tokens.tolist()
-    return tokens, gather_logprobs(logits, tokens, params)
+    if raw_logprobs is None:
+        return tokens, [None] * len(states)
+    return tokens, top_logprobs(raw_logprobs, tokens, want)
+
+
+def draw(x, states, generator):
+    """x: [k, vocab] logits of rows that sample (overwritten). Temperature, filters, then inverse CDF."""
+    params = [s.params for s in states]
+    inv_temp = 1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32)   # [k, 1]
+    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        x = apply_top_k_top_p_min_p(x.mul_(inv_temp), params)         # [k, vocab]
+        inv_temp = torch.ones_like(inv_temp)
+    # exp((x - max) / T), in place (max(x / T) = max(x) / T); masked -> 0
+    x = x.sub_(x.amax(dim=-1, keepdim=True))                           # [k, vocab]
+    if (inv_temp != 1).any():
+        x = x.mul_(inv_temp)
+    return inverse_cdf(x.exp_(), uniforms(states, generator))
+
+
+def inverse_cdf(probs, u, block=128):
+    """probs: [k, vocab] unnormalized, u: [k] in [0, 1). The token where each row's cumulative mass
+    first passes u * total. Two levels, because a full-vocabulary cumsum is a slow sequential
+    scan: block sums (a fast reduction), the cumsum of those, then one block's own cumsum."""
+    k, vocab = probs.shape
+    if vocab % block:
+        probs = torch.nn.functional.pad(probs, (0, block - vocab % block))   # zero mass
+    blocks = probs.view(k, -1, block)                                  # [k, num_blocks, block]
+    block_cdf = blocks.sum(dim=-1).cumsum_(dim=-1)                     # [k, num_blocks]
+    total = block_cdf[:, -1:]                                          # [k, 1]
+    target = torch.minimum(u.unsqueeze(1) * total, total * (1 - 2**-20))   # strictly inside the mass
+    b = torch.searchsorted(block_cdf, target, right=True)              # [k, 1] first block past target
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_(min=0)), 0.0)
+    rows = torch.arange(k) * blocks.shape[1] + b.squeeze(1)            # [k] row of the chosen block
+    inner_cdf = blocks.view(-1, block).index_select(0, rows).cumsum_(dim=-1)   # [k, block]
+    rest = torch.minimum(target - before, inner_cdf[:, -1:] * (1 - 2**-20))
+    j = torch.searchsorted(inner_cdf, rest, right=True)                # [k, 1] lands on a token with mass
+    return (b * block + j).squeeze(1)
+
+
+def uniforms(states, generator):
+    """One U[0, 1) per row: a seeded row from its own stream, the rest in one call on the shared one."""
+    u = torch.empty(len(states))
+    shared = [i for i, s in enumerate(states) if s.generator is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), generator=generator)
+    seeded = [i for i, s in enumerate(states) if s.generator is not None]
+    if seeded:
+        u[seeded] = torch.cat([torch.rand(1, generator=states[i].generator) for i in seeded])
+    return u
 
 
 def apply_top_k_top_p_min_p(x, params):
@@ -92,32 +202,78 @@ def apply_top_k_top_p_min_p(x, params):
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     if (top_k < x.shape[1]).any() or (top_p < 1).any():
-        sorted_x, order = x.sort(dim=-1, descending=True)              # [num_seqs, vocab]
-        ranks = torch.arange(x.shape[1]).unsqueeze(0)
-        drop = ranks >= top_k.unsqueeze(1)
-        sorted_probs = sorted_x.softmax(dim=-1)
-        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)  # keep the token that crosses p
+        # every row has a top_k: its k best are all that can survive, so topk replaces the full sort
+        width = int(top_k.max())
+        if width < x.shape[1]:
+            sorted_x, order = x.topk(width, dim=-1)                   # [num_seqs, width] descending
+        else:
+            sorted_x, order = x.sort(dim=-1, descending=True)          # [num_seqs, vocab]
+        ranks = torch.arange(width).unsqueeze(0)
+        sorted_x = sorted_x.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+        sorted_probs = sorted_x.softmax(dim=-1)                        # top-p over what top-k kept (vLLM's order)
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)  # keep the token that crosses p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+        x = torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
     if (min_p > 0).any():
-        probs = x.softmax(dim=-1)
-        x = x.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        # p >= min_p * p_max  <=>  logit >= max logit + log(min_p): no softmax needed
+        floor = x.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)
+        x = x.masked_fill(x < floor, float("-inf"))
     return x
 
 
-def gather_logprobs(logits, tokens, params):
-    want = [p.logprobs for p in params]
-    if all(w is None for w in want):
-        return [None] * len(params)
-    logprobs = logits.log_softmax(dim=-1)                              # [num_seqs, vocab]
-    top_n = max(w or 0 for w in want)
-    top_vals, top_ids = logprobs.topk(max(top_n, 1), dim=-1)
+def apply_min_tokens(logits, states):
+    """Rows still short of min_tokens cannot end: their EOS and stop ids go to -inf."""
+    rows, cols = [], []
+    for i, s in enumerate(states):
+        if s.num_output_tokens < s.params.min_tokens:
+            rows += [i] * len(s.min_tokens_banned)
+            cols += s.min_tokens_banned
+    if rows:
+        logits[rows, cols] = float("-inf")
+
+
+def apply_logit_bias(logits, params):
+    rows, cols, biases = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            cols += list(p.logit_bias)
+            biases += list(p.logit_bias.values())
+    if rows:
+        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(biases, dtype=logits.dtype),
+                          accumulate=True)
+
+
+def apply_penalties(logits, states):
+    """vLLM's order and rules, on the rows that have any penalty:
+    repetition (prompt or output tokens): positive logits / r, negative logits * r;
+    then frequency and presence (output tokens only): logit -= f * count + p * (count > 0)."""
+    rows = [i for i, s in enumerate(states) if s.output_counts is not None]
+    if not rows:
+        return
+    counts = torch.stack([states[i].output_counts for i in rows])      # [r, vocab] int32
+    seen = torch.stack([states[i].in_prompt for i in rows]) | (counts > 0)  # [r, vocab]
+    params = [states[i].params for i in rows]
+    rep, freq, pres = (torch.tensor([[getattr(p, name)] for p in params], dtype=torch.float32)   # [r, 1] each
+                       for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    x = logits[rows]                                                   # [r, vocab]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x -= freq * counts + pres * (counts > 0)
+    logits[rows] = x
+
+
+def top_logprobs(logprobs, tokens: list[int], want: list[int | None]) -> list[dict[int, float] | None]:
+    """logprobs: [num_rows, vocab]. For row i: its top want[i] entries plus tokens[i]'s own."""
+    top_n = max(w or 0 for w in want if w is not None)
+    top_vals, top_ids = logprobs.topk(max(top_n, 1), dim=-1)           # [num_rows, top_n]
+    chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
     out = []
     for i, w in enumerate(want):
         if w is None:
             out.append(None)
             continue
-        d = dict(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist()))
-        d[tokens[i]] = logprobs[i, tokens[i]].item()
+        d = dict(zip(top_ids[i][:w], top_vals[i][:w]))
+        d[tokens[i]] = chosen[i]
         out.append(d)
     return out

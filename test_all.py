@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import random
+import re
 import shutil
 import signal
 import socket
@@ -39,6 +40,7 @@ import openai
 import pytest
 import torch
 
+import errors
 import extensions
 from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer, write_gguf_tokenizer
 import model as M
@@ -762,6 +764,201 @@ def test_n_samples_share_the_prompt_and_differ(llm):
                                                        ignore_eos=True))[0]
     assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) > 1
     assert_all_blocks_free(llm.engine)
+
+
+# ---- sampling parameters and structured outputs
+
+@pytest.fixture(scope="module")
+def llm_f32():
+    """Exact-token comparisons with the float32 oracle need float32 here too, whatever dtype="auto" picks."""
+    return LLM(kv_cache_memory=SMALL_KV, dtype="float32")
+
+
+def vllm_logits_rules(logits, prompt, out, p: SamplingParams, end_ids):
+    """The oracle's rules, one token at a time, in vLLM's order: min_tokens, logit_bias, then
+    repetition (prompt + output: divide a positive logit, multiply a negative one), frequency and
+    presence (output only: subtract f * count + p)."""
+    logits = logits.clone()
+    if len(out) < p.min_tokens:
+        for t in set(end_ids) | set(p.stop_token_ids):
+            logits[t] = float("-inf")
+    for t, bias in (p.logit_bias or {}).items():
+        logits[t] += bias
+    for t in set(prompt) | set(out):
+        logits[t] = logits[t] / p.repetition_penalty if logits[t] > 0 else logits[t] * p.repetition_penalty
+    for t in set(out):
+        logits[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    return logits
+
+
+def transformers_greedy(hf, prompt, p: SamplingParams, end_ids):
+    """Greedy decoding with transformers' logits and the rules above; stops like the engine."""
+    out = []
+    with torch.no_grad():
+        step = hf(torch.tensor([prompt]), use_cache=True)
+        while len(out) < p.max_tokens:
+            out.append(int(vllm_logits_rules(step.logits[0, -1], prompt, out, p, end_ids).argmax()))
+            if not p.ignore_eos and out[-1] in end_ids:
+                break
+            step = hf(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+    return out
+
+
+def test_penalties_logit_bias_and_min_tokens_match_transformers(llm_f32, hf_smollm):
+    tok, end_ids = llm_f32.tokenizer, llm_f32.engine.eos_token_ids
+    cat = tok.encode("Repeat after me: the cat, the cat, the cat,")
+    count = tok.encode("1, 2, 3, 4,")
+    say_hi = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi"}]) + "Hello! How can I help?")
+    cases = [  # (prompt, params): one batch, so each processor runs on its rows only
+        (cat, greedy(8)),
+        (cat, greedy(8, repetition_penalty=1.5)),
+        (cat, greedy(8, presence_penalty=2.0)),
+        (cat, greedy(8, frequency_penalty=1.5)),
+        (cat, greedy(8, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.5)),
+        (count, greedy(8)),
+        (count, greedy(8, logit_bias={tok.encode(" 7")[0]: 8.0, tok.encode(" 5")[0]: -100.0})),
+        (say_hi, SamplingParams(temperature=0, max_tokens=30)),
+    ]
+    outs = token_ids(llm_f32.generate([c[0] for c in cases], [c[1] for c in cases]))
+    n = len(outs[-1])
+    assert outs[-1][-1] in end_ids and n < 30                                 # the free chat answer ends
+    cases.append((say_hi, SamplingParams(temperature=0, max_tokens=30, min_tokens=n + 3)))
+    outs += token_ids(llm_f32.generate([say_hi], cases[-1][1]))
+    for (prompt, p), ours in zip(cases, outs):
+        assert ours == transformers_greedy(hf_smollm, prompt, p, end_ids), p
+    assert all(o != outs[0] for o in outs[1:4]) and outs[6] != outs[5], "each rule changes its greedy output"
+    assert len(outs[-1]) >= n + 3 and outs[-1][:n - 1] == outs[-2][:n - 1]   # EOS held back until min_tokens
+    assert_all_blocks_free(llm_f32.engine)
+
+
+def test_prompt_logprobs_match_transformers_chunked_and_from_the_prefix_cache(hf_smollm):
+    # a 16-token budget cuts the prompt into chunks; the second run hits the prefix cache for
+    # whole blocks, whose positions the engine recomputes (one extra forward that writes nothing)
+    llm = LLM(kv_cache_memory=SMALL_KV, dtype="float32", max_num_batched_tokens=16)
+    prompt = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is "
+              "Madrid. The capital of Portugal is Lisbon. The capital of Italy is")
+    ids = llm.tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = hf_smollm(torch.tensor([ids])).logits[0].log_softmax(-1)            # [len, vocab]
+    p = greedy(2, prompt_logprobs=3)
+    first, cached = llm.generate([prompt], p)[0], llm.generate([prompt], p)[0]
+    assert len(ids) > 32 and first.metrics.num_cached_tokens == 0 and cached.metrics.num_cached_tokens >= 16
+    for out in (first, cached):
+        lps = out.prompt_logprobs
+        assert len(lps) == len(ids) and lps[0] is None
+        for j in range(1, len(ids)):
+            assert abs(lps[j][ids[j]] - ref[j - 1, ids[j]].item()) < 1e-3
+            assert set(ref[j - 1].topk(3).indices.tolist()) <= set(lps[j]) and len(lps[j]) <= 4
+    assert_all_blocks_free(llm.engine)
+
+
+SMALL_OBJECT = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+                "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                                        "maxItems": 3}}}
+
+
+def test_structured_outputs_parse_validate_and_leave_free_rows_alone(llm_f32):
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the outputs")
+    from structured_output import StructuredOutputsParams as SO
+    questions = ["Describe a cat as a person.", "Invent a football player.", "Who was Ada Lovelace?"]
+    chats = [llm_f32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    free_prompt = "The capital of France is"
+    free_alone = token_ids(llm_f32.generate([free_prompt], greedy(16)))[0]
+    schema = SamplingParams(temperature=0.8, seed=3, max_tokens=120, structured_outputs=SO(json=SMALL_OBJECT))
+    two = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=120, structured_outputs=SO(json=SMALL_OBJECT))
+    choice = SamplingParams(temperature=0, max_tokens=5, structured_outputs=SO(choice=["yes", "no"]))
+    regex = SamplingParams(temperature=0.8, seed=1, max_tokens=12, structured_outputs=SO(regex=r"[0-9]{3}-[a-z]{2}"))
+    outs = llm_f32.generate(chats + [chats[0], free_prompt, "Is the sky blue?", "A code:"],
+                            [schema] * 3 + [two, greedy(16), choice, regex])
+    for c in [o.outputs[0] for o in outs[:3]] + outs[3].outputs:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SMALL_OBJECT)
+    assert outs[3].outputs[0].text != outs[3].outputs[1].text          # each sample walks its own grammar
+    assert outs[4].outputs[0].token_ids == free_alone                   # a free neighbour is untouched
+    assert outs[5].outputs[0].text in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[6].outputs[0].text)
+    assert_all_blocks_free(llm_f32.engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_structured_outputs_survive_preemption(llm_f32, mode):
+    from structured_output import StructuredOutputsParams as SO
+    p = SamplingParams(temperature=0, max_tokens=24, structured_outputs=SO(json_object=True))
+    prompts = [llm_f32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:5]]
+    expected = [o.outputs[0].text for o in llm_f32.generate(prompts, p)]
+    # 9 blocks of 16 for 5 sequences of ~50 tokens: preemption is certain
+    tiny = LLM(kv_cache_memory=9 * 737280, dtype="float32", max_num_batched_tokens=64, preemption_mode=mode,
+               swap_space="64MiB" if mode == "swap" else 0)
+    outs = tiny.generate(prompts, p)
+    assert tiny.engine.scheduler.num_preemptions >= 1
+    assert [o.outputs[0].text for o in outs] == expected
+    assert_all_blocks_free(tiny.engine)
+
+
+def test_top_p_applies_to_what_top_k_kept_and_draws_follow_the_distribution():
+    from sampler import SamplingState, apply_top_k_top_p_min_p, sample
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))
+    # top_k 2 keeps 0.5 and 0.3, renormalized 0.625 and 0.375: top_p 0.62 keeps the first alone,
+    # top_p 0.7 both (over the full distribution 0.5 < 0.62 would have kept both in either case)
+    out = apply_top_k_top_p_min_p(logits.clone(), [SamplingParams(top_k=2, top_p=0.62),
+                                                   SamplingParams(top_k=2, top_p=0.7)])
+    assert torch.isfinite(out).tolist() == [[True, False, False, False], [True, True, False, False]]
+    # the two-level inverse CDF, over a vocabulary that is not a multiple of its block of 128
+    x = torch.full((1, 300), float("-inf"))
+    hot = [0, 5, 127, 128, 200, 299]
+    x[0, hot] = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 1.5])
+    state = [SamplingState(SamplingParams(temperature=1.0), [1], 300, None, set())]
+    gen, counts = torch.Generator().manual_seed(0), torch.zeros(300)
+    for _ in range(4000):
+        counts[sample(x.clone(), state, gen)[0][0]] += 1
+    assert counts[hot].sum() == 4000                                   # never a masked token
+    assert torch.allclose(counts[hot] / 4000, x[0, hot].softmax(-1), atol=0.03)
+
+
+@pytest.mark.parametrize("params,field", [
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logit_bias={99999: 1.0}), "logit_bias"),
+    (dict(logit_bias={5: 101.0}), "logit_bias"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(structured_outputs="json"), "structured_outputs"),
+])
+def test_bad_sampling_fields_are_rejected_naming_the_field(llm, params, field):
+    with pytest.raises(errors.InvalidRequest) as err:
+        llm.engine.add_request("bad", "hi", SamplingParams(**params))
+    assert err.value.field == field and field in str(err.value)
+    from structured_output import StructuredOutputsParams as SO
+    for bad in (SO(json={"type": "object", "properties": {"a": {"type": "nope"}}}), SO(regex="(", json={}), SO()):
+        with pytest.raises(errors.InvalidRequest) as err:
+            llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs=bad))
+        assert err.value.field == "structured_outputs"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_openai_client_penalties_echo_logprobs_and_response_format(client, offline):
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the outputs")
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                  presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"11": -5},
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "min_tokens": 2})
+    p = greedy(3, prompt_logprobs=2, logprobs=2, presence_penalty=0.5, frequency_penalty=0.5, logit_bias={11: -5},
+               repetition_penalty=1.2, min_tokens=2)
+    want = offline.generate(prompt, p)[0]
+    lp = r.choices[0].logprobs
+    n = len(want.prompt_token_ids)
+    assert r.choices[0].text == prompt + want.outputs[0].text
+    assert len(lp.tokens) == n + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[n] == len(prompt) and "".join(lp.tokens) == r.choices[0].text
+    for j in range(1, n):
+        assert abs(lp.token_logprobs[j] - want.prompt_logprobs[j][want.prompt_token_ids[j]]) < 1e-4
+    schema = {"name": "person", "schema": SMALL_OBJECT, "strict": True}
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=120, temperature=0.8, seed=2,
+                                       response_format={"type": "json_schema", "json_schema": schema})
+    assert c.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(c.choices[0].message.content), SMALL_OBJECT)
 
 
 # ============================================================================ bad input
@@ -1939,7 +2136,20 @@ BAD_INPUTS = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "seed": 2 ** 62}, 400, "seed"),
-    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 99, "max_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "minItems": 3, "maxItems": 1}}}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
     ("/v1/completions", {"prompt": "hi", "no_such_field": 1}, 400, "no_such_field"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "priority": 3}, 400, "priority"),

@@ -1,0 +1,138 @@
+"""
+Two measurements of the sampler's cost, for bench.py to call (each returns a dict of numbers and
+prints a markdown table):
+
+  bench_sampling_overhead      a decode step at batch 64 and temperature 1 against a greedy one
+                               (target: at most 10% more), and sampler.sample alone on [64, vocab]
+                               logits next to the exponential race it replaced;
+  bench_structured_output_cost a decode step at batch 32 whose rows all follow a JSON schema
+                               against one whose rows are free (target: at most 10% more per token).
+
+Both compare medians of steps interleaved in one process, so the ratio survives a noisy machine.
+Owns nothing else; it never changes the engine. `python bench_structured.py` runs both.
+"""
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")    # as bench.py: short OpenMP spin, see README
+
+import statistics
+import time
+
+import torch
+
+from engine import LLM, SamplingParams, StructuredOutputsParams
+from sampler import SamplingState, sample
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"type": "string"}}}}
+
+
+def exponential_race(logits, generators):
+    """What sampler.sample did before: Exp(1) noise over the full vocabulary, one call per row."""
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for i, g in enumerate(generators):
+        noise[i].exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1).tolist()
+
+
+def time_call(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_step_times(llm, prompts, params, num_rows, steps):
+    """Seconds of each engine step in which exactly num_rows rows each decode one token."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        s = engine.stats()
+        if s.num_seqs_last_step == num_rows and s.num_batched_tokens_last_step == num_rows and len(times) < steps:
+            times.append(dt)
+    return times
+
+
+def interleaved_medians(llm, runs: dict, num_rows, steps, rounds):
+    """Each variant runs `rounds` times, taking turns; the median step of each."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (prompts, params) in runs.items():
+            times[name] += decode_step_times(llm, prompts, params, num_rows, steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_sampling_overhead(llm=None, batch=64, vocab=None, steps=8, rounds=2, repeats=10, dtype=None):
+    llm = llm or LLM(**({"dtype": dtype} if dtype else {}))
+    vocab = vocab or llm.engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=gen) * 3                          # [batch, vocab]
+
+    def states(**kw):
+        p = SamplingParams(**kw)
+        return [SamplingState(p, [1], vocab, None, set()) for _ in range(batch)]
+    greedy_s, temp_s = states(temperature=0.0), states(temperature=1.0)
+    seeded_s = [SamplingState(SamplingParams(temperature=1.0, seed=i), [1], vocab, torch.Generator().manual_seed(i),
+                              set()) for i in range(batch)]
+    topk_s = states(temperature=1.0, top_k=50, top_p=0.9)
+    micro = {
+        "greedy": time_call(lambda: sample(logits.clone(), greedy_s, gen), repeats),
+        "temperature 1": time_call(lambda: sample(logits.clone(), temp_s, gen), repeats),
+        "temperature 1, seeded rows": time_call(lambda: sample(logits.clone(), seeded_s, gen), repeats),
+        "top_k 50 + top_p 0.9": time_call(lambda: sample(logits.clone(), topk_s, gen), repeats),
+        "exponential race (before)": time_call(lambda: exponential_race(logits.clone(), [gen] * batch), repeats),
+    }
+    prompts = [f"Tell me about the number {i}." for i in range(batch)]
+    max_tokens = steps + 4
+    step = interleaved_medians(llm, {
+        "greedy": (prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
+        "temperature 1": (prompts, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)),
+    }, batch, steps, rounds)
+    ratio = step["temperature 1"] / step["greedy"]
+    print(f"\n### Sampling overhead (batch {batch}, vocab {vocab})\n")
+    print("| sampler.sample alone | ms |\n|---|---|")
+    for name, t in micro.items():
+        print(f"| {name} | {t * 1e3:.2f} |")
+    print(f"\n| decode step at batch {batch} | ms |\n|---|---|")
+    for name, t in step.items():
+        print(f"| {name} | {t * 1e3:.1f} |")
+    print(f"\ntemperature-1 step / greedy step = **{ratio:.3f}** (target <= 1.10)")
+    return {"batch": batch, "vocab": vocab, "sample_ms": {k: v * 1e3 for k, v in micro.items()},
+            "step_ms": {k: v * 1e3 for k, v in step.items()}, "sampling_step_ratio": ratio}
+
+
+def bench_structured_output_cost(llm=None, batch=32, steps=8, rounds=2, dtype=None):
+    llm = llm or LLM(**({"dtype": dtype} if dtype else {}))
+    tok = llm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Describe person number {i} as JSON."}])
+               for i in range(batch)]
+    # greedy both ways, max_tokens past the measured steps; constrained rows stop only at EOS the
+    # grammar allows, so only steps where all `batch` rows still decode are counted
+    max_tokens = steps + 4
+    free = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    step = interleaved_medians(llm, {"free": (prompts, free), "json schema": (prompts, constrained)},
+                               batch, steps, rounds)
+    ratio = step["json schema"] / step["free"]
+    print(f"\n### Structured output cost (batch {batch}, every row constrained by a JSON schema)\n")
+    print("| decode step | ms | ms per token |\n|---|---|---|")
+    for name, t in step.items():
+        print(f"| {name} | {t * 1e3:.1f} | {t * 1e3 / batch:.2f} |")
+    print(f"\nconstrained / free per token = **{ratio:.3f}** (target <= 1.10)")
+    return {"batch": batch, "step_ms": {k: v * 1e3 for k, v in step.items()}, "structured_cost_ratio": ratio}
+
+
+if __name__ == "__main__":
+    llm = LLM()
+    bench_sampling_overhead(llm)
+    bench_structured_output_cost(llm)

@@ -1,0 +1,142 @@
+"""
+Structured outputs: a JSON schema, a regex, a list of choices or a Lark grammar turned into a
+per-token mask, so that every sampled token keeps the output inside the grammar.
+
+Owns StructuredOutputsParams (vLLM 0.32's name and fields), the compilation of each kind into an
+llguidance grammar, one Grammar (an llguidance matcher) per completion that advances with every
+token, and the batched mask: one bitmask row per constrained completion, unpacked and applied
+to just those rows of the logits. Does not sample (sampler.py) or decide when a request stops
+(engine.py ends a completion at EOS or once its grammar can take nothing more).
+
+Why llguidance rather than xgrammar: both are maintained and used by vLLM; llguidance is one
+Rust wheel with no Python dependencies, while xgrammar pulls in transformers and triton (about
+a gigabyte here) for a runtime that needs neither. llguidance builds its token trie from our
+tokenizer's bytes and fills the masks of a batch in parallel (bench_structured.py measures the cost).
+"""
+import json
+from dataclasses import dataclass
+
+import torch
+
+import errors
+
+try:
+    import llguidance
+    import llguidance.torch as llguidance_torch
+except ImportError:   # only structured requests need it; they get a clear error (see validate)
+    llguidance = None
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of these constrains the output (as in vLLM 0.32's SamplingParams.structured_outputs)."""
+    json: str | dict | None = None        # a JSON schema (dict or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None            # a Lark grammar (llguidance's dialect)
+    json_object: bool | None = None       # any JSON object
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens (shorter outputs)
+
+    def validate(self):
+        """Raise InvalidRequest('structured_outputs', ...) unless exactly one kind is set and it compiles."""
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
+        errors.need(len(kinds) == 1, "structured_outputs", "exactly one of json, regex, choice, grammar, "
+                    "json_object", kinds)
+        if llguidance is None:
+            raise errors.InvalidRequest("structured_outputs", "structured outputs need the llguidance package "
+                                                              "(pip install llguidance)")
+        error = llguidance.LLMatcher.validate_grammar(self.to_grammar())
+        if error:
+            raise errors.InvalidRequest("structured_outputs", f"structured_outputs is not a valid "
+                                                              f"{kinds[0]}: {error}")
+
+    def to_grammar(self) -> str:
+        """The llguidance grammar text of whichever kind is set."""
+        M = llguidance.LLMatcher
+        options = {"whitespace_flexible": not self.disable_any_whitespace}
+        try:
+            if self.json is not None:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+                return M.grammar_from_json_schema(schema, defaults=options)
+            if self.json_object:
+                return M.grammar_from_json_schema({"type": "object"}, defaults=options)
+        except (ValueError, TypeError) as exc:
+            raise errors.InvalidRequest("structured_outputs", f"structured_outputs json is not a JSON schema: "
+                                                              f"{exc}") from None
+        if self.regex is not None:
+            errors.need(isinstance(self.regex, str), "structured_outputs", "a regex string", self.regex)
+            return M.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            errors.need(isinstance(self.choice, list) and self.choice and all(isinstance(c, str) and c
+                                                                               for c in self.choice),
+                        "structured_outputs", "a non-empty list of non-empty strings as choice", self.choice)
+            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        errors.need(isinstance(self.grammar, str), "structured_outputs", "a Lark grammar string", self.grammar)
+        return M.grammar_from_lark(self.grammar)
+
+
+class TokenBytes:
+    """What llguidance reads from a tokenizer: every token's bytes, EOS and how to encode text."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.eos_token_id, self.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+        n = min(vocab_size, tokenizer.vocab_size)
+        self.tokens = [tokenizer.token_bytes(i) for i in range(n)] + [b""] * (vocab_size - n)
+        self.special_token_ids = [i for i in range(n) if tokenizer.is_special(i)]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self.tokenizer.encode(text.decode("utf-8", errors="replace"))
+
+
+class GrammarCompiler:
+    """One per engine: the llguidance tokenizer (built once, ~0.5 s) and a matcher per completion."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(TokenBytes(tokenizer, vocab_size)),
+                                                  n_vocab=vocab_size)
+
+    def compile(self, params: StructuredOutputsParams) -> "Grammar":
+        matcher = llguidance.LLMatcher(self.lltokenizer, params.to_grammar())
+        if matcher.is_error():
+            raise errors.InvalidRequest("structured_outputs", f"structured_outputs: {matcher.get_error()}")
+        return Grammar(matcher)
+
+
+class Grammar:
+    """One completion's position in its grammar; `advance` after every token it samples."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def advance(self, token: int):
+        # the mask allowed only tokens the grammar accepts, so this cannot fail unless a
+        # processor applied after the mask (min_tokens banning EOS at the end) left no choice
+        self.matcher.consume_token(token)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+_executor = None
+
+
+def apply_grammar_masks(logits, grammars: list):
+    """logits: [num_rows, vocab]. Rows with a grammar get -inf wherever it forbids a token;
+    rows without one are not touched, and a batch without any costs one list scan."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    vocab = logits.shape[1]
+    bitmask = llguidance_torch.allocate_token_bitmask(len(rows), vocab)         # [g, ceil(vocab / 32)] int32
+    llguidance_torch.fill_next_token_bitmask_par(_executor, [(grammars[i].matcher, j) for j, i in enumerate(rows)],
+                                                 bitmask)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool()                    # [g, words, 32]
+    allowed = allowed.view(len(rows), -1)[:, :vocab]                            # [g, vocab]
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
