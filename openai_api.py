@@ -34,7 +34,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(self.status, "server_error")
+        kind = {404: "not_found_error"}.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -88,6 +88,8 @@ class SamplingRequest(Strict):
     frequency_penalty: float | None = None   # accepted only as 0: the sampler has no penalties
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # accepted only as 1.0 (vllm bench serve always sends it)
+    cache_salt: str | None = None            # vLLM's: prefix-cache blocks are shared only within one salt
     user: str | None = None                  # the caller's end-user id for its own bookkeeping
 
 
@@ -124,6 +126,8 @@ def reject_unsupported(req: SamplingRequest) -> None:
             raise APIError(400, f"{field} is not supported (only 0)", field)
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if req.repetition_penalty not in (None, 1.0):
+        raise APIError(400, "repetition_penalty is not supported (only 1.0)", "repetition_penalty")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
 

@@ -38,6 +38,7 @@ import pytest
 import torch
 
 import extensions
+import kv_cache
 from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer, write_gguf_tokenizer
 import model as M
 from engine import LLM, Engine, SamplingParams
@@ -725,6 +726,45 @@ def test_prefix_cache_eviction_mid_workload_keeps_outputs_identical():
     assert token_ids(outs) == expected
     assert small.engine.blocks.prefix_hits > 0 and small.engine.blocks.num_evictions > 0
     assert_all_blocks_free(small.engine)
+
+
+def colliding_hash(parent_hash, token_ids, cache_salt):
+    """An adversary's hash: ignores the parent and the salt, and maps every block to one of 3 keys."""
+    return bytes([sum(token_ids) % 3])
+
+
+def test_prefix_cache_hash_collisions_never_change_outputs(monkeypatch):
+    # blocks of different prompts and different positions collide; only the token check stands between them
+    prompts = [SYSTEM + q for q in QUESTIONS[:3]] + [q * 40 for q in QUESTIONS[:2]]
+    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False).generate(prompts, greedy(6)))
+    monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
+    llm = LLM(kv_cache_memory=SMALL_KV)
+    outs = []
+    for p in prompts + prompts[::-1]:                          # one at a time: every lookup meets the cache
+        outs += llm.generate(p, greedy(6))
+        llm.engine.check_invariants()
+    assert token_ids(outs) == expected + expected[::-1]
+    assert llm.engine.blocks.prefix_hits > 0                   # real matches are still served
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "colliding"])
+def test_cache_salt_keeps_tenants_apart(monkeypatch, hash_fn):
+    if hash_fn == "colliding":
+        monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
+    llm = LLM(kv_cache_memory=SMALL_KV)
+    prompt, shared = SYSTEM + QUESTIONS[0], len(llm.tokenizer.encode(SYSTEM)) // 16 * 16
+    expected = token_ids(llm.generate(prompt, greedy(6)))       # unsalted: warms the cache
+    runs = {salt: llm.generate({"prompt": prompt, "cache_salt": salt}, greedy(6))[0]
+            for salt in ["tenant-a", "tenant-b"]}
+    again = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, greedy(6))[0]
+    assert [r.metrics.num_cached_tokens for r in runs.values()] == [0, 0]   # nothing crosses a salt
+    if hash_fn == "sha256":   # (3 colliding keys are all taken by the unsalted chain: nothing more is cached)
+        assert again.metrics.num_cached_tokens >= shared - 16 > 0           # the same tenant hits its own
+    assert all(r.outputs[0].token_ids == expected[0] for r in [*runs.values(), again])
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": prompt, "cache_salt": ""}, greedy(2))
+    assert_all_blocks_free(llm.engine)
 
 
 def test_n_samples_copy_on_write_costs_one_prompt_plus_n_tails():
