@@ -12,6 +12,7 @@ Methods that move data (copy-on-write, swap) return the block operations for the
 run on the tensors (KVCachePool.run) before the next forward pass; they copy nothing themselves.
 The invariants are written down as code in check_invariants().
 """
+import array
 import hashlib
 import itertools
 import re
@@ -33,15 +34,17 @@ def parse_memory(value) -> int:
 
 def block_hash(parent_hash: bytes | None, token_ids, cache_salt: str | None) -> bytes:
     """A full block's lookup key: sha256 of its tokens and everything before them (through the
-    parent's hash; the first block also takes the request's cache_salt, so tenants with different
+    parent's hash; the first block starts from the request's cache_salt, so tenants with different
     salts never share a chain). Python's hash() would let a crafted prompt collide with another
     user's block (vLLM's advisory GHSA-rm76-4mrf-v9r8); a hit is still verified token for token."""
-    return hashlib.sha256(repr((parent_hash, cache_salt if parent_hash is None else None,
-                                tuple(token_ids))).encode()).digest()
+    h = hashlib.sha256(parent_hash or repr(cache_salt).encode())
+    h.update(array.array("q", token_ids).tobytes())
+    return h.digest()
 
 
 def cache_salt_of(seq) -> str | None:
-    return seq.request.cache_salt if seq.request is not None else None
+    # getattr: sequences built outside the engine (simulate.py, tests) carry requests without a salt
+    return getattr(seq.request, "cache_salt", None)
 
 
 class KVCachePool:
