@@ -240,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
-            result_exit = proc.wait(timeout=60)
+            exit_code = proc.wait(timeout=60)
     if proc is not None:
-        result["server_exit_code"] = result_exit
+        result["server_exit_code"] = exit_code
     print(f"\n### Soak: {args.minutes:g} min, {args.concurrency} concurrent clients on 127.0.0.1\n")
     keys = ["sent", "requests", "disconnects", "bad_inputs", "busy", "lost", "bad_answered_wrong", "leaked_blocks",
             "still_running", "counters_add_up", "wall_s"]
