@@ -166,6 +166,7 @@ class Request:
     completions: list[Completion]
     metrics: RequestMetrics
     prompt_logprobs: list | None = None   # filled chunk by chunk during prefill; entry j is token j's
+    cache_salt: str | None = None         # prefix-cache blocks are shared only between requests with the same salt
 
     @property
     def finished(self):
@@ -220,17 +221,19 @@ class Engine:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None):
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None):
         """Validate and queue a request. Raises InvalidRequest (naming the field) and changes nothing on bad input."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
         need(request_id not in self.requests, "request_id", "unused", request_id)
         need(isinstance(priority, int), "priority", "an integer", priority)
+        need(cache_salt is None or (isinstance(cache_salt, str) and cache_salt), "cache_salt",
+             "a non-empty string or None", cache_salt)
         text, ids = self._tokenize(prompt)
         self.check_prompt(ids, params.max_tokens)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, ids, params, [], RequestMetrics(now, num_prompt_tokens=len(ids)),
-                      None if params.prompt_logprobs is None else [None])
+                      None if params.prompt_logprobs is None else [None], cache_salt)
         for i in range(params.n):             # each of n samples: its own seed stream, counts and grammar state
             state = SamplingState(params, ids, self.model_config.vocab_size, make_generator(params.seed, i),
                                   self.eos_token_ids, self._grammar(params.structured_outputs))
@@ -529,7 +532,8 @@ class LLM:
         self._ids = itertools.count()
 
     def _add_all(self, prompts, sampling_params, priority):
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """prompts: a string, token ids, or vLLM's {"prompt" | "prompt_token_ids", "cache_salt"}, or a list of them."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -539,7 +543,10 @@ class LLM:
         try:
             for prompt, p, prio in zip(prompts, params, priority):
                 ids.append(f"llm-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p or SamplingParams(), prio)
+                salt = None
+                if isinstance(prompt, dict):
+                    salt, prompt = prompt.get("cache_salt"), prompt.get("prompt", prompt.get("prompt_token_ids"))
+                self.engine.add_request(ids[-1], prompt, p or SamplingParams(), prio, cache_salt=salt)
         except InvalidRequest:
             for rid in ids:                                 # all or nothing: no half-added batch
                 self.engine.abort_request(rid)

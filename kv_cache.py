@@ -3,14 +3,18 @@ The paged KV cache: a preallocated pool of fixed-size blocks and the bookkeeping
 
 Owns: the K/V tensors (per layer [num_blocks, block_size, num_kv_heads, head_dim]), the
 block allocator (free list + reference counts), each sequence's block table, the prefix
-cache (full blocks keyed by a hash chained over their tokens, kept evictable in LRU order
-once nobody holds them), copy-on-write for blocks shared by forked samples, and the host
-pool that swap preemption copies blocks into.
+cache (full blocks keyed by a sha256 chained over their tokens and the request's cache_salt,
+and verified token for token on a hit, kept evictable in LRU order once nobody holds them),
+copy-on-write for blocks shared by forked samples, and the host pool that swap preemption
+copies blocks into.
 Does not decide *when* to allocate, evict or swap: scheduler.py does, by calling in here.
 Methods that move data (copy-on-write, swap) return the block operations for the engine to
 run on the tensors (KVCachePool.run) before the next forward pass; they copy nothing themselves.
 The invariants are written down as code in check_invariants().
 """
+import array
+import hashlib
+import itertools
 import re
 from collections import OrderedDict, deque
 
@@ -28,9 +32,19 @@ def parse_memory(value) -> int:
     return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
 
 
-def block_hash(parent_hash, token_ids) -> int:
-    """A full block's identity: its tokens and everything before them (through the parent's hash)."""
-    return hash((parent_hash, tuple(token_ids)))
+def block_hash(parent_hash: bytes | None, token_ids, cache_salt: str | None) -> bytes:
+    """A full block's lookup key: sha256 of its tokens and everything before them (through the
+    parent's hash; the first block starts from the request's cache_salt, so tenants with different
+    salts never share a chain). Python's hash() would let a crafted prompt collide with another
+    user's block (vLLM's advisory GHSA-rm76-4mrf-v9r8); a hit is still verified token for token."""
+    h = hashlib.sha256(parent_hash or repr(cache_salt).encode())
+    h.update(array.array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def cache_salt_of(seq) -> str | None:
+    # getattr: sequences built outside the engine (simulate.py, tests) carry requests without a salt
+    return getattr(seq.request, "cache_salt", None)
 
 
 class KVCachePool:
@@ -83,6 +97,12 @@ class BlockManager:
         self.free_blocks = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.cached_hash = [None] * num_blocks        # hash of a full, registered block
+        # What a registered block holds, checked on every hit so that a hash collision can never hand
+        # out another request's KV: (parent's registration id, its tokens, cache_salt). Registration ids
+        # are never reused, so a child whose parent block was evicted and refilled no longer matches.
+        self.cached_content = [None] * num_blocks
+        self.registration_id = [None] * num_blocks
+        self.registrations = itertools.count()
         self.hash_to_block = {}                       # prefix cache: hash -> block id
         self.evictable = OrderedDict()                # refcount-0 cached blocks, least recently used first
         self.num_host_blocks = num_host_blocks
@@ -109,7 +129,7 @@ class BlockManager:
             block, _ = self.evictable.popitem(last=False)
             self.num_evictions += 1
             del self.hash_to_block[self.cached_hash[block]]
-            self.cached_hash[block] = None
+            self.cached_hash[block] = self.cached_content[block] = self.registration_id[block] = None
         self.ref_counts[block] = 1
         return block
 
@@ -170,7 +190,7 @@ class BlockManager:
         while (len(seq.block_hashes) + 1) * bs <= len(seq.token_ids):
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if i else None
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], cache_salt_of(seq)))
 
     def num_cached_tokens(self, seq) -> int:
         """How much of seq's prefix the cache holds; at least one token is always left to compute,
@@ -178,13 +198,21 @@ class BlockManager:
         return len(self._cached_prefix_blocks(seq)) * self.block_size
 
     def _cached_prefix_blocks(self, seq) -> list[int]:
+        """The cached blocks that hold seq's prefix: found by hash, accepted only if their tokens, salt
+        and parent are seq's own (a colliding hash ends the match, it never returns foreign KV)."""
         if not self.enable_prefix_caching:
             return []
         self.update_hashes(seq)
-        max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        blocks = []
-        while len(blocks) < max_blocks and seq.block_hashes[len(blocks)] in self.hash_to_block:
-            blocks.append(self.hash_to_block[seq.block_hashes[len(blocks)]])
+        bs, salt = self.block_size, cache_salt_of(seq)
+        max_blocks = (len(seq.token_ids) - 1) // bs
+        blocks, parent = [], None
+        while len(blocks) < max_blocks:
+            i = len(blocks)
+            block = self.hash_to_block.get(seq.block_hashes[i])
+            if block is None or self.cached_content[block] != (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), salt):
+                break
+            blocks.append(block)
+            parent = self.registration_id[block]
         return blocks
 
     def admission_cost(self, seq, num_new_tokens: int) -> int:
@@ -197,9 +225,9 @@ class BlockManager:
     def take_cached_prefix(self, seq) -> int:
         """On admission: take every cached block that matches seq's prefix and skip its prefill."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        num_tokens = self.num_cached_tokens(seq)
-        for h in seq.block_hashes[:num_tokens // self.block_size]:
-            block = self.hash_to_block[h]
+        hits = self._cached_prefix_blocks(seq)
+        num_tokens = len(hits) * self.block_size
+        for block in hits:
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
             self.ref_counts[block] += 1
@@ -210,15 +238,22 @@ class BlockManager:
         return num_tokens
 
     def cache_full_blocks(self, seq):
-        """After a step: register seq's newly computed full blocks so later requests can share them."""
+        """After a step: register seq's newly computed full blocks so later requests can share them.
+        A block whose hash is taken (the same prefix computed twice at once, or a collision) is not
+        registered, and neither is anything after it: a child is only ever registered under its parent."""
         if not self.enable_prefix_caching:
             return
         self.update_hashes(seq)
-        for i in range(seq.num_computed_tokens // self.block_size):
+        bs, salt, parent = self.block_size, cache_salt_of(seq), None
+        for i in range(seq.num_computed_tokens // bs):
             block, h = seq.block_table[i], seq.block_hashes[i]
-            if self.cached_hash[block] is None and h not in self.hash_to_block:
-                self.cached_hash[block] = h
-                self.hash_to_block[h] = block
+            if self.cached_hash[block] is None:
+                if h in self.hash_to_block:
+                    return
+                self.cached_hash[block], self.hash_to_block[h] = h, block
+                self.cached_content[block] = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), salt)
+                self.registration_id[block] = next(self.registrations)
+            parent = self.registration_id[block]
 
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
@@ -270,6 +305,9 @@ class BlockManager:
             assert self.ref_counts[block] == 0 and self.cached_hash[block] is None
         for h, block in self.hash_to_block.items():
             assert self.cached_hash[block] == h, "prefix-cache index out of sync"
+        for block in range(self.num_blocks):
+            registered = self.cached_hash[block] is not None
+            assert registered == (self.cached_content[block] is not None) == (self.registration_id[block] is not None)
         host_used = sum(len(s.host_block_table) for s in seqs)
         assert host_used + len(self.free_host_blocks) == self.num_host_blocks, "host blocks leaked"
         assert len(set(self.free_host_blocks)) == len(self.free_host_blocks)

@@ -34,7 +34,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(self.status, "server_error")
+        kind = {404: "not_found_error"}.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -92,6 +92,7 @@ class SamplingRequest(Strict):
     logit_bias: dict[str, float] | None = None
     response_format: dict | None = None      # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict | None = None   # vLLM's extra: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    cache_salt: str | None = None            # vLLM's: prefix-cache blocks are shared only within one salt
     user: str | None = None                  # the caller's end-user id for its own bookkeeping
 
 

@@ -2,11 +2,13 @@
 OpenAI-compatible HTTP server over one continuous-batching Engine: /v1/completions,
 /v1/chat/completions, /v1/models, /health and /metrics (Prometheus text), and its CLI.
 
-The Engine is not thread-safe, so one background thread (EngineLoop) owns it: HTTP handlers
-hand add/abort commands to that thread through a locked deque, and it routes every
-RequestOutput back to the handler's asyncio.Queue with loop.call_soon_threadsafe.
-This file owns the engine thread, routes, admission, disconnects and metrics; openai_api.py owns
-what requests and answers look like, and engine.py and below own scheduling, sampling and KV blocks.
+One request, HTTP to sampler and back: a route reads the body (413 over --max-request-bytes),
+openai_api.py parses it and tokenizes (off the event loop) into an Exchange, OpenAIServer.start
+admits it as a Run into the EngineLoop (engine_loop.py: the thread that owns the Engine, steps
+it and routes each RequestOutput back to the Run), and the route answers with a JSON body or an
+SSE stream built by the Exchange. This file owns routes, admission (API key, body size, queue
+bound), disconnects, graceful shutdown and /metrics; it never touches the Engine from the event
+loop except through the EngineLoop.
 """
 import os
 
@@ -14,12 +16,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # 2 shared cores: spinning 
 
 import argparse
 import asyncio
-import collections
 import dataclasses
+import hmac
 import logging
 import signal
 import sys
-import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -28,290 +29,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import Engine, EngineConfig, InvalidRequest, SamplingParams
+from engine import Engine, EngineConfig, InvalidRequest
+from engine_loop import ClientGone, EngineLoop, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
     OpenAIProtocol
 
 log = logging.getLogger("nanoserve.serve")
-MAX_STEP_FAILURES = 3      # consecutive engine.step() exceptions before the engine is declared dead
-DISCONNECT_POLL_S = 0.5    # how often a non-streamed request checks whether its client is gone
-
-
-# ----------------------------------------------------------------------------- metrics
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: list[float]):
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self.counts, self.sum, self.count = [0] * len(buckets), 0.0, 0
-        self.lock = threading.Lock()  # observed on the step thread, rendered on the event loop
-
-    def observe(self, value: float) -> None:
-        with self.lock:
-            for i, le in enumerate(self.buckets):
-                self.counts[i] += value <= le
-            self.sum += value
-            self.count += 1
-
-    def render(self, labels: str) -> list[str]:
-        with self.lock:
-            lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-            lines += [f'{self.name}_bucket{{{labels},le="{le}"}} {c}' for le, c in zip(self.buckets, self.counts)]
-            lines += [f'{self.name}_bucket{{{labels},le="+Inf"}} {self.count}',
-                      f"{self.name}_sum{{{labels}}} {self.sum}", f"{self.name}_count{{{labels}}} {self.count}"]
-        return lines
-
-
-class ServerMetrics:
-    """Latency histograms and request counters the engine's stats() does not keep."""
-
-    def __init__(self):
-        self.ttft = Histogram("nanoserve:time_to_first_token_seconds",
-                              "Time from request admission to its first token.",
-                              [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80])
-        self.tpot = Histogram("nanoserve:time_per_output_token_seconds", "Mean time between output tokens.",
-                              [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5])
-        self.e2e = Histogram("nanoserve:e2e_request_latency_seconds",
-                             "Time from request admission to its last token.",
-                             [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320])
-        self.finished = collections.Counter()  # finish_reason -> choices
-        self.failed = 0
-        self.aborted = 0  # requests whose client left (or that failed) before they finished
-
-
-# ----------------------------------------------------------------------------- engine thread
-
-class ClientGone(Exception):
-    """The client of a non-streamed request hung up; nobody is left to answer."""
-
-
-class Run:
-    """One HTTP request's sequences (one engine request per prompt) and the queue their outputs reach."""
-
-    def __init__(self, engine_loop: "EngineLoop", request_ids: list[str], prompts: list[list[int]],
-                 params: SamplingParams, priority: int):
-        self.engine_loop, self.request_ids, self.prompts = engine_loop, request_ids, prompts
-        self.params, self.priority = params, priority
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()   # ("admitted"|"output"|"error"|"gone", payload)
-        self.arrival = time.monotonic()
-        self.unfinished = set(request_ids)
-
-    async def outputs(self):
-        """Every (prompt index, RequestOutput) until all prompts have finished; raises what the engine sent."""
-        while self.unfinished:
-            kind, payload = await self.queue.get()
-            if kind == "gone":
-                raise ClientGone()
-            if kind == "error":
-                raise payload
-            index, out = payload
-            if out.finished:
-                self.unfinished.discard(out.request_id)
-            yield index, out
-
-    async def watch_disconnect(self, request: Request) -> None:
-        """For non-streamed requests, which Starlette does not cancel when the client leaves."""
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-        self.queue.put_nowait(("gone", None))
-
-    async def admitted(self) -> None:
-        kind, payload = await self.queue.get()
-        if kind == "error":
-            raise payload
-
-    def close(self) -> None:
-        """Abort whatever has not finished (client gone, error, shutdown); safe to call twice."""
-        if self.unfinished:
-            self.engine_loop.abort(list(self.unfinished))
-        self.unfinished.clear()
-
-
-@dataclasses.dataclass
-class Tracked:
-    run: Run
-    index: int                         # which prompt of the run
-    first_token_time: float | None = None
-
-
-class EngineLoop:
-    """Owns the Engine: one thread drains add/abort commands, steps, and routes outputs to asyncio queues."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.metrics = ServerMetrics()
-        self.stats = engine.stats()          # refreshed by the step thread; read by /metrics and admission
-        self.dead_reason: str | None = None
-        self.commands = collections.deque()  # ("add", Run) | ("abort", [request_id])
-        self.num_pending_adds = 0
-        self.lock = threading.Lock()         # guards commands, num_pending_adds and dead_reason
-        self.wake = threading.Event()
-        self.stopping = threading.Event()
-        self.tracked: dict[str, Tracked] = {}  # step thread only
-        self.thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
-
-    # -- called from the event loop
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.wake.set()
-        self.thread.join(timeout=30)
-
-    def alive(self) -> bool:
-        return self.dead_reason is None and self.thread.is_alive()
-
-    def num_waiting(self) -> int:
-        return self.stats.num_waiting + self.stats.num_swapped + self.num_pending_adds
-
-    def submit(self, run: Run) -> None:
-        with self.lock:
-            if self.dead_reason is not None:
-                raise APIError(503, f"engine is dead: {self.dead_reason}", code="engine_dead")
-            self.commands.append(("add", run))
-            self.num_pending_adds += len(run.request_ids)
-        self.wake.set()
-
-    def abort(self, request_ids: list[str]) -> None:
-        with self.lock:
-            self.commands.append(("abort", request_ids))
-        self.wake.set()
-
-    # -- the step thread
-    def _main(self) -> None:
-        outbox: list = []
-        leftover = []  # runs submitted but never added: only a dead engine leaves them to fail
-        try:
-            self._serve(outbox)
-            error = APIError(503, "server is shutting down", code="shutting_down")
-        except BaseException as exc:  # the loop must never die silently
-            log.exception("engine loop died")
-            with self.lock:
-                self.dead_reason = repr(exc)
-                leftover = [run for kind, run in self.commands if kind == "add"]
-                self.commands.clear()
-            error = APIError(503, f"engine is dead: {exc!r}", code="engine_dead")
-        self._fail_all(error, outbox)
-        self._deliver(outbox + [(run, ("error", error)) for run in leftover])
-
-    def _serve(self, outbox: list) -> None:
-        failures = 0
-        while not self.stopping.is_set():
-            self._drain(outbox)
-            if self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                    failures = 0
-                except Exception as exc:
-                    failures = self._step_failed(exc, failures + 1, outbox)
-                    outputs = []
-                self._route(outputs, outbox)
-            self.stats = self.engine.stats()
-            self._deliver(outbox)
-            outbox.clear()
-            if not self.engine.has_unfinished_requests():
-                self.wake.wait(timeout=0.5)
-                self.wake.clear()  # commands queued before this clear are drained next iteration
-
-    def _step_failed(self, exc: Exception, failures: int, outbox: list) -> int:
-        # We cannot tell which sequences the failing batch held, so every request in the engine fails.
-        log.exception("engine.step() failed (%d in a row); failing %d requests", failures, len(self.tracked))
-        self._fail_all(APIError(500, f"engine step failed: {exc!r}", code="engine_error"), outbox)
-        self.engine.check_invariants()  # an inconsistent engine must not keep serving
-        if failures >= MAX_STEP_FAILURES:
-            raise RuntimeError(f"engine.step() failed {failures} times in a row") from exc
-        return failures
-
-    def _drain(self, outbox: list) -> None:
-        with self.lock:
-            commands = list(self.commands)
-            self.commands.clear()
-        num_added = 0
-        for kind, payload in commands:
-            if kind == "add":
-                self._add(payload, outbox)
-                num_added += len(payload.request_ids)
-            else:
-                for request_id in payload:
-                    if self.tracked.pop(request_id, None) is not None:
-                        self.engine.abort_request(request_id)
-                        self.metrics.aborted += 1
-        self.stats = self.engine.stats()  # before the pending count drops, so admission never undercounts
-        with self.lock:
-            self.num_pending_adds -= num_added
-
-    def _add(self, run: Run, outbox: list) -> None:
-        added = []
-        try:
-            for index, (request_id, prompt) in enumerate(zip(run.request_ids, run.prompts)):
-                self.engine.add_request(request_id, prompt, run.params, priority=run.priority)
-                added.append(request_id)
-                self.tracked[request_id] = Tracked(run, index)
-        except Exception as exc:  # InvalidRequest: bad input (400); anything else fails only this request (500)
-            if not isinstance(exc, InvalidRequest):
-                log.exception("add_request failed")
-            for request_id in added:
-                self.tracked.pop(request_id, None)
-                self.engine.abort_request(request_id)
-            outbox.append((run, ("error", exc)))
-            return
-        outbox.append((run, ("admitted", None)))
-
-    def _route(self, outputs: list, outbox: list) -> None:
-        now = time.monotonic()
-        for out in outputs:
-            entry = self.tracked.get(out.request_id)
-            if entry is None:
-                continue  # aborted while the step ran
-            try:
-                self._route_one(entry, out, outbox, now)
-            except Exception as exc:  # a bug with one output fails that request, not the loop
-                log.exception("routing output of %s failed", out.request_id)
-                self.tracked.pop(out.request_id, None)
-                self.engine.abort_request(out.request_id)
-                outbox.append((entry.run, ("error", APIError(500, f"output processing failed: {exc!r}"))))
-
-    def _route_one(self, entry: Tracked, out, outbox: list, now: float) -> None:
-        metrics = self.metrics
-        if entry.first_token_time is None and any(c.token_ids for c in out.outputs):
-            entry.first_token_time = now
-            metrics.ttft.observe(now - entry.run.arrival)
-        outbox.append((entry.run, ("output", (entry.index, out))))
-        if not out.finished:
-            return
-        del self.tracked[out.request_id]
-        metrics.e2e.observe(now - entry.run.arrival)
-        num_tokens = max(len(c.token_ids) for c in out.outputs)
-        if entry.first_token_time is not None and num_tokens > 1:
-            metrics.tpot.observe((now - entry.first_token_time) / (num_tokens - 1))
-        metrics.finished.update(c.finish_reason for c in out.outputs)
-
-    def _fail_all(self, exc: Exception, outbox: list) -> None:
-        for request_id, entry in self.tracked.items():
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                log.exception("abort_request(%s) failed", request_id)
-            outbox.append((entry.run, ("error", exc)))
-            self.metrics.failed += 1
-        self.tracked.clear()
-
-    @staticmethod
-    def _deliver(outbox: list) -> None:
-        by_loop = collections.defaultdict(list)
-        for run, item in outbox:
-            by_loop[run.loop].append((run.queue, item))
-        for loop, items in by_loop.items():  # one wake-up of the event loop per step, not one per sequence
-            try:
-                loop.call_soon_threadsafe(put_all, items)
-            except RuntimeError:
-                pass  # that event loop is closed: nobody is listening any more
-
-
-def put_all(items: list) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
 
 
 # ----------------------------------------------------------------------------- the server
@@ -319,22 +42,35 @@ def put_all(items: list) -> None:
 class OpenAIServer:
     """The route handlers: admission into the EngineLoop, then a JSON body or an SSE stream."""
 
-    def __init__(self, engine: Engine, served_model_name: str, max_waiting: int):
+    def __init__(self, engine: Engine, served_model_name: str, max_waiting: int, max_request_bytes: int):
         self.engine, self.model_name, self.max_waiting = engine, served_model_name, max_waiting
+        self.max_request_bytes = max_request_bytes
         self.loop = EngineLoop(engine)
         self.api = OpenAIProtocol(engine, served_model_name)
+        self.runs: set[Run] = set()       # admitted (or being admitted) and not yet closed
+        self.accepting = True             # False once shutdown began: new work gets 503
 
     async def completions(self, request: Request):
-        req = self.api.parse(await request.body(), CompletionRequest)
-        return await self.answer(request, CompletionExchange(self.api, req))
+        return await self.answer(request, CompletionRequest, CompletionExchange)
 
     async def chat_completions(self, request: Request):
-        req = self.api.parse(await request.body(), ChatRequest)
-        return await self.answer(request, ChatExchange(self.api, req))
+        return await self.answer(request, ChatRequest, ChatExchange)
 
-    async def answer(self, request: Request, exchange: Exchange):
-        """Stream the run as SSE or wait for all of it; the run is aborted however this ends early."""
-        run = await self.start(exchange)
+    async def answer(self, request: Request, schema: type, exchange_type: type):
+        """Admit the request, then stream the run as SSE or wait for all of it; the run is aborted
+        however this ends early. Everything before admission is cheap and costs the engine nothing."""
+        requests = self.loop.metrics.requests
+        requests["received"] += 1
+        try:
+            self.check_accepting()
+            req = self.api.parse(await read_body(request, self.max_request_bytes), schema)
+            # tokenizing and templating a long prompt takes a while: off the event loop, so others keep streaming
+            exchange = await asyncio.to_thread(exchange_type, self.api, req)
+            self.check_capacity(len(exchange.prompts))
+        except BaseException:
+            requests["rejected"] += 1
+            raise
+        run = await self.start(exchange)  # from here on the run counts how the request ends
         if exchange.req.stream:
             return EventStream(exchange.events(run.outputs()), run)
         watcher = asyncio.create_task(run.watch_disconnect(request))
@@ -349,24 +85,38 @@ class OpenAIServer:
             watcher.cancel()
             run.close()
 
-    async def start(self, exchange: Exchange) -> Run:
-        """Admit one HTTP request into the engine; raises 503 when the waiting queue is full."""
-        prompts = exchange.prompts
-        if self.loop.num_waiting() + len(prompts) > self.max_waiting:
+    def check_accepting(self) -> None:
+        if not self.accepting:
+            raise APIError(503, "server is shutting down; retry on another replica", code="shutting_down",
+                           headers={"Retry-After": "5"})
+
+    def check_capacity(self, num_prompts: int) -> None:
+        if self.loop.num_waiting() + num_prompts > self.max_waiting:
             raise APIError(503, f"too many waiting requests (max {self.max_waiting}); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
-        ids = [f"{exchange.request_id}-{i}" for i in range(len(prompts))]
-        run = Run(self.loop, ids, prompts, exchange.params, exchange.req.priority)
-        self.loop.submit(run)
+
+    async def start(self, exchange: Exchange) -> Run:
+        """Admit one HTTP request into the engine; a refusal is counted as rejected, a hang-up as aborted."""
+        ids = [f"{exchange.request_id}-{i}" for i in range(len(exchange.prompts))]
+        run = Run(self.loop, ids, exchange.prompts, exchange.params, exchange.req.priority, exchange.req.cache_salt,
+                  self.runs)
         try:
+            self.loop.submit(run)
             await run.admitted()
         except InvalidRequest as exc:  # the engine rejected the input at add time
             run.unfinished.clear()
+            run.close("rejected")
             raise exchange.engine_error(exc) from None
-        except BaseException:
-            run.close()
+        except BaseException as exc:   # engine dead (503), add failed (500), or the client left while queued
+            run.close("aborted" if isinstance(exc, asyncio.CancelledError)
+                      else "rejected" if isinstance(exc, APIError) else "failed")
             raise
         return run
+
+    def abort_all(self, error: APIError) -> None:
+        """Shutdown's last word: every run still in flight ends with this error."""
+        for run in list(self.runs):
+            run.put("error", error)
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(time.time()),
@@ -380,6 +130,24 @@ class OpenAIServer:
 
     async def prometheus(self):
         return Response(render_metrics(self), media_type="text/plain; version=0.0.4")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to be over the limit: a 5 MB prompt
+    is never parsed, tokenized or queued."""
+    declared = request.headers.get("content-length", "")
+    size, chunks = int(declared) if declared.isdigit() else 0, []
+    if size <= limit:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                break
+            chunks.append(chunk)
+    if size > limit:
+        raise APIError(413, f"request body is over {limit} bytes (--max-request-bytes)", "body",
+                       code="request_too_large")
+    return b"".join(chunks)
 
 
 class EventStream(StreamingResponse):
@@ -417,8 +185,16 @@ def render_metrics(server: OpenAIServer) -> str:
         ("queue_depth", "gauge", "Requests accepted over HTTP but not yet handed to the engine.",
          loop.num_pending_adds),
         ("prefix_cache_hit_rate", "gauge", "Prefix cache hit rate (0..1).", stats.prefix_cache_hit_rate),
-        ("request_failures_total", "counter", "Requests failed by an engine error.", loop.metrics.failed),
-        ("request_aborted_total", "counter", "Requests aborted unfinished (client gone).", loop.metrics.aborted),
+        ("requests_received_total", "counter", "Generation requests received (= finished + aborted + rejected "
+         "+ failed once they end).", loop.metrics.requests["received"]),
+        ("requests_finished_total", "counter", "Requests that ran to their end.", loop.metrics.requests["finished"]),
+        ("request_aborted_total", "counter", "Admitted requests aborted unfinished: the client left, or shutdown.",
+         loop.metrics.requests["aborted"]),
+        ("requests_rejected_total", "counter", "Requests refused before they ran (4xx, 503).",
+         loop.metrics.requests["rejected"]),
+        ("request_failures_total", "counter", "Admitted requests failed by an engine error.",
+         loop.metrics.requests["failed"]),
+        ("requests_in_flight", "gauge", "Admitted requests not yet ended.", len(server.runs)),
     ]
     lines = []
     for name, kind, help_text, value in series:
@@ -435,9 +211,10 @@ def render_metrics(server: OpenAIServer) -> str:
 
 # ----------------------------------------------------------------------------- app and CLI
 
-def build_app(engine: Engine, served_model_name: str, max_waiting: int = 256) -> FastAPI:
+def build_app(engine: Engine, served_model_name: str, max_waiting: int = 256, api_key: str | None = None,
+              max_request_bytes: int = 1 << 20) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine thread (tests may run it in-process)."""
-    server = OpenAIServer(engine, served_model_name, max_waiting)
+    server = OpenAIServer(engine, served_model_name, max_waiting, max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -455,7 +232,29 @@ def build_app(engine: Engine, served_model_name: str, max_waiting: int = 256) ->
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
+    if api_key:
+        app.add_middleware(RequireAPIKey, api_key=api_key)
     return app
+
+
+class RequireAPIKey:
+    """ASGI middleware: every /v1/* route needs `Authorization: Bearer <key>` (401 in OpenAI's error
+    shape otherwise); /health and /metrics stay open. The key is compared in constant time, so the
+    time to answer reveals nothing about how much of a guess was right."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                body = error.body()
+                body["error"]["type"] = "invalid_request_error"   # OpenAI's type for a bad key
+                return await JSONResponse(body, status_code=401)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -499,6 +298,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"host memory for --preemption-mode swap, bytes or e.g. 1GiB (default {default.swap_space})")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for the engine; beyond that: 503 with Retry-After (default 256)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted; bigger ones get 413 before they are parsed (default 1 MiB)")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("NANOSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on /v1/* (default: $VLLM_API_KEY or "
+                        "$NANOSERVE_API_KEY; none: open)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests may still run before they are aborted; "
+                        "new ones get 503 meanwhile (default 30)")
     return p.parse_args(argv)
 
 
@@ -512,6 +319,43 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**given)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains before it stops: new requests get 503 with
+    Retry-After, in-flight ones get --shutdown-timeout seconds to finish, the rest end with an error
+    event (or a 503), and then uvicorn shuts down and the process exits 0. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, server: OpenAIServer, shutdown_timeout: float):
+        super().__init__(config)
+        self.server, self.shutdown_timeout = server, shutdown_timeout
+        self.drain_task = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain_task is not None or not self.started:
+            return super().handle_exit(sig, frame)
+        log.info("signal %d: draining %d requests (--shutdown-timeout %gs)", sig, len(self.server.runs),
+                 self.shutdown_timeout)
+        loop = asyncio.get_running_loop()   # the handler runs on the loop's thread; the self-pipe wakes it
+        self.drain_task = loop.call_soon_threadsafe(lambda: loop.create_task(self.drain()))
+
+    async def drain(self) -> None:
+        server = self.server
+        server.accepting = False
+        await wait_until(lambda: not server.runs, self.shutdown_timeout)
+        if server.runs:
+            log.warning("aborting %d requests still running after --shutdown-timeout", len(server.runs))
+            server.abort_all(APIError(503, f"server shut down: the request was still running after "
+                                           f"--shutdown-timeout={self.shutdown_timeout:g}s and was aborted",
+                                      code="shutting_down"))
+            await wait_until(lambda: not server.runs, 5)   # their error events go out
+        self.should_exit = True
+
+
+async def wait_until(done, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -521,12 +365,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"serve.py: error: {exc}")
     default_name = os.path.basename(os.path.normpath(args.model or "SmolLM2-135M-Instruct")).removesuffix(".gguf")
     name = args.served_model_name or default_name
-    app = build_app(engine, name, args.max_waiting)
-    # uvicorn re-raises the signal it shut down on; a no-op handler turns that into a normal exit (status 0).
+    app = build_app(engine, name, args.max_waiting, args.api_key, args.max_request_bytes)
+    log.info("serving %s on http://%s:%d%s", name, args.host, args.port, " (API key required)" if args.api_key else "")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    # uvicorn re-raises a signal it was stopped by; a no-op handler turns that into a normal exit (status 0).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    log.info("serving %s on http://%s:%d", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.server, args.shutdown_timeout).run()
 
 
 if __name__ == "__main__":

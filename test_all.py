@@ -42,11 +42,14 @@ import torch
 
 import errors
 import extensions
+import kv_cache
 from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer, write_gguf_tokenizer
 import model as M
 from engine import LLM, Engine, SamplingParams
 from scheduler import Status
 import paged_attention as pa
+import serve
+import soak
 from serve import build_app
 
 
@@ -1033,6 +1036,45 @@ def test_prefix_cache_eviction_mid_workload_keeps_outputs_identical():
     assert_all_blocks_free(small.engine)
 
 
+def colliding_hash(parent_hash, token_ids, cache_salt):
+    """An adversary's hash: ignores the parent and the salt, and maps every block to one of 3 keys."""
+    return bytes([sum(token_ids) % 3])
+
+
+def test_prefix_cache_hash_collisions_never_change_outputs(monkeypatch):
+    # blocks of different prompts and different positions collide; only the token check stands between them
+    prompts = [SYSTEM + q for q in QUESTIONS[:3]] + [q * 40 for q in QUESTIONS[:2]]
+    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False).generate(prompts, greedy(6)))
+    monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
+    llm = LLM(kv_cache_memory=SMALL_KV)
+    outs = []
+    for p in prompts + prompts[::-1]:                          # one at a time: every lookup meets the cache
+        outs += llm.generate(p, greedy(6))
+        llm.engine.check_invariants()
+    assert token_ids(outs) == expected + expected[::-1]
+    assert llm.engine.blocks.prefix_hits > 0                   # real matches are still served
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "colliding"])
+def test_cache_salt_keeps_tenants_apart(monkeypatch, hash_fn):
+    if hash_fn == "colliding":
+        monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
+    llm = LLM(kv_cache_memory=SMALL_KV)
+    prompt, shared = SYSTEM + QUESTIONS[0], len(llm.tokenizer.encode(SYSTEM)) // 16 * 16
+    expected = token_ids(llm.generate(prompt, greedy(6)))       # unsalted: warms the cache
+    runs = {salt: llm.generate({"prompt": prompt, "cache_salt": salt}, greedy(6))[0]
+            for salt in ["tenant-a", "tenant-b"]}
+    again = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, greedy(6))[0]
+    assert [r.metrics.num_cached_tokens for r in runs.values()] == [0, 0]   # nothing crosses a salt
+    if hash_fn == "sha256":   # (3 colliding keys are all taken by the unsalted chain: nothing more is cached)
+        assert again.metrics.num_cached_tokens >= shared - 16 > 0           # the same tenant hits its own
+    assert all(r.outputs[0].token_ids == expected[0] for r in [*runs.values(), again])
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": prompt, "cache_salt": ""}, greedy(2))
+    assert_all_blocks_free(llm.engine)
+
+
 def test_n_samples_copy_on_write_costs_one_prompt_plus_n_tails():
     llm = LLM(dtype="float32", kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
     eng = llm.engine
@@ -1900,6 +1942,7 @@ def test_bad_simulation_arguments_are_rejected_naming_the_field(capsys):
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Name three colors."}]
+SHUTDOWN_TIMEOUT_S = 8
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -1916,7 +1959,8 @@ def booting_server():
     port, log = free_port(), tempfile.TemporaryFile()
     # 128MiB holds ~2900 tokens: less than max_model_len, so the engine itself must reject bigger requests
     proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--kv-cache-memory", "128MiB",
-                             "--max-num-seqs", "64", "--dtype", "float32"], cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+                             "--max-num-seqs", "64", "--dtype", "float32", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
+                            cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
     yield proc, f"http://127.0.0.1:{port}", log
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -2103,6 +2147,35 @@ def test_client_leaving_a_non_streamed_request_aborts_it(server):
     assert metric(text, "nanoserve:request_aborted_total") == before + 1
 
 
+def test_soak_loses_nothing_and_frees_every_block(server):
+    result = soak.run_soak(server, minutes=0.1, concurrency=100, seed=1)
+    print(f"\nsoak: {({k: v for k, v in result.items() if k != 'problems'})}")
+    assert result["lost"] == 0 and result["bad_answered_wrong"] == 0, result["problems"]
+    assert result["leaked_blocks"] == 0 and result["still_running"] == 0
+    assert result["counters_add_up"], result["counters"]
+    assert min(result["requests"], result["disconnects"], result["bad_inputs"]) > 0   # every kind was exercised
+
+
+def test_slow_reader_holds_one_merged_output_per_prompt(offline):
+    """A client that reads nothing while its request runs costs one output per prompt, not one per step,
+    and what it finally reads carries every token (deltas merged in order)."""
+    prompt, expected = "The capital of France is", greedy_text(offline, "The capital of France is", 12)
+
+    step_outputs = list(offline.stream(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+
+    async def run_unread():
+        run = serve.Run(None, [step_outputs[0].request_id], [[1]], None, 0, None, set())
+        for out in step_outputs:                                # what the engine thread delivers, step by step
+            run.put("output", (0, out))
+            assert len(run.pending) == 1 and not run.notices
+        return [out async for _, out in run.outputs()]
+    (final,) = asyncio.run(run_unread())
+    c = final.outputs[0]
+    assert final.finished and c.delta_text == c.text == expected and c.delta_token_ids == c.token_ids
+    assert len(c.token_ids) == 12 and len(step_outputs) > 2
+    assert_all_blocks_free(offline.engine)
+
+
 def assert_engine_drained(url) -> str:
     """Aborts land on the step after the disconnect; within a few seconds nothing may be left."""
     deadline = time.monotonic() + 10
@@ -2187,6 +2260,43 @@ def test_request_rejected_by_engine_fails_alone(server, client, offline):
     assert "".join(c.choices[0].text for c in chunks) == greedy_text(offline, prompt, 16)
 
 
+def test_hostile_bodies_are_refused_before_they_cost_the_engine_anything(server):
+    before = httpx.get(server + "/metrics").text
+    cases = [  # (body, status, param or code)
+        (json.dumps({"prompt": "x" * 5_000_000}), 413, "body"),
+        (json.dumps({"prompt": "hi", "max_tokens": 10 ** 12}), 400, "max_tokens"),
+        ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "invalid_json"),
+    ]
+    for body, status, field in cases:
+        r = httpx.post(server + "/v1/completions", content=body, headers={"Content-Type": "application/json"},
+                       timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == status and field in (error["param"], error["code"]), r.text
+    after = httpx.get(server + "/metrics").text
+    for name in ("prompt_tokens_total", "generation_tokens_total"):   # the engine never saw them
+        assert metric(after, "nanoserve:" + name) == metric(before, "nanoserve:" + name)
+    assert metric(after, "nanoserve:requests_rejected_total") == metric(before, "nanoserve:requests_rejected_total") + 3
+
+
+def test_api_key_guards_every_v1_route_but_not_health(offline, monkeypatch):
+    key = "sk-test-1234"
+    with TestClient(build_app(offline.engine, MODEL, api_key=key)) as http:
+        body = {"prompt": "Hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer sk-test-1235"}, {"Authorization": key}):
+            for r in (http.get("/v1/models", headers=headers), http.post("/v1/completions", json=body, headers=headers),
+                      http.post("/v1/chat/completions", json={"messages": CHAT}, headers=headers)):
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+                assert r.json()["error"]["type"] == "invalid_request_error"
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        ok = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    for var in ("VLLM_API_KEY", "NANOSERVE_API_KEY"):
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        monkeypatch.setenv(var, "from-env")
+        assert serve.parse_args([]).api_key == "from-env"
+    assert_all_blocks_free(offline.engine)
+
+
 def test_models_and_health(server):
     assert httpx.get(server + "/v1/models").json()["data"][0]["id"] == MODEL
     assert httpx.get(server + "/health").status_code == 200
@@ -2250,17 +2360,43 @@ def test_step_failure_fails_requests_then_repeated_failures_mark_unhealthy(offli
 
 # ----------------------------------------------------------------------------- shutdown (last: stops the server)
 
-def test_sigterm_finishes_in_flight_stream_and_exits_0(server, booting_server):
+def read_stream(url, body, first_chunk: threading.Event) -> dict:
+    """A streamed completion read to its end: its text, finish_reason, error event and whether [DONE] came."""
+    text, finish, error, done = "", None, None, False
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                error = event.get("error", error)
+                for choice in event.get("choices", []):
+                    text, finish = text + choice["text"], choice["finish_reason"] or finish
+                first_chunk.set()
+    return {"text": text, "finish_reason": finish, "error": error, "done": done}
+
+
+def test_sigterm_finishes_in_flight_stream_and_exits_0(server, booting_server, offline):
+    """SIGTERM mid-load: a short stream still finishes whole, new requests get 503 + Retry-After, a stream
+    that cannot finish within --shutdown-timeout ends with an error event, no client hangs, exit 0."""
     proc = booting_server[0]
-    body = {"prompt": "Once upon a time", "max_tokens": 8, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as r:
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
+    short = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    long = {"prompt": "A very long story:", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    started = [threading.Event(), threading.Event()]
+    with ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(read_stream, server, body, event) for body, event in zip((short, long), started)]
+        assert all(event.wait(60) for event in started)
         proc.send_signal(signal.SIGTERM)
-        rest = list(lines)
-    assert json.loads(first[6:])["choices"][0]["text"] is not None
-    assert "data: [DONE]" in rest  # graceful: the stream in flight still finishes
-    assert proc.wait(timeout=10) == 0
+        time.sleep(0.5)
+        refused = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        done_short, done_long = [s.result(timeout=SHUTDOWN_TIMEOUT_S + 30) for s in streams]
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    assert refused.json()["error"]["code"] == "shutting_down"
+    assert done_short["text"] == greedy_text(offline, short["prompt"], 8)      # graceful: finished whole
+    assert done_short["finish_reason"] in ("length", "stop") and done_short["done"] and done_short["error"] is None
+    assert done_long["error"]["code"] == "shutting_down" and "--shutdown-timeout" in done_long["error"]["message"]
+    assert done_long["done"] and done_long["finish_reason"] is None
+    assert proc.wait(timeout=20) == 0
 
 
 # ##################################################################################################

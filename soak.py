@@ -1,0 +1,260 @@
+"""
+A bounded soak of serve.py: hundreds of concurrent clients on 127.0.0.1, then a check that nothing was lost.
+
+Clients mix streamed and non-streamed completions and chats, n > 1, stop strings, seeds, clients that
+hang up at a random point, and malformed or oversized requests. At the end every well-formed request
+must have finished (or been left by its own client), every bad one must have had a 4xx naming the
+field, the KV pool must be all free again, and /metrics must add up:
+received = finished + aborted + rejected + failed.
+Owns only the load and the checks: it starts serve.py itself unless given --url, and changes nothing in it.
+`python soak.py --minutes 1` (or `python bench.py soak --minutes 1`, which calls main(argv)).
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+COUNTERS = ("received", "finished", "aborted", "rejected", "failed")
+METRIC = {"received": "requests_received_total", "finished": "requests_finished_total",
+          "aborted": "request_aborted_total", "rejected": "requests_rejected_total", "failed": "request_failures_total"}
+CHAT = [{"role": "user", "content": "Name a fruit."}]
+# (path, body, status, param or error code): each must be refused without costing the engine a step
+BAD_INPUTS = [
+    ("/v1/completions", "{not json", 400, "invalid_json"),
+    ("/v1/completions", '{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", 400, "invalid_json"),
+    ("/v1/completions", json.dumps({"prompt": "x" * (2 << 20)}), 413, "body"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 12}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "no_such_field": 1}, 400, "no_such_field"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+]
+
+
+def good_request(rng: random.Random) -> tuple[str, dict]:
+    """A well-formed request: completion or chat, streamed or not, greedy or seeded, n, stops, salts."""
+    body = {"max_tokens": rng.randint(1, 24), "stream": rng.random() < 0.6}
+    if rng.random() < 0.5:
+        body["temperature"] = 0
+    else:
+        body.update(temperature=1.0, seed=rng.randrange(1000))
+    if rng.random() < 0.2:
+        body["n"] = rng.randint(2, 3)
+    if rng.random() < 0.2:
+        body["stop"] = [rng.choice([".", "\n", " the"])]
+    if rng.random() < 0.5:
+        body["ignore_eos"] = True
+    if rng.random() < 0.1:
+        body["cache_salt"] = f"tenant-{rng.randrange(3)}"
+    if body["stream"] and rng.random() < 0.5:
+        body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.7:
+        return "/v1/completions", {**body, "prompt": f"Request {rng.randrange(10 ** 6)}: tell me about the number"}
+    return "/v1/chat/completions", {**body, "messages": CHAT}
+
+
+async def streamed(http: httpx.AsyncClient, path: str, body: dict, hang_up_after: int | None) -> str:
+    """'finished' when every choice got a finish_reason and [DONE] came; 'left' when we hung up."""
+    finish, chunks, done = {}, 0, False
+    async with http.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return f"status {r.status_code}: {r.text[:200]}"
+        async for line in r.aiter_lines():
+            if hang_up_after is not None and chunks >= hang_up_after:
+                return "left"  # leaving the block closes the connection mid-stream
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return f"error event: {event['error']}"
+                for choice in event["choices"]:
+                    if choice.get("finish_reason"):
+                        finish[choice["index"]] = choice["finish_reason"]
+                chunks += 1
+    if hang_up_after is not None:
+        return "left"  # the stream ended before we hung up: counted as ours to leave anyway
+    want = body.get("n", 1)
+    ok = done and len(finish) == want and all(f in ("length", "stop") for f in finish.values())
+    return "finished" if ok else f"incomplete: done={done} finish={finish}"
+
+
+async def unary(http: httpx.AsyncClient, path: str, body: dict, hang_up_s: float | None) -> str:
+    try:
+        r = await http.post(path, json=body, timeout=hang_up_s or http.timeout)
+    except httpx.TimeoutException:
+        if hang_up_s is not None:
+            return "left"
+        raise
+    if r.status_code != 200:
+        return f"status {r.status_code}: {r.text[:200]}"
+    choices = r.json()["choices"]
+    ok = len(choices) == body.get("n", 1) and all(c["finish_reason"] in ("length", "stop") for c in choices)
+    return "finished" if ok else f"incomplete: {choices}"
+
+
+async def bad(http: httpx.AsyncClient, case) -> str:
+    path, body, status, param = case
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = await http.post(path, content=content, headers={"Content-Type": "application/json"})
+    error = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
+    named = param in (error.get("param"), error.get("code"))
+    return "refused" if r.status_code == status and named else f"bad input {case[2:]} got {r.status_code} {error}"
+
+
+async def client(http: httpx.AsyncClient, rng: random.Random, deadline: float, tally: dict, problems: list):
+    while time.monotonic() < deadline:
+        roll = rng.random()
+        try:
+            if roll < 0.12:
+                outcome, kind = await bad(http, rng.choice(BAD_INPUTS)), "bad_inputs"
+            else:
+                path, body = good_request(rng)
+                leave = roll < 0.3                                   # ~18% of good requests hang up
+                kind = "disconnects" if leave else "requests"
+                if body["stream"]:
+                    outcome = await streamed(http, path, body, rng.randint(0, 4) if leave else None)
+                else:
+                    outcome = await unary(http, path, body, rng.uniform(0.05, 1.0) if leave else None)
+        except Exception as exc:  # a transport error on a request we did not abandon is a loss
+            outcome, kind = f"exception {exc!r}", "requests"
+        if outcome.startswith("status 503") and "queue_full" in outcome:
+            tally["busy"] += 1                                       # backpressure, said so plainly: not lost
+        elif outcome in ("finished", "left", "refused"):
+            tally[kind] += 1
+        else:
+            tally["lost" if kind != "bad_inputs" else "bad_answered_wrong"] += 1
+            problems.append(outcome)
+
+
+def read_metrics(url: str) -> dict:
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("nanoserve:") and "{" in line:
+            name = line.split("{", 1)[0].removeprefix("nanoserve:")
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def wait_drained(url: str, timeout: float = 60) -> dict:
+    """Aborts land a step after the hang-up: wait until nothing runs, waits or holds a block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics(url)
+        idle = m["num_requests_running"] == m["num_requests_waiting"] == m["requests_in_flight"] == 0
+        if (idle and m["num_free_blocks"] == m["num_total_blocks"]) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+async def soak(url: str, seconds: float, concurrency: int, seed: int) -> tuple[dict, list]:
+    tally = dict.fromkeys(["requests", "disconnects", "bad_inputs", "busy", "lost", "bad_answered_wrong"], 0)
+    problems = []
+    deadline = time.monotonic() + seconds
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
+        await asyncio.gather(*[client(http, random.Random(seed * 100_003 + i), deadline, tally, problems)
+                               for i in range(concurrency)])
+    return tally, problems
+
+
+def run_soak(base_url: str, minutes: float, concurrency: int = 200, seed: int = 0) -> dict:
+    """Drive the server at base_url for `minutes`, then check that nothing was lost or leaked."""
+    before = read_metrics(base_url)
+    start = time.monotonic()
+    tally, problems = asyncio.run(soak(base_url, minutes * 60, concurrency, seed))
+    wall = time.monotonic() - start
+    after = wait_drained(base_url)
+    counts = {name: int(after[METRIC[name]] - before[METRIC[name]]) for name in COUNTERS}
+    sent = sum(tally[k] for k in ("requests", "disconnects", "bad_inputs", "busy", "lost", "bad_answered_wrong"))
+    return {**tally, "sent": sent, "wall_s": round(wall, 1), "concurrency": concurrency,
+            "leaked_blocks": int(after["num_total_blocks"] - after["num_free_blocks"]),
+            "still_running": int(after["num_requests_running"] + after["num_requests_waiting"]
+                                 + after["requests_in_flight"]),
+            "counters": counts,   # received <= sent: a client that gives up while still queued in its own
+                                  # connection pool never reaches the server
+            "counters_add_up": counts["received"] == sum(counts[k] for k in COUNTERS[1:]) and counts["received"] <= sent,
+            "problems": problems[:10]}
+
+
+def passed(result: dict) -> bool:
+    return (result["lost"] == result["bad_answered_wrong"] == result["leaked_blocks"] == result["still_running"] == 0
+            and result["counters_add_up"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(extra: list[str]) -> tuple[subprocess.Popen, str, object]:
+    port, log = free_port(), tempfile.TemporaryFile()
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "serve.py", "--host", "127.0.0.1", "--port", str(port), *extra],
+                            cwd=here, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, log
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    log.seek(0)
+    raise RuntimeError("serve.py did not become healthy:\n" + log.read().decode(errors="replace")[-3000:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Soak serve.py with hundreds of clients and check nothing is lost.")
+    p.add_argument("--minutes", type=float, default=1.0)
+    p.add_argument("--concurrency", type=int, default=200, help="concurrent clients (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", help="soak a running server (127.0.0.1 only) instead of starting serve.py")
+    p.add_argument("--server-args", default="--max-num-seqs 64 --kv-cache-memory 256MiB",
+                   help="flags for the serve.py this starts")
+    args = p.parse_args(argv)
+    proc = None
+    if args.url:
+        assert httpx.URL(args.url).host in ("127.0.0.1", "localhost"), "the soak only drives 127.0.0.1"
+        url = args.url
+    else:
+        proc, url, log = start_server(args.server_args.split())
+    try:
+        result = run_soak(url, args.minutes, args.concurrency, args.seed)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            exit_code = proc.wait(timeout=60)
+    if proc is not None:
+        result["server_exit_code"] = exit_code
+    print(f"\n### Soak: {args.minutes:g} min, {args.concurrency} concurrent clients on 127.0.0.1\n")
+    keys = ["sent", "requests", "disconnects", "bad_inputs", "busy", "lost", "bad_answered_wrong", "leaked_blocks",
+            "still_running", "counters_add_up", "wall_s"]
+    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    print("| " + " | ".join(str(result[k]) for k in keys) + " |")
+    print(f"\n/metrics deltas: {result['counters']}")
+    for problem in result["problems"]:
+        print("problem:", problem)
+    ok = passed(result) and result.get("server_exit_code", 0) == 0
+    print("\nsoak:", "PASSED" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
