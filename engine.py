@@ -371,11 +371,14 @@ class Engine:
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             return self._finish(c, "stop", token, now)
         c.text += c.detok.step(token)
-        for stop in p.stop:                                 # search only where a new match can start
-            at = c.text.find(stop, max(0, c.emitted_text - len(stop) + 1))
-            if at != -1:
-                c.text = c.text[:at]
-                return self._finish(c, "stop", stop, now)
+        # search only where a new match can start; one token may complete several stop strings,
+        # and the one that starts earliest in the text wins (not the first listed)
+        hits = [(at, i) for i, stop in enumerate(p.stop)
+                if (at := c.text.find(stop, max(0, c.emitted_text - len(stop) + 1))) != -1]
+        if hits:
+            at, i = min(hits)
+            c.text = c.text[:at]
+            return self._finish(c, "stop", p.stop[i], now)
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(c, "length", None, now)
 
