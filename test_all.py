@@ -595,7 +595,7 @@ def test_static_and_continuous_give_transformers_outputs(hf_greedy_32):
 
 
 def test_static_mode_admits_nothing_until_the_batch_finishes():
-    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
+    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2, **CPU32).engine
     for i, n in enumerate([2, 10, 3]):
         eng.add_request(f"r{i}", PROMPTS[i], greedy(n))
     seen = []
@@ -608,7 +608,7 @@ def test_static_mode_admits_nothing_until_the_batch_finishes():
 
 
 def test_static_batch_pads_finished_members_until_its_longest_ends():
-    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2).engine
+    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2, **CPU32).engine
     eng.add_request("short", list(range(1000, 1012)), greedy(3))      # 12 prompt tokens
     eng.add_request("long", list(range(2000, 2005)), greedy(8))       # 5 prompt tokens
     short = eng.requests["short"].completions[0].seq
@@ -656,7 +656,7 @@ def test_block_tables_grow_one_block_at_a_time(llm):
 
 
 def test_kv_pool_is_sized_from_the_memory_budget():
-    eng = LLM(kv_cache_memory="100MiB").engine
+    eng = LLM(kv_cache_memory="100MiB", **CPU32).engine
     per_block = 2 * 30 * 16 * 3 * 64 * 4          # K and V, 30 layers, 16 tokens, 3 heads x 64, float32
     assert eng.blocks.num_blocks == 100 * 2**20 // per_block
     assert tuple(eng.kv_pool.kv_caches[0][0].shape) == (eng.blocks.num_blocks, 16, 3, 64)
@@ -845,7 +845,7 @@ def test_prefix_cache_eviction_mid_workload_keeps_transformers_outputs(hf_smollm
 
 
 def test_n_samples_copy_on_write_costs_one_prompt_plus_n_tails():
-    llm = LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
+    llm = LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False, **CPU32)
     eng = llm.engine
     prompt = list(range(1000, 1100))                           # 100 tokens: 6 full blocks + 4 tokens
     eng.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
@@ -875,13 +875,13 @@ def run_order(llm, requests):
 
 
 def test_fcfs_serves_in_arrival_order():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1)
+    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, **CPU32)
     reqs = [("c", "three", 0, 3.0), ("a", "one", 5, 1.0), ("b", "two", 0, 2.0)]
     assert run_order(llm, sorted(reqs, key=lambda r: r[3])) == ["a", "b", "c"]
 
 
 def test_priority_policy_serves_lower_value_first_ties_by_arrival():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="priority")
+    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="priority", **CPU32)
     reqs = [("low", "one", 5, 1.0), ("high", "two", 0, 2.0), ("mid_late", "three", 2, 4.0), ("mid", "four", 2, 3.0)]
     assert run_order(llm, reqs) == ["high", "mid", "mid_late", "low"]
 
@@ -906,7 +906,7 @@ def test_priority_request_preempts_a_running_lower_priority_one(hf_smollm):
 
 def test_lpm_prefers_cached_prefixes_without_starving_others():
     doc = "Shared document: " + "the river flows to the sea " * 20
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="lpm")
+    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="lpm", **CPU32)
     llm.engine.scheduler.config.lpm_max_waited_steps = 12
     llm.generate([doc + "warm"], greedy(2))                     # the document is now cached
     reqs = [("cold1", "An unrelated question about trees", 0, 1.0),
@@ -916,7 +916,7 @@ def test_lpm_prefers_cached_prefixes_without_starving_others():
     # cached-prefix requests jump the queue, but the cold ones are served once they waited 12 steps
     assert order[0].startswith("hot") and set(order) == {r[0] for r in reqs}
     assert order.index("cold1") < len(order) - 1 and order.index("cold1") < order.index("cold2")
-    fcfs = run_order(LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1), reqs)
+    fcfs = run_order(LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, **CPU32), reqs)
     assert fcfs[:2] == ["cold1", "cold2"]
 
 
@@ -1004,7 +1004,8 @@ def test_scripted_model_writes_multibyte_text_in_whole_characters(scripted, tok)
     ([" blue"], ": 日本語", " blue"),                      # right after a character split across tokens
     (["語"], ": 日本", "語"),                              # the stop is itself a split character
     (["🎉 d", "😀"], ": 日本語 blue, ", "😀"),
-])
+], ids=["earliest_listed_last", "earliest_listed_first", "across_three_tokens", "after_split_character",
+        "split_character", "completed_first"])
 def test_stop_strings_cut_at_the_earliest_match_and_never_stream_past_it(scripted, tok, stop, text, reason):
     first = tok.encode(SCRIPT)[0]
     pieces, final = stream_deltas(scripted, [first], script_params(stop=stop))
@@ -1432,7 +1433,7 @@ def server_log(log) -> str:
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(kv_cache_memory="512MiB")
+    return LLM(kv_cache_memory="512MiB", **CPU32)
 
 
 @pytest.fixture(scope="module")
@@ -1735,6 +1736,84 @@ def test_step_failure_fails_requests_then_repeated_failures_mark_unhealthy(offli
         assert http.post("/v1/completions", json=body).status_code == 503
     assert not offline.engine.has_unfinished_requests()
     offline.engine.check_invariants()
+
+
+def sse_lines(http, body):
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_sse_stream_carries_multibyte_text_in_whole_characters(scripted, tok):
+    body = {"prompt": [tok.encode(SCRIPT)[0]], "max_tokens": 19, "temperature": 0, "stream": True}
+    with TestClient(build_app(scripted.engine, "scripted")) as http:
+        status, lines = sse_lines(http, body)
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:])["choices"][0] for line in lines[:-1]]
+    texts = [c["text"] for c in chunks]
+    assert "".join(texts) == SCRIPT[len("Sky"):] and chunks[-1]["finish_reason"] == "length"
+    assert all("\ufffd" not in t and not any("\ud800" <= ch <= "\udfff" for ch in t) for t in texts)
+
+
+class EngineCrash(BaseException):
+    """Not an Exception: it escapes the loop's per-step handler, as a bug in the loop itself would."""
+
+
+class CrashingEngine(WrappedEngine):
+    crash = False
+
+    def step(self):
+        if self.crash:
+            raise EngineCrash("injected crash of the engine thread")
+        return super().step()
+
+
+def test_engine_thread_dying_fails_every_client_and_health_says_so(tiny):
+    engine = CrashingEngine(tiny_llm(tiny, max_num_seqs=2).engine)
+    body = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with TestClient(build_app(engine, "tiny")) as http, ThreadPoolExecutor(4) as pool:
+        loop = http.app.state.server.loop
+        streams = [pool.submit(sse_lines, http, body) for _ in range(4)]      # 2 run, 2 wait in the engine
+        deadline = time.monotonic() + 60
+        while not (loop.stats.num_running == 2 and loop.stats.num_waiting == 2 and loop.stats.generation_tokens_total):
+            assert time.monotonic() < deadline, loop.stats
+            time.sleep(0.05)
+        engine.crash = True
+        results = [s.result(timeout=60) for s in streams]                   # nobody hangs
+        late = http.post("/v1/completions", json={**body, "stream": False})
+        health = http.get("/health")
+    for status, lines in results:                  # each stream ends with an error event, then [DONE]
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        message = json.loads(lines[-2][6:])["error"]["message"]
+        assert "engine is dead" in message and "injected crash" in message
+    assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+    assert health.status_code == 503 and "injected crash" in health.json()["error"]["message"]
+
+
+def test_max_waiting_counts_every_prompt_of_a_request(tiny):
+    engine = WrappedEngine(tiny_llm(tiny).engine)
+    engine.gate.clear()                           # the first request's step holds the loop: the rest wait
+    def body(prompts):
+        return {"prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(engine, "tiny", max_waiting=3)) as http, ThreadPoolExecutor(2) as pool:
+        loop = http.app.state.server.loop
+        first = pool.submit(http.post, "/v1/completions", json=body([[5, 6], [7, 8]]))   # 2 of 3 places
+        deadline = time.monotonic() + 30
+        while loop.num_waiting() != 2 or loop.num_pending_adds:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        two_more = http.post("/v1/completions", json=body([[9], [10]]))                 # 2 + 2 > 3
+        fits = pool.submit(http.post, "/v1/completions", json=body([[11]]))             # 2 + 1 = 3
+        while loop.num_waiting() != 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        one_more = http.post("/v1/completions", json=body([[12]]))                      # 3 + 1 > 3
+        engine.gate.set()
+        accepted = [first.result(timeout=60), fits.result(timeout=60)]
+    assert [two_more.status_code, one_more.status_code] == [503, 503]
+    assert two_more.json()["error"]["code"] == "queue_full"
+    assert [r.status_code for r in accepted] == [200, 200]
+    assert [len(r.json()["choices"]) for r in accepted] == [2, 1]
+    assert [r.json()["usage"]["completion_tokens"] for r in accepted] == [6, 3]
 
 
 # ----------------------------------------------------------------------------- shutdown (last: stops the server)
