@@ -497,16 +497,22 @@ def assert_samples_under(hf, prompt_ids, index, out_ids, params, what=""):
         assert picked == tok, f"{what}: sample {index}, token {i} is {tok}, the replay picks {picked}"
 
 
+def hf_greedy_ids(hf, prompt_ids, max_tokens):
+    """transformers' greedy continuation, EOS included like ignore_eos (generate's min_new_tokens
+    would forbid EOS instead)."""
+    out, past, ids = [], None, torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            step = hf(ids, past_key_values=past, use_cache=True)
+            past, ids = step.past_key_values, step.logits[:, -1:].argmax(-1)     # [1, 1]
+            out.append(ids.item())
+    return out
+
+
 @pytest.fixture(scope="module")
 def hf_greedy_32(llm, hf_smollm):
     """transformers' greedy continuation (32 tokens) of each of PROMPTS: the oracle engine tests share."""
-    out = {}
-    for prompt in PROMPTS:
-        ids = torch.tensor([llm.tokenizer.encode(prompt)])
-        ref = hf_smollm.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                 attention_mask=torch.ones_like(ids), pad_token_id=0)
-        out[prompt] = ref[0, ids.shape[1]:].tolist()
-    return out
+    return {prompt: hf_greedy_ids(hf_smollm, llm.tokenizer.encode(prompt), 32) for prompt in PROMPTS}
 
 
 def test_continuous_batch_greedy_matches_alone_and_transformers(llm, hf_greedy_32):
