@@ -3,8 +3,10 @@ nanoserve's test suite, grouped by the file each part proves, in the order of th
 
 Every test asserts against an independent oracle: transformers' logits and greedy outputs,
 the HF `tokenizers` BPE, the PyTorch reference attention, hand-computed block counts, the
-real `openai` client. Engine tests end by checking that every KV block is accounted for
-and free. Run: python -m pytest -q -rs test_all.py
+real `openai` client. Tests that vary the engine (preemption, swap, chunking, prefix cache,
+policies) also assert that the event they are about happened. An autouse fixture ends every
+test by checking that every engine it could touch holds no KV block and keeps its invariants.
+Run: python -m pytest -q -rs test_all.py
 """
 import os
 
@@ -921,6 +923,7 @@ def test_lpm_prefers_cached_prefixes_without_starving_others():
     order = run_order(llm, reqs)
     # cached-prefix requests jump the queue, but the cold ones are served once they waited 12 steps
     assert order[0].startswith("hot") and set(order) == {r[0] for r in reqs}
+    assert llm.engine.blocks.prefix_hits >= 5 * 7 * 16        # each hot request reused the document's 7 full blocks
     assert order.index("cold1") < len(order) - 1 and order.index("cold1") < order.index("cold2")
     fcfs = run_order(LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, **CPU32), reqs)
     assert fcfs[:2] == ["cold1", "cold2"]
