@@ -355,7 +355,7 @@ def bench_throughput(sz, seed, results):
     rows, out = [], {}
     for (name, kw), (_, mine), r in zip(contenders, jobs, runs):
         b = kw.get("static_batch_size")
-        decode_seqs = [s.seqs for s in r["steps"] if s.seqs > 0 and s.tokens == s.seqs]
+        decode_seqs = [s["seqs"] for s in r["steps"] if s["seqs"] > 0 and s["tokens"] == s["seqs"]]
         rec = {k: r[k] for k in ("wall_s", "useful_tokens", "useful_tok_s", "total_tok_s", "num_steps", "preemptions")}
         rec["num_requests"] = len(mine)
         rec["mean_seqs_per_decode_step"] = statistics.mean(decode_seqs) if decode_seqs else float("nan")
@@ -430,13 +430,13 @@ def bench_memory(sz, seed, results):
         used_total = alloc_total = 0
         lens = {rid: len(req.prompt) for rid, req in r["ids"].items()}
         for s in r["steps"]:   # decode-only steps where every running sequence reported: cache = prompt + generated - 1
-            alive = [o for o in s.outs if not o.finished]
-            if s.tokens != s.seqs or len(alive) != s.running or not alive:
+            alive = [o for o in s["outs"] if not o.finished]
+            if s["tokens"] != s["seqs"] or len(alive) != s["running"] or not alive:
                 continue
             used_total += sum(lens[o.request_id] + len(o.outputs[0].token_ids) - 1 for o in alive)
-            alloc_total += (s.num_blocks - s.free_blocks) * block
+            alloc_total += (s["num_blocks"] - s["free_blocks"]) * block
         runs[name] = {"max_num_seqs": seqs, "useful_tok_s": r["useful_tok_s"], "wall_s": r["wall_s"],
-                      "peak_running": max(s.running for s in r["steps"]), "preemptions": r["preemptions"],
+                      "peak_running": max(s["running"] for s in r["steps"]), "preemptions": r["preemptions"],
                       "pool_slots": pool_slots,
                       "paged_waste_measured": 1 - used_total / alloc_total if alloc_total else float("nan")}
     gc.collect()

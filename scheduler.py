@@ -33,7 +33,7 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)   # a sequence is itself, not its field values: queue look-ups compare identity, not token lists
 class Sequence:
     seq_id: int
     token_ids: list[int]                  # prompt + generated so far

@@ -1272,8 +1272,18 @@ def test_reshape_and_cache_rejects_out_of_range_slots(cpu_backend):
 
 
 # ---- CUDA kernel: compile check, emulated execution, real GPU --------------------------------
+# Without a GPU, csrc/paged_attention_cuda.cu is compiled by nvcc (sm_80, sm_90) and run on the
+# CPU through csrc/cuda_emu.h, twice over: inside the real binding (built against CPU torch with
+# -DNANOSERVE_CUDA_EMU, registered as torch.ops.nanoserve_cuda_emu, 4 fake SMs), which checks
+# inputs and plans launches; and alone through ctypes with -DPLANT_BUGS, to show that each
+# strict feature of the emulation catches the bug planted for it.
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the launchers' codes
+EMULATED_SMS = 4                                    # kEmulatedSMs in the binding
+PLANTED_BUGS = dict(old_prefill_grid=1, too_many_threads=2, shared_over_48kb=3, shared_opt_in=4,
+                    unzeroed_tail=5, global_query=6, last_block_merges=7)   # enum Bug in the .cu
+EMU_FLAGS = ["-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-fno-strict-aliasing",
+             "-pthread", "-shared", "-fPIC"]
 
 
 def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path):
@@ -1282,78 +1292,381 @@ def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path):
         pytest.skip("nvcc not found: cannot compile-check csrc/paged_attention_cuda.cu")
     cmd = [nvcc, "-c", "-o", str(tmp_path / "paged_attention_cuda.o"), "-std=c++17", "-O3",
            "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-           "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror", str(CSRC / "paged_attention_cuda.cu")]
+           "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror", "-Xptxas", "-v",
+           str(CSRC / "paged_attention_cuda.cu")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+    spills = [line for line in result.stderr.splitlines() if "spill" in line]   # -Xptxas -v, per kernel
+    assert spills and all(line.endswith(" 0 bytes spill stores, 0 bytes spill loads") for line in spills), spills
+
+
+def torch_build_flags():
+    from torch.utils import cpp_extension
+    return ([f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+            + [f"-I{p}" for p in cpp_extension.include_paths()])
+
+
+def test_cuda_binding_compiles_against_cuda_headers(tmp_path):
+    """The real binding (device guard, stream, SM count) at least compiles. CPU torch ships the
+    c10/cuda headers but not one generated header, which an empty stub stands in for."""
+    nvcc = shutil.which("nvcc")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    cuda_include = Path(nvcc).resolve().parent.parent / "include" if nvcc else None
+    candidates = [cuda_include] + sorted(Path("/usr/local").glob("cuda*/include"))
+    cuda_include = next((p for p in candidates if p and (p / "cuda_runtime_api.h").exists()), None)
+    if cxx is None or cuda_include is None:
+        pytest.skip("no host C++ compiler or no CUDA headers (cuda_runtime_api.h): binding not compile-checked")
+    stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    stub.parent.mkdir(parents=True)
+    stub.write_text("")
+    result = subprocess.run([cxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", f"-I{tmp_path}",
+                             *torch_build_flags(), f"-I{cuda_include}",
+                             str(CSRC / "paged_attention_cuda_binding.cpp")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture(scope="module")
+def emulated_binding(tmp_path_factory):
+    """The binding and the kernels built by the host compiler against CPU torch and cuda_emu.h:
+    torch.ops.nanoserve_cuda_emu, on CPU tensors, plus the .so for the emulator's controls."""
+    from torch.utils import cpp_extension
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to build the CUDA emulation")
+    so = tmp_path_factory.mktemp("cuda_emu_binding") / "nanoserve_cuda_emu.so"
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-ltorch", "-ltorch_cpu", "-lc10"]
+    subprocess.run([cxx, *EMU_FLAGS, "-DNANOSERVE_CUDA_EMU", *torch_build_flags(),
+                    str(CSRC / "paged_attention_cuda_binding.cpp"), "-x", "c++",
+                    str(CSRC / "paged_attention_cuda.cu"), *libs, "-o", str(so)], check=True)
+    torch.ops.load_library(str(so))
+    lib = ctypes.CDLL(str(so))             # the same loaded library: its emulator controls
+    lib.cuda_emu_take_launch_log.restype = ctypes.c_char_p
+    lib.cuda_emu_take_launch_log()
+    return torch.ops.nanoserve_cuda_emu, lib
 
 
 @pytest.fixture(scope="module")
 def emulated_cuda(tmp_path_factory):
-    """csrc/paged_attention_cuda.cu built by the host compiler against csrc/cuda_emu.h."""
+    """csrc/paged_attention_cuda.cu alone, built with -DPLANT_BUGS against cuda_emu.h (ctypes)."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler to build the CUDA emulation")
     so = tmp_path_factory.mktemp("cuda_emu") / "paged_attention_cuda_emu.so"
-    subprocess.run([cxx, "-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-pthread", "-shared",
-                    "-fPIC", "-x", "c++", str(CSRC / "paged_attention_cuda.cu"), "-o", str(so)], check=True)
+    subprocess.run([cxx, *EMU_FLAGS, "-DPLANT_BUGS", "-x", "c++", str(CSRC / "paged_attention_cuda.cu"),
+                    "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
     P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.paged_attention_workspace_floats.argtypes = [I] * 6
+    lib.paged_attention_plan.argtypes = [P, P] + [I] * 5 + [P, P]
+    lib.paged_attention_plan.restype = ctypes.c_int64
+    lib.paged_attention_workspace_floats.argtypes = [P, I, I]
     lib.paged_attention_workspace_floats.restype = ctypes.c_int64
-    lib.paged_attention_launch.argtypes = [P] * 8 + [I] * 9 + [F, I, P]
+    lib.paged_attention_launch.argtypes = [P] * 10 + [I] * 7 + [F, P]
     lib.paged_attention_launch.restype = ctypes.c_char_p
     lib.reshape_and_cache_launch.argtypes = [P] * 5 + [I] * 4 + [P]
     lib.reshape_and_cache_launch.restype = ctypes.c_char_p
-    return lib
+    lib.cuda_emu_take_launch_log.restype = ctypes.c_char_p
+    yield lib
+    lib.plant_bug(0)
+    lib.cuda_emu_configure(1, 1, 0, 0)
 
 
-def emulated_attention(lib, partition_size, query, key_cache, value_cache, block_tables, context_lens,
-                       query_start_loc, scale):
-    """What the torch binding does, with host pointers."""
+@pytest.fixture
+def emulator(emulated_cuda):
+    """The ctypes library with the strict defaults restored and no bug planted after each test."""
+    emulated_cuda.cuda_emu_take_launch_log()
+    yield emulated_cuda
+    emulated_cuda.plant_bug(0)
+    emulated_cuda.cuda_emu_configure(1, 1, 0, 0)
+
+
+def launches(lib):
+    """{kernel name: [(gx, gy, gz)]} of the launches since the last call."""
+    log = {}
+    for entry in filter(None, lib.cuda_emu_take_launch_log().decode().split(";")):
+        name, grid, _ = entry.split()
+        log.setdefault(name, []).append(tuple(map(int, grid.split(","))))
+    return log
+
+
+def emulated_launch(lib, partition_size, query, key_cache, value_cache, block_tables, context_lens,
+                    query_start_loc, scale, num_sms=EMULATED_SMS, out=None):
+    """What the torch binding does, with host pointers; returns (out, error or None)."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_seqs, max_blocks = block_tables.shape
-    out = torch.empty_like(query)
-    workspace = torch.empty(lib.paged_attention_workspace_floats(
-        num_seqs, query.shape[1], head_dim, block_size, max_blocks, partition_size))
+    group = query.shape[1] // num_kv_heads
+    counts = torch.zeros(4, dtype=torch.int64)
+    args = (query_start_loc.data_ptr(), context_lens.data_ptr(), num_seqs, group, num_kv_heads, num_sms,
+            partition_size)
+    plan = torch.zeros(max(1, lib.paged_attention_plan(*args, None, counts.data_ptr())), dtype=torch.int32)
+    lib.paged_attention_plan(*args, plan.data_ptr(), counts.data_ptr())
+    out = torch.full_like(query, float("nan")) if out is None else out
+    workspace = torch.full((lib.paged_attention_workspace_floats(counts.data_ptr(), query.shape[1], head_dim),),
+                           float("nan"))      # garbage, as torch.empty on a GPU may hold
     err = lib.paged_attention_launch(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), query_start_loc.data_ptr(), workspace.data_ptr(), num_seqs, query.shape[0],
-        query.shape[1], num_kv_heads, head_dim, block_size, max_blocks, DTYPE_CODE[query.dtype],
-        DTYPE_CODE[key_cache.dtype], scale, partition_size, None)
-    assert err is None, err.decode()
-    return out
+        context_lens.data_ptr(), query_start_loc.data_ptr(), plan.data_ptr(), counts.data_ptr(),
+        workspace.data_ptr(), query.shape[1], num_kv_heads, head_dim, block_size, max_blocks,
+        DTYPE_CODE[query.dtype], DTYPE_CODE[key_cache.dtype], scale, None)
+    return out, err and err.decode()
 
 
-@pytest.mark.parametrize("name, q_lens, ctx_lens, partition_size, group, head_dim, block_size, kv_dtype", [
-    ("decode", [1, 1, 1], [1, 45, 200], 0, 3, 64, 16, torch.float32),
-    ("decode-split", [1, 1, 1, 1], [1, 64, 65, 300], 64, 4, 128, 8, torch.bfloat16),
-    ("decode-split-fp16", [1, 1], [130, 33], 32, 8, 64, 1, torch.float16),
-    ("prefill-tiles", [1, 20, 6], [50, 70, 6], 0, 3, 64, 16, torch.float32),
-    ("prefill-gqa1", [9, 1], [40, 97], 32, 1, 32, 32, torch.bfloat16),
+def emulated_binding_attention(emulated_binding):
+    ops, _ = emulated_binding
+    return lambda *batch: ops.paged_attention(*batch[:-1], float(batch[-1]))
+
+
+@pytest.mark.parametrize("name, q_lens, ctx_lens, group, head_dim, block_size, kv_dtype", [
+    ("decode-d128-float", [1, 1, 1], [1, 45, 200], 3, 128, 16, torch.float32),   # 16-row K/V stages
+    ("decode-512-split", [1], [2000], 1, 64, 16, torch.bfloat16),
+    ("decode-gqa4-d128", [1, 1, 1, 1], [1, 64, 65, 300], 4, 128, 8, torch.bfloat16),
+    ("decode-gqa8-fp16", [1, 1], [130, 33], 8, 64, 1, torch.float16),
+    ("mixed-gqa2-d128-fp16", [1, 7, 1, 12], [1, 40, 300, 12], 2, 128, 16, torch.float16),
+    ("prefill-tiles", [1, 20, 6], [50, 70, 6], 3, 64, 16, torch.float32),
+    ("prefill-gqa1-d32", [9, 1], [40, 97], 1, 32, 32, torch.bfloat16),
+    ("prefill-gqa8-d96", [5, 1], [37, 20], 8, 96, 16, torch.float32),
+    ("rows-without-query-tokens", [3, 0, 1, 0], [10, 20, 30, 0], 4, 64, 16, torch.float32),
 ])
-def test_emulated_cuda_kernel_matches_reference(emulated_cuda, name, q_lens, ctx_lens, partition_size, group,
-                                                head_dim, block_size, kv_dtype):
+def test_emulated_cuda_kernel_matches_reference(emulated_binding, name, q_lens, ctx_lens, group, head_dim,
+                                                block_size, kv_dtype):
+    """Through the binding (input checks, host plan, the SM-count split) and the strict emulator."""
     batch = make_batch(q_lens, ctx_lens, num_kv_heads=2, group=group, head_dim=head_dim,
                        block_size=block_size, kv_dtype=kv_dtype)
-    check_against_reference(lambda *b: emulated_attention(emulated_cuda, partition_size, *b), batch, 2e-5)
+    check_against_reference(emulated_binding_attention(emulated_binding), batch, 2e-5)
 
 
-def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_cuda):
+def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_binding):
     batch = make_batch([1, 12], [80, 12], q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
-    check_against_reference(lambda *b: emulated_attention(emulated_cuda, 32, *b), batch, ATOL_BF16_QUERY)
+    check_against_reference(emulated_binding_attention(emulated_binding), batch, ATOL_BF16_QUERY)
+
+
+@pytest.mark.parametrize("q_lens, ctx_lens, group, decode_grid, reduce_grid, prefill_grid", [
+    # pure decode, 3 rows x 2 KV heads < 2 blocks x 4 SMs: split in 128 tokens (246 x 2 / 8 -> 128)
+    ([1, 1, 1], [1, 45, 200], 3, (1 + 1 + 2, 2, 1), (1, 6, 1), None),
+    # one row of 2000: 2000 x 2 / 8 = 500 -> 512-token partitions, ceil(2000 / 512) = 4
+    ([1], [2000], 1, (4, 2, 1), (1, 2, 1), None),
+    # 4 decode rows x 2 heads fill 8 blocks: no split, no reduce; no prefill row, no prefill launch
+    ([1, 1, 0, 1, 1], [900, 5, 7, 64, 1], 4, (4, 2, 1), None, None),
+    # prefill tiles hold 16 / G rows: ceil(20 / 5) + ceil(6 / 5) = 6 tiles; rows without queries get none
+    ([1, 20, 0, 6], [50, 70, 3, 6], 3, (1, 2, 1), None, (6, 2, 1)),
+])
+def test_emulated_cuda_launches_blocks_only_where_there_is_work(emulated_binding, q_lens, ctx_lens, group,
+                                                                decode_grid, reduce_grid, prefill_grid):
+    _, lib = emulated_binding
+    batch = make_batch(q_lens, ctx_lens, num_kv_heads=2, group=group)
+    lib.cuda_emu_take_launch_log()
+    check_against_reference(emulated_binding_attention(emulated_binding), batch, 2e-5)
+    expected = {"decode": [decode_grid], "reduce": [reduce_grid], "prefill": [prefill_grid]}
+    assert launches(lib) == {name: grid for name, grid in expected.items() if grid != [None]}
+
+
+@pytest.mark.parametrize("ctx_lens, num_kv_heads, num_sms, partition, decode_items", [
+    ([100_000], 8, 132, 3072, 33),           # one long row: 100000 x 8 / 264 -> 3072 (x 128), 33 parts
+    ([100_000, 10], 8, 132, 3072, 34),       # a short row beside it stays whole
+    ([500] * 33, 8, 132, 1 << 30, 33),       # 33 rows x 8 heads = 264 blocks already: no split
+    ([0, 1], 1, 16, 128, 2),                 # at least 128 tokens (4 warps x 32); an empty row gets 1 item
+])
+def test_emulated_cuda_split_follows_context_and_sm_count(emulator, ctx_lens, num_kv_heads, num_sms, partition,
+                                                          decode_items):
+    qsl = torch.arange(len(ctx_lens) + 1, dtype=torch.int32)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    counts = torch.zeros(4, dtype=torch.int64)
+    emulator.paged_attention_plan(qsl.data_ptr(), ctx.data_ptr(), len(ctx_lens), 1, num_kv_heads, num_sms, 0,
+                                  None, counts.data_ptr())
+    reduce_items = sum(math.ceil(c / partition) > 1 for c in ctx_lens)
+    assert counts.tolist() == [decode_items, reduce_items, 0, partition]
+
+
+def test_emulated_cuda_prefill_grid_stays_within_limits(emulator):
+    """140,000 batched tokens at GQA group 8 are 70,000 tiles: on gridDim.x they launch; on
+    gridDim.z (the old layout, planted) the emulator refuses them as a GPU would. Dry run:
+    launches are checked and logged, no block runs."""
+    num_tokens, group = 140_000, 8
+    caches = torch.empty(1, 16, 2, 64)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    ctx = torch.tensor([num_tokens], dtype=torch.int32)
+    qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+    emulator.cuda_emu_configure(1, 1, 0, 1)
+    big_query = _HostShape(torch.empty(num_tokens, 2 * group, 64, device="meta"))
+    for planted, expected_error in [(0, None), (PLANTED_BUGS["old_prefill_grid"], "invalid configuration argument")]:
+        emulator.plant_bug(planted)
+        _, err = emulated_launch(emulator, 0, big_query, caches, caches, tables, ctx, qsl, 1.0, out=big_query)
+        assert (err is None) if expected_error is None else (expected_error in err), err
+        grid = launches(emulator)["prefill"][0]
+        assert grid == ((70_000, 2, 1) if not planted else (2, 1, 70_000))
+
+
+class _HostShape:
+    """A stand-in for a tensor the dry run never reads: its shape and dtype, a null pointer."""
+    def __init__(self, meta):
+        self.shape, self.dtype = meta.shape, meta.dtype
+
+    def data_ptr(self):
+        return None
+
+
+def test_emulated_cuda_decode_row_without_context_gets_zeros(emulator):
+    """The kernel's contract (the binding refuses such a row, as the CPU backend does): a decode
+    row with context_len 0 attends to nothing and gets zeros, beside a split row."""
+    query, kc, vc, tables, _, qsl, scale = make_batch([1, 1], [1, 300], num_kv_heads=2, group=2)
+    ctx = torch.tensor([0, 300], dtype=torch.int32)
+    out, err = emulated_launch(emulator, 128, query, kc, vc, tables, ctx, qsl, scale)
+    assert err is None, err
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    expected = pa.paged_attention_reference(query[1:], kc, vc, tables[1:], ctx[1:], qsl[1:] - 1, scale)
+    assert (out[1:] - expected).abs().max().item() < 2e-5
+
+
+def bug_batch():
+    """Split decode rows (several blocks per row) and a prefill row shorter than one 32-token
+    K/V chunk, so part of its chunk buffers is never written."""
+    return make_batch([1, 1, 1, 1, 9], [300, 290, 170, 260, 9], num_kv_heads=2, group=2)
+
+
+def emulated_error(lib, batch, partition_size=128):
+    """max |emulated - reference| of a batch (inf for NaN), and the launch error."""
+    out, err = emulated_launch(lib, partition_size, *batch)
+    diff = (out - pa.paged_attention_reference(*batch)).abs().max().item()
+    return (math.inf if math.isnan(diff) else diff), err
+
+
+@pytest.mark.parametrize("bug, lenient, strict, caught_by", [
+    # (shuffle, poison, workers) of a lenient emulator that misses the bug, and of the strict one
+    ("unzeroed_tail", (1, 0, 0), (1, 1, 0), "NaN poison in shared memory"),
+    ("global_query", (1, 1, 1), (1, 1, 4), "blocks running concurrently"),
+    ("last_block_merges", (0, 1, 1), (1, 1, 1), "shuffled block order"),
+])
+def test_emulation_catches_planted_bug(emulator, bug, lenient, strict, caught_by):
+    emulator.plant_bug(PLANTED_BUGS[bug])
+    batch = bug_batch()
+    emulator.cuda_emu_configure(*lenient, 0)
+    diff, err = emulated_error(emulator, batch)
+    assert err is None and diff < 2e-5, f"the lenient emulator should miss {bug}: {diff}, {err}"
+    emulator.cuda_emu_configure(*strict, 0)
+    diff, err = emulated_error(emulator, batch)
+    assert err is None and diff > 1e-3, f"{caught_by} should expose {bug}: max error {diff}"
+
+
+def test_emulation_enforces_launch_limits(emulator):
+    """Over 48 KB of shared memory without an opt-in, or 2,048 threads per block: the launch
+    runs nothing and cudaGetLastError reports it, so the launcher returns the error."""
+    batch = bug_batch()
+    emulator.plant_bug(PLANTED_BUGS["shared_over_48kb"])
+    out, err = emulated_launch(emulator, 128, *batch)
+    assert err is not None and "too much shared memory" in err and "49152" in err
+    emulator.plant_bug(PLANTED_BUGS["shared_opt_in"])          # the same need, opted in
+    diff, err = emulated_error(emulator, batch)
+    assert err is None and diff < 2e-5
+    emulator.plant_bug(PLANTED_BUGS["too_many_threads"])
+    key = torch.randn(3, 2, 64)
+    caches = [torch.zeros(2, 4, 2, 64) for _ in range(2)]
+    slots = torch.tensor([0, 5, 7])
+    err = emulator.reshape_and_cache_launch(key.data_ptr(), key.data_ptr(), caches[0].data_ptr(),
+                                            caches[1].data_ptr(), slots.data_ptr(), 3, 128, 0, 0, None)
+    assert err is not None and "invalid configuration argument" in err.decode()
+    assert not caches[0].any(), "a refused launch must run no block"
+    assert launches(emulator)["kernel"] == [(3, 1, 1)]
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_emulated_cuda_reshape_and_cache_matches_reference(emulated_cuda, kv_dtype):
-    key, value = torch.randn(2, 5, 2, 64)
-    slots = torch.tensor([7, 0, 3, 12, 9])
-    caches = [torch.zeros(4, 4, 2, 64, dtype=kv_dtype) for _ in range(4)]
-    err = emulated_cuda.reshape_and_cache_launch(key.data_ptr(), value.data_ptr(), caches[0].data_ptr(),
-                                                 caches[1].data_ptr(), slots.data_ptr(), 5, 2 * 64,
-                                                 DTYPE_CODE[key.dtype], DTYPE_CODE[kv_dtype], None)
-    assert err is None, err.decode()
-    pa.reshape_and_cache_reference(key, value, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+def test_emulated_cuda_reshape_and_cache_skips_pad_slots(emulated_binding, kv_dtype):
+    """Slot -1 (vLLM's pad slot) leaves the cache untouched, even its last slot, which -1 would
+    reach as a Python index; every other row lands in its slot, K and V."""
+    ops, _ = emulated_binding
+    num_blocks, block_size, kv_heads, head_dim = 4, 4, 2, 64
+    key, value = torch.randn(2, 6, kv_heads, head_dim)
+    slots = torch.tensor([7, -1, 0, 12, -1, 9])
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=kv_dtype) for _ in range(2)]
+    ops.reshape_and_cache(key, value, *caches, slots)
+    kept = slots >= 0
+    expected = [torch.zeros_like(c) for c in caches]
+    pa.reshape_and_cache_reference(key[kept], value[kept], *expected, slots[kept])
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    for cache, rows in zip(caches, (key, value)):
+        flat = cache.view(-1, kv_heads, head_dim)
+        assert torch.equal(flat[slots[kept]], rows[kept].to(kv_dtype))
+        assert not flat[-1].any() and not flat[[1, 2, 3, 4, 5, 6, 8, 10, 11, 13, 14, 15]].any()
+
+
+def attention_inputs():
+    return list(make_batch([1, 5], [20, 5], num_kv_heads=2, group=2, block_size=8))
+
+
+def with_input(index, value):
+    return lambda args: args.__setitem__(index, value(args[index]) if callable(value) else value)
+
+
+# (id, how the valid inputs are broken, message, whether the CPU backend has the same rule)
+ATTENTION_REJECTIONS = [
+    ("head-dim-mismatch", with_input(0, lambda q: q[..., :32].contiguous()), "query head_dim 32 != cache head_dim 64", True),
+    ("query-not-3d", with_input(0, lambda q: q[0]), r"query must be \[num_tokens, num_heads, head_dim\]", True),
+    ("cache-not-4d", with_input(1, lambda c: c[0]), r"key_cache must be \[num_blocks", True),
+    ("value-cache-shape", with_input(2, lambda c: c[:-1].contiguous()), "value_cache must match key_cache", True),
+    ("value-cache-dtype", with_input(2, lambda c: c.half()), "value_cache must match key_cache", True),
+    ("cache-not-contiguous", lambda a: a.__setitem__(slice(1, 3), [c.transpose(0, 1) for c in a[1:3]]),
+     "KV caches must be contiguous", True),
+    ("cache-dtype", lambda a: a.__setitem__(slice(1, 3), [c.double() for c in a[1:3]]),
+     "KV cache dtype must be float32, bfloat16 or float16", True),
+    ("heads-not-multiple", with_input(0, lambda q: q[:, :3].contiguous()), "must be a multiple of num_kv_heads", True),
+    ("head-dim-48", lambda a: [a.__setitem__(i, a[i][..., :48].contiguous()) for i in range(3)],
+     "head_dim must be a multiple of 32", False),
+    ("group-16", lambda a: a.__setitem__(0, a[0].repeat(1, 8, 1)), "num_heads / num_kv_heads must be at most 8", False),
+    ("query-dtype", with_input(0, lambda q: q.double()), "query dtype must be float32, bfloat16 or float16", False),
+    ("query-device", with_input(0, lambda q: q.to("meta")), "query must be on a cpu device", False),
+    ("block-tables-device", with_input(3, lambda t: t.to("meta")), "all tensors must be on one device", False),
+    ("context-lens-device", with_input(4, lambda t: t.to("meta")), "all tensors must be on one device", False),
+    ("block-tables-rows", with_input(3, lambda t: t[:1]), r"block_tables must be \[num_seqs, max_blocks\]", True),
+    ("block-table-too-short", with_input(3, lambda t: t[:, :2].contiguous()), "block_tables has 2", True),
+    ("block-id", with_input(3, lambda t: t.clone().index_fill_(1, torch.tensor([0]), 99)),
+     r"block id 99 outside \[0, ", True),
+    ("query-start-loc-entries", with_input(5, lambda q: q[:2]), "query_start_loc must have num_seqs \\+ 1", True),
+    ("query-start-loc-end", with_input(5, lambda q: q - 1), "query_start_loc must run from 0 to num_tokens", True),
+    ("q-len-over-context", with_input(4, lambda c: torch.tensor([20, 4], dtype=torch.int32)),
+     r"need 0 <= q_len \(5\) <= context_len \(4\)", True),
+]
+
+
+@pytest.mark.parametrize("name, breaks, message, cpu_has_rule", ATTENTION_REJECTIONS,
+                         ids=[r[0] for r in ATTENTION_REJECTIONS])
+def test_emulated_cuda_binding_rejects_bad_attention_inputs(emulated_binding, request, name, breaks, message,
+                                                            cpu_has_rule):
+    ops, _ = emulated_binding
+    args = attention_inputs()
+    breaks(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.paged_attention(*args[:-1], float(args[-1]))
+    if cpu_has_rule:                         # the same words as the CPU backend
+        request.getfixturevalue("cpu_backend")
+        with pytest.raises(RuntimeError, match=message):
+            pa.paged_attention(*args, backend="cpu")
+
+
+CACHE_REJECTIONS = [
+    ("slot-past-cache", with_input(4, torch.tensor([3, 32])), r"slot_mapping\[1\] = 32 outside \[0, 32\)", True),
+    ("slot-minus-2", with_input(4, torch.tensor([-2, 3])), r"slot_mapping\[0\] = -2 outside \[0, 32\)", True),
+    ("key-rows", with_input(0, lambda k: k[:1]), "key/value must be", True),
+    ("cache-dtype", lambda a: a.__setitem__(slice(2, 4), [c.double() for c in a[2:4]]),
+     "KV cache dtype must be", True),
+    ("key-dtype", with_input(0, lambda k: k.double()), "key dtype must be float32, bfloat16 or float16", False),
+    ("key-device", with_input(0, lambda k: k.to("meta")), "key must be on a cpu device", False),
+    ("slot-device", with_input(4, lambda s: s.to("meta")), "all tensors must be on one device", False),
+    ("cache-device", lambda a: a.__setitem__(slice(2, 4), [c.to("meta") for c in a[2:4]]),
+     "all tensors must be on one device", False),
+]
+
+
+@pytest.mark.parametrize("name, breaks, message, cpu_has_rule", CACHE_REJECTIONS, ids=[r[0] for r in CACHE_REJECTIONS])
+def test_emulated_cuda_binding_rejects_bad_cache_writes(emulated_binding, request, name, breaks, message,
+                                                        cpu_has_rule):
+    ops, _ = emulated_binding
+    args = [torch.randn(2, 2, 64), torch.randn(2, 2, 64), torch.zeros(4, 8, 2, 64), torch.zeros(4, 8, 2, 64),
+            torch.tensor([3, 9])]
+    breaks(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.reshape_and_cache(*args)
+    if cpu_has_rule:
+        request.getfixturevalue("cpu_backend")
+        with pytest.raises(RuntimeError, match=message):
+            pa.reshape_and_cache(*args, backend="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -1373,9 +1686,11 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
                                 ATOL_BF16_QUERY if q_dtype == torch.bfloat16 else 1e-4)
     key, value = torch.randn(2, 9, 3, 64, device="cuda", dtype=q_dtype)
     slots = torch.randperm(96, device="cuda")[:9]
+    slots[4] = -1                                                  # a pad row: not cached
     caches = [torch.zeros(6, 16, 3, 64, device="cuda", dtype=kv_dtype) for _ in range(4)]
     pa.reshape_and_cache(key, value, caches[0], caches[1], slots, backend="cuda")
-    pa.reshape_and_cache_reference(key, value, caches[2], caches[3], slots)
+    kept = slots >= 0
+    pa.reshape_and_cache_reference(key[kept], value[kept], caches[2], caches[3], slots[kept])
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
@@ -1403,6 +1718,159 @@ def test_resolve_backend_falls_back_with_one_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")                        # a second warning would raise
         assert pa.resolve_backend("auto", "cpu") == "torch"
+
+
+# ##################################################################################################
+# simulate.py
+# ##################################################################################################
+
+import kv_cache
+import scheduler
+import simulate as sim
+
+A100, H100 = sim.GPUS["a100-80gb"], sim.GPUS["h100-sxm"]
+LLAMA2_7B, LLAMA2_13B, LLAMA3_8B = sim.MODELS["llama-2-7b"], sim.MODELS["llama-2-13b"], sim.MODELS["llama-3-8b"]
+
+
+def sim_args(*argv):
+    return sim.parse_run(["--gpu", "a100-80gb", "--model", "llama-2-13b", "--num-requests", "300", *argv])
+
+
+@pytest.fixture
+def captured_blocks(monkeypatch):
+    """Every BlockManager a simulation builds, so a test can inspect it afterwards."""
+    built, real_build = [], sim.build
+    def build(*a):
+        sched, blocks = real_build(*a)
+        built.append((sched, blocks))
+        return sched, blocks
+    monkeypatch.setattr(sim, "build", build)
+    return built
+
+
+def test_simulated_models_have_the_published_parameter_counts():
+    assert LLAMA2_7B.num_params == 6_738_415_616              # Llama-2-7B's published count, to the parameter
+    assert LLAMA2_13B.num_params == 13_015_864_320
+    assert LLAMA3_8B.num_params == 8_030_261_248
+    assert LLAMA3_8B.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2   # K and V, 32 layers, 8 KV heads, bf16
+
+
+def test_simulator_cost_model_matches_hand_computed_step_times():
+    # one decode row after 1000 cached tokens, Llama-2-7B on an A100: memory-bound
+    weights, kv = 2 * 6_738_415_616, 2 * 32 * 32 * 128 * 2
+    expected = (weights + 1001 * kv) / (2.0e12 * sim.MEM_EFFICIENCY) + sim.STEP_OVERHEAD_S
+    assert sim.step_time(A100, LLAMA2_7B, [(1, 1000)]) == pytest.approx(expected, rel=1e-12)
+    # a 2048-token prefill: compute-bound; causal attention sees 2048 * 2049 / 2 (query, key) pairs
+    flops = 2 * 6_738_415_616 * 2048 + 4 * 32 * 32 * 128 * (2048 * 2049 // 2)
+    expected = flops / (312e12 * sim.FLOP_EFFICIENCY) + sim.STEP_OVERHEAD_S
+    assert sim.step_time(A100, LLAMA2_7B, [(2048, 0)]) == pytest.approx(expected, rel=1e-12)
+    # a mixed step: a 100-token chunk after 300 cached, plus two decodes; ideal = bare roofline
+    rows = [(100, 300), (1, 50), (1, 7)]
+    bytes_moved = weights + (400 + 51 + 8) * kv
+    flops = 2 * 6_738_415_616 * 102 + 4 * 32 * 32 * 128 * (100 * 300 + 5050 + 50 + 1 + 7 + 1)
+    assert sim.step_cost(LLAMA2_7B, rows) == (bytes_moved, flops)
+    assert sim.step_time(H100, LLAMA2_7B, rows, ideal=True) == pytest.approx(max(bytes_moved / 3.35e12, flops / 989e12))
+    assert sim.step_time(H100, LLAMA2_7B, rows, tp=2, ideal=True) == pytest.approx(bytes_moved / 6.7e12)
+
+
+def test_simulator_reproduces_the_seed_numbers_within_20_percent():
+    r = sim.roofline(A100, LLAMA2_13B, batch=32, context=0)      # 26 GB of weights at 2 TB/s
+    assert r["weight_gb"] == pytest.approx(26, rel=0.2)
+    assert r["ideal"]["steps_per_s"] == pytest.approx(77, rel=0.2)
+    assert r["ideal"]["tok_s"] == pytest.approx(2450, rel=0.2)
+    tokens = sim.kv_pool_bytes(A100, LLAMA3_8B, 0.9) / LLAMA3_8B.kv_bytes_per_token
+    assert tokens == pytest.approx(500_000, rel=0.2)            # tokens in flight
+    assert tokens / 512 == pytest.approx(1000, rel=0.2)         # sequences of 512 tokens
+    cont = sim.simulate(sim_args("--num-requests", "1000"))
+    assert 0.8 * 1500 <= cont["total_tok_s"] <= 1.2 * 2000      # continuous batching, sustained ShareGPT load
+    assert 0.8 * 1500 <= cont["output_tok_s"] <= 1.2 * 2000
+    assert cont["kv_waste"] < 0.04                              # paged: under 4% ...
+    # ... against 20-30% for a contiguous reservation: of prompt + max_tokens it is ~39% on ShareGPT's
+    # long outputs, above the seed's range (see the README), so only its lower bound is held here
+    assert cont["kv_waste_contiguous"] >= 0.8 * 0.20
+    static = sim.simulate(sim_args("--num-requests", "1000", "--scheduler-mode", "static", "--static-batch-size", "32"))
+    # Not reproduced (see the README): padded to its longest member, static batching on ShareGPT's
+    # long tail gives ~200 tok/s, not 400-600, so continuous is ~7x ahead, beyond the seed's 2-4x.
+    assert cont["output_tok_s"] / static["output_tok_s"] >= 2
+
+
+def test_simulator_drives_the_real_scheduler_and_block_manager(monkeypatch):
+    calls = {"schedule": 0, "allocate_slots": 0}
+    def counting(cls, name):
+        real = getattr(cls, name)
+        def wrapper(self, *a, **kw):
+            calls[name] += 1
+            return real(self, *a, **kw)
+        monkeypatch.setattr(cls, name, wrapper)
+    counting(scheduler.Scheduler, "schedule")
+    counting(kv_cache.BlockManager, "allocate_slots")
+    base = sim.simulate(sim_args())
+    assert calls["schedule"] == base["num_steps"] and calls["allocate_slots"] > base["num_steps"]
+    # a scheduler change: admit nobody while 8 sequences run. The simulation must see it.
+    real_fits = scheduler.Scheduler._fits
+    monkeypatch.setattr(scheduler.Scheduler, "_fits", lambda self, seq, budget: len(self.running) < 8 and real_fits(self, seq, budget))
+    capped = sim.simulate(sim_args())
+    assert capped["peak_running"] <= 8 < base["peak_running"]
+    assert capped["output_tok_s"] < base["output_tok_s"] / 2
+
+
+@pytest.mark.parametrize("argv", [
+    ("--gpu-memory-utilization", "0.36"),                                         # tiny pool: recompute preemption
+    ("--gpu-memory-utilization", "0.36", "--preemption-mode", "swap"),            # ... swap to host blocks
+    ("--scheduler-mode", "static", "--static-batch-size", "16"),
+    ("--workload", "uniform", "--input-len", "1000", "--output-len", "200", "--max-num-batched-tokens", "512"),
+])
+def test_simulation_frees_every_block_at_the_end(captured_blocks, argv):
+    res = sim.simulate(sim_args(*argv))
+    sched, blocks = captured_blocks[-1]
+    assert len(blocks.free_blocks) == blocks.num_blocks == res["num_blocks"]
+    assert len(blocks.free_host_blocks) == blocks.num_host_blocks
+    assert not sched.running and not sched.waiting
+    blocks.check_invariants([])
+    if argv[0] == "--gpu-memory-utilization":
+        assert res["num_preemptions"] > 0                        # the small pool really did preempt
+    if "swap" in argv:
+        assert blocks.num_swapped_out > 0
+
+
+def test_simulated_workloads_follow_the_vllm_paper_statistics():
+    for workload, (mean_in, mean_out) in [("sharegpt", (161, 338)), ("alpaca", (19.3, 58.5))]:
+        reqs = sim.make_requests(sim.parse_run(["--workload", workload, "--num-requests", "20000", "--request-rate", "4"]))
+        assert sum(r.input_len for r in reqs) / len(reqs) == pytest.approx(mean_in, rel=0.05)
+        assert sum(r.output_len for r in reqs) / len(reqs) == pytest.approx(mean_out, rel=0.05)
+        assert reqs[-1].arrival_time / len(reqs) == pytest.approx(1 / 4, rel=0.05)   # Poisson at 4/s
+    draw = lambda seed: [(r.input_len, r.output_len, r.arrival_time)
+                         for r in sim.make_requests(sim.parse_run(["--num-requests", "50", "--seed", seed]))]
+    assert draw("1") == draw("1") != draw("2")                  # seeded
+
+
+def test_simulate_cli_writes_the_listed_json_keys_roofline_and_plots(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    sim.main(["--gpu", "h100-sxm", "--model", "llama-2-7b", "--num-requests", "60", "--sweep-rates", "2,8",
+              "--sweep-variants", "continuous,static", "--out", str(out), "--plot", str(tmp_path)])
+    results = json.loads(out.read_text())
+    assert set(results) == {"continuous", "static"}
+    for res in results["continuous"] + results["static"]:
+        for key in ("output_tok_s", "total_tok_s", "requests_per_s", "peak_running", "mean_running",
+                    "kv_waste", "num_preemptions", "wall_s", "sim_s"):
+            assert math.isfinite(res[key]) and res[key] >= 0, key
+        for key in ("ttft_s", "tpot_s"):
+            assert set(res[key]) == {"p50", "p90", "p99"} and res[key]["p50"] <= res[key]["p99"]
+    assert (tmp_path / "throughput_vs_rate.png").stat().st_size > 0 and (tmp_path / "kv_usage.png").stat().st_size > 0
+    capsys.readouterr()
+    sim.main(["roofline", "--gpu", "a100-80gb", "--model", "llama-2-13b", "--batch", "32"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["bound"] == "memory" and r["modelled"]["steps_per_s"] < r["ideal"]["steps_per_s"]
+
+
+def test_bad_simulation_arguments_are_rejected_naming_the_field(capsys):
+    with pytest.raises(SystemExit):
+        sim.parse_run(["--num-requests", "0"])
+    assert "--num-requests must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim.parse_run(["--request-rate", "-1"])
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        sim.simulate(sim.parse_run(["--gpu", "a100-80gb", "--model", "llama-3-70b", "--num-requests", "1"]))
 
 
 # ##################################################################################################

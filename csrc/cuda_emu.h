@@ -1,18 +1,35 @@
-// Just enough of CUDA to run paged_attention_cuda.cu on the CPU, for tests only.
+// Just enough of CUDA to run paged_attention_cuda.cu on the CPU, for tests only, and strict
+// enough to fail where a GPU would.
 //
-// A launch runs the grid's blocks one after another; each block's threads are real
-// std::threads, so __syncthreads is a real barrier and a missing one shows up as a wrong
-// answer. __shared__ becomes `static` (one block runs at a time, so a static local is
-// per-block storage), and warp shuffles exchange values through a per-warp buffer between
-// two warp barriers. Slow and obvious on purpose: never a production path.
+// Each block's threads are real std::threads, so __syncthreads is a real barrier, and warp
+// shuffles exchange values through a per-warp buffer between two warp barriers. What a lenient
+// emulation would hide, this one makes visible:
+//   - launch limits: gridDim.x < 2^31, y and z <= 65,535, <= 1,024 threads per block, and
+//     <= 48 KB of shared memory unless cudaFuncSetAttribute opted in. A violation runs nothing
+//     and is reported by cudaGetLastError, like a failed launch.
+//   - shared memory is per block (kernels take it with block_shared<T>(); a raw __shared__
+//     does not compile here) and filled with 0xff bytes, a NaN in every float type, before
+//     each block: code that reads it before writing it gets NaN, not a lucky zero.
+//   - the blocks of a grid run in a shuffled order, several at once (one worker per core),
+//     so a kernel that depends on block order or shares global scratch between blocks fails.
+//   - 16-byte loads (copy16) must be 16-byte aligned, as on the GPU.
+// cuda_emu_configure() turns each of these off (and forgets opt-ins), so a test can show which one caught a bug.
+// Slow and obvious on purpose: never a production path. Included by exactly one file per
+// library (it defines the extern "C" controls).
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -21,17 +38,19 @@
 #define __host__
 #define __forceinline__ inline
 #define __restrict__
-#define __shared__ static
 
 struct dim3 {
   unsigned x, y, z;
   dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
+struct int2 { int x, y; };
 using cudaStream_t = void*;
 using cudaError_t = int;
 constexpr cudaError_t cudaSuccess = 0;
-inline cudaError_t cudaGetLastError() { return cudaSuccess; }
-inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
+constexpr cudaError_t cudaErrorInvalidValue = 1;
+constexpr cudaError_t cudaErrorInvalidConfiguration = 9;
+constexpr cudaError_t cudaErrorMisalignedAddress = 716;
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 
 using std::max;
 using std::min;
@@ -41,45 +60,139 @@ inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); r
 namespace emu {
 
 constexpr int kWarpSize = 32;
+constexpr unsigned kMaxGridX = 2147483647u, kMaxGridYZ = 65535, kMaxThreads = 1024, kMaxBlockZ = 64;
+constexpr size_t kSharedLimit = 48 * 1024;         // static shared memory without an opt-in
+constexpr size_t kSharedOptInLimit = 227 * 1024;   // sm_90's most, with cudaFuncSetAttribute
+
+struct Config {
+  bool shuffle = true;     // run blocks in a shuffled order
+  bool poison = true;      // 0xff-fill shared memory before each block (else zero it)
+  int workers = 0;         // blocks run at once; 0 = one per core
+  bool dry_run = false;    // check and log launches, run no block
+};
+inline Config config;
+
+// ---- errors: sticky until cudaGetLastError reads them ---------------------------------------
+
+inline std::mutex error_mutex;
+inline cudaError_t last_error = cudaSuccess;
+inline std::string last_message = "no error";
+
+inline void fail(cudaError_t code, const std::string& message) {
+  std::lock_guard lock(error_mutex);
+  if (last_error == cudaSuccess) {   // the first error wins, as on a GPU
+    last_error = code;
+    last_message = message;
+  }
+}
+
+// ---- one block ------------------------------------------------------------------------------
 
 struct Warp {
   std::barrier<> barrier{kWarpSize};
   uint64_t lanes[kWarpSize];          // what each lane offers to a shuffle
 };
 
+struct Abort {};                      // thrown by every thread of a block that overflows shared memory
+
 struct Block {                        // what the threads of the running block share
   std::barrier<> barrier;
   std::vector<std::unique_ptr<Warp>> warps;
-  explicit Block(int threads) : barrier(threads) {
+  std::unique_ptr<unsigned char[]> shared{new unsigned char[kSharedOptInLimit + 16]};
+  size_t shared_limit;
+  Block(int threads, size_t limit) : barrier(threads), shared_limit(limit) {
     for (int w = 0; w < (threads + kWarpSize - 1) / kWarpSize; ++w) warps.push_back(std::make_unique<Warp>());
+  }
+  unsigned char* shared_base() {      // 16-byte aligned, like a GPU's shared window
+    return shared.get() + (16 - reinterpret_cast<uintptr_t>(shared.get()) % 16) % 16;
   }
 };
 
 inline thread_local dim3 thread_idx, block_idx;
 inline thread_local Block* current_block;
+inline thread_local size_t shared_top;   // bytes of the block's shared memory this thread has taken
 inline dim3 grid_dim, block_dim;
 
 inline Warp& my_warp() { return *current_block->warps[thread_idx.x / kWarpSize]; }
 
+// Every thread of a block asks for the same objects in the same order, so each computes the
+// same offsets on its own. Over the limit: report and leave the block (all threads throw here).
+inline void* take_shared(size_t bytes, size_t align) {
+  const size_t offset = (shared_top + align - 1) / align * align;
+  shared_top = offset + bytes;
+  if (shared_top > current_block->shared_limit) {
+    fail(cudaErrorInvalidValue, "too much shared memory: a block needs more than " +
+                                    std::to_string(current_block->shared_limit) + " bytes");
+    throw Abort{};
+  }
+  return current_block->shared_base() + offset;
+}
+
+inline void copy16(void* dst, const void* src) {
+  if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
+    fail(cudaErrorMisalignedAddress, "misaligned address: a 16-byte access not 16-byte aligned");
+  std::memcpy(dst, src, 16);
+}
+
+// ---- launches -------------------------------------------------------------------------------
+
+inline std::map<const void*, size_t> shared_opt_in;   // kernel -> its shared memory limit
+inline std::string launch_log;                        // "name gx,gy,gz threads;" per launch
+inline uint64_t launch_count;
+
+inline bool check_launch(const char* name, dim3 grid, dim3 block) {
+  char entry[160];
+  std::snprintf(entry, sizeof entry, "%s %u,%u,%u %u;", name, grid.x, grid.y, grid.z, block.x * block.y * block.z);
+  launch_log += entry;
+  const uint64_t threads = uint64_t(block.x) * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > kMaxGridX || grid.y > kMaxGridYZ ||
+      grid.z > kMaxGridYZ || threads == 0 || threads > kMaxThreads || block.z > kMaxBlockZ) {
+    fail(cudaErrorInvalidConfiguration, std::string("invalid configuration argument: ") + entry);
+    return false;
+  }
+  return true;
+}
+
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
+void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
+  if (!check_launch(name, grid, block) || config.dry_run) return;
   grid_dim = grid;
   block_dim = block;
   const int threads = block.x * block.y * block.z;
+  const auto opted = shared_opt_in.find(reinterpret_cast<const void*>(kernel));
+  const size_t limit = opted == shared_opt_in.end() ? kSharedLimit : opted->second;
+  std::vector<dim3> order;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        Block state(threads);
-        std::vector<std::thread> pool;
-        for (int i = 0; i < threads; ++i)
-          pool.emplace_back([&, i] {
-            thread_idx = dim3(i % block.x, i / block.x % block.y, i / (block.x * block.y));
-            block_idx = dim3(x, y, z);
-            current_block = &state;
+      for (unsigned x = 0; x < grid.x; ++x) order.emplace_back(x, y, z);
+  if (config.shuffle) std::shuffle(order.begin(), order.end(), std::mt19937_64(++launch_count));
+  std::atomic<size_t> next{0};
+  std::atomic<bool> aborted{false};
+  auto worker = [&] {
+    Block state(threads, limit);
+    for (size_t i; !aborted && (i = next++) < order.size();) {
+      std::memset(state.shared_base(), config.poison ? 0xff : 0, limit);
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t)
+        pool.emplace_back([&, t] {
+          thread_idx = dim3(t % block.x, t / block.x % block.y, t / (block.x * block.y));
+          block_idx = order[i];
+          current_block = &state;
+          shared_top = 0;
+          try {
             kernel(args...);
-          });
-        for (auto& t : pool) t.join();
-      }
+          } catch (const Abort&) {
+            aborted = true;
+          }
+        });
+      for (auto& t : pool) t.join();
+    }
+  };
+  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  const int workers = std::min<size_t>(config.workers > 0 ? config.workers : cores, order.size());
+  std::vector<std::thread> pool;
+  for (int w = 0; w < workers; ++w) pool.emplace_back(worker);
+  for (auto& t : pool) t.join();
 }
 
 }  // namespace emu
@@ -88,6 +201,26 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
 #define blockIdx (emu::block_idx)
 #define blockDim (emu::block_dim)
 #define gridDim (emu::grid_dim)
+
+template <typename T>
+T& block_shared() {   // the block's shared T, uninitialized (poisoned) like __shared__
+  return *static_cast<T*>(emu::take_shared(sizeof(T), alignof(T)));
+}
+
+inline cudaError_t cudaGetLastError() {
+  std::lock_guard lock(emu::error_mutex);
+  const cudaError_t e = emu::last_error;
+  emu::last_error = cudaSuccess;
+  return e;
+}
+inline const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : emu::last_message.c_str(); }
+
+template <typename Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute, int bytes) {
+  if (bytes < 0 || size_t(bytes) + emu::kSharedLimit > emu::kSharedOptInLimit) return cudaErrorInvalidValue;
+  emu::shared_opt_in[reinterpret_cast<const void*>(kernel)] = emu::kSharedLimit + bytes;
+  return cudaSuccess;
+}
 
 inline void __syncthreads() { emu::current_block->barrier.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::my_warp().barrier.arrive_and_wait(); }
@@ -103,4 +236,20 @@ T __shfl_xor_sync(unsigned, T value, int lane_mask, int = emu::kWarpSize) {
   std::memcpy(&other, &w.lanes[lane ^ lane_mask], sizeof(T));
   w.barrier.arrive_and_wait();                      // every lane has read before the next write
   return other;
+}
+
+// ---- controls for tests (ctypes) ------------------------------------------------------------
+
+extern "C" __attribute__((visibility("default"))) void cuda_emu_configure(int shuffle, int poison, int workers,
+                                                                          int dry_run) {
+  emu::config = {shuffle != 0, poison != 0, workers, dry_run != 0};
+  emu::shared_opt_in.clear();        // as a fresh process: no kernel opted in
+}
+
+// The launches since the last call, "name gx,gy,gz threads;" each; then the log is cleared.
+extern "C" __attribute__((visibility("default"))) const char* cuda_emu_take_launch_log() {
+  static std::string taken;
+  taken = std::move(emu::launch_log);
+  emu::launch_log.clear();
+  return taken.c_str();
 }

@@ -1,29 +1,47 @@
 // CUDA kernels behind paged_attention.py's "cuda" backend, with the semantics of
 // paged_attention_reference: ragged batch, decode rows and prefill chunks in one call.
 //
-//   decode_kernel        one thread block per (KV head, sequence, context partition); its warps
-//                        stride over 32-token chunks of the context through the block table.
-//                        A lane scores its token against every query head of the GQA group
-//                        (K read once for the group); online softmax per warp (max via warp
-//                        shuffles), warps merged through shared memory.
-//   reduce_kernel        merges the partitions of long contexts (flash-decoding style split).
-//   prefill_kernel       one thread block per (KV head, sequence, tile of query rows); K/V
+// The host plans every launch (paged_attention_plan, from host copies of query_start_loc and
+// context_lens) as lists of work items, so a block exists only where there is work and every
+// grid is (items, heads): gridDim.x holds what grows with the batch, gridDim.y <= num_heads.
+//   decode_kernel        one thread block per (decode item = row x context partition, KV head).
+//                        The partition size follows the call's decode context and the SM count
+//                        (choose_partition), so one long row still fills the GPU. Each warp
+//                        stages 32-token chunks of K, then V, into shared memory with coalesced
+//                        16-byte loads; a lane scores its token against every query head of the
+//                        GQA group; online softmax per warp, warps merged through shared memory.
+//                        A row with context_len == 0 gets zeros.
+//   reduce_kernel        merges the partitions of a split row (flash-decoding style).
+//   prefill_kernel       one thread block per (prefill item = tile of query rows, KV head); K/V
 //                        chunks staged in shared memory and reused by every query of the tile.
-//   reshape_and_cache_kernel  the fused KV write.
-// Only plain pointers and ints cross the boundary (see the extern "C" launchers at the end),
-// so this file needs only the CUDA toolkit; csrc/paged_attention_cuda_binding.cpp is the thin
-// PyTorch side. Without nvcc it compiles against csrc/cuda_emu.h, which is how tests run it.
+//                        Not launched in a pure-decode step.
+//   reshape_and_cache_kernel  the fused KV write; slot -1 means "do not cache this row".
+// Only plain pointers and ints cross the boundary (the extern "C" functions at the end), so
+// this file needs only the CUDA toolkit; csrc/paged_attention_cuda_binding.cpp is the PyTorch
+// side and checks every input. Without nvcc it compiles against csrc/cuda_emu.h, which is how
+// the tests run it; -DPLANT_BUGS adds bugs a test can switch on (plant_bug) to prove that the
+// emulation catches them. Shared memory is taken with block_shared<T>(), one struct per kernel.
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #define LAUNCH_KERNEL(kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
+template <typename T>
+__device__ __forceinline__ T& block_shared() {
+  __shared__ T storage;
+  return storage;
+}
+__device__ __forceinline__ void copy16(void* dst, const void* src) {
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+}
 #else
 #include "cuda_emu.h"
-#define LAUNCH_KERNEL(kernel, grid, block, stream, ...) emu::launch(kernel, grid, block, __VA_ARGS__)
+#define LAUNCH_KERNEL(kernel, grid, block, stream, ...) emu::launch(#kernel, kernel, grid, block, __VA_ARGS__)
+using emu::copy16;
 #endif
 
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -36,7 +54,23 @@ constexpr int kPerLane = kMaxHeadDim / kWarpSize;
 constexpr int kChunk = kWarpSize;     // tokens a warp scores at once, one per lane
 constexpr int kTileVectors = 16;      // prefill: query vectors (row, head) per thread block
 constexpr int kVectorsPerWarp = kTileVectors / kNumWarps;
-constexpr int kDefaultPartition = 512;  // decode: context tokens per thread block when split
+constexpr int kStageRowBytes = kMaxHeadDim * 2 + 16;   // a 16-bit K/V row, +16: no bank conflicts
+constexpr int kStageBytes = kChunk * kStageRowBytes;  // per warp: 32 such rows (16 float rows)
+constexpr int kMinPartition = kNumWarps * kChunk;     // a smaller split leaves warps idle
+constexpr int kNoSplit = 1 << 30;                     // partition size of a call that needs no split
+constexpr int kBlocksPerSM = 2;                       // decode grid the split aims for, per SM
+constexpr unsigned kMaxGridX = 2147483647u, kMaxGridY = 65535;
+
+#ifdef PLANT_BUGS
+// Bugs a GPU would show and a lenient emulation would not; tests switch one on with plant_bug.
+enum Bug { kNoBug, kOldPrefillGrid, kTooManyThreads, kSharedOver48KB, kSharedOptIn, kUnzeroedTail,
+           kGlobalQuery, kLastBlockMerges };
+int planted_bug = kNoBug;
+__device__ float planted_global_query[kMaxGroup][kMaxHeadDim];   // a "forgot __shared__" scratch
+#define PLANTED(bug) (planted_bug == (bug))
+#else
+#define PLANTED(bug) false
+#endif
 
 // ---- storage types: raw 16-bit patterns, converted to float on load -----------------------
 
@@ -87,13 +121,21 @@ struct Params {
   const int* block_tables;            // [num_seqs, max_blocks]
   const int* context_lens;            // [num_seqs]
   const int* query_start_loc;         // [num_seqs + 1]
-  float* partial_out;                 // [num_seqs, num_heads, num_partitions, head_dim] if split
-  float* partial_max;                 // [num_seqs, num_heads, num_partitions]
+  const int2* decode_items;           // [num_decode_items] (sequence, partition)
+  const int2* reduce_items;           // [num_reduce_items] (sequence, its first decode item)
+  const int2* prefill_items;          // [num_prefill_items] (sequence, first query row of the tile)
+  float* partial_out;                 // [num_decode_items, num_heads, head_dim] if a row is split
+  float* partial_max;                 // [num_decode_items, num_heads]
   float* partial_sum;
   int num_heads, num_kv_heads, head_dim, block_size, max_blocks, group;
-  int num_partitions, partition_size, rows_per_tile;
+  int partition_size, rows_per_tile;
   float scale;
 };
+
+// Decode items of a row: its context in partitions (a row with no context still gets one).
+__host__ __device__ __forceinline__ int num_parts(int context_len, int partition_size) {
+  return context_len <= partition_size ? 1 : (context_len + partition_size - 1) / partition_size;
+}
 
 // Offset of (token pos, kv_head, 0) of a sequence in the cache, through its block table.
 __device__ __forceinline__ int64_t kv_offset(const Params& p, const int* table, int pos, int kv_head) {
@@ -108,23 +150,80 @@ __device__ __forceinline__ float warp_max(float x) {
 
 // ---- decode: one query row per sequence ---------------------------------------------------
 
+struct DecodeShared {
+  float q[kMaxGroup][kMaxHeadDim];               // the group's queries, pre-scaled
+  float probs[kNumWarps][kMaxGroup][kChunk];     // a warp's chunk: scores, then softmax weights
+  float warp_max[kNumWarps][kMaxGroup], warp_sum[kNumWarps][kMaxGroup];
+  union alignas(16) {                            // per warp: staged K/V rows, then its partial output
+    unsigned char rows[kStageBytes];
+    float acc[kMaxGroup][kMaxHeadDim];
+  } warp_area[kNumWarps];
+};
+static_assert(sizeof(DecodeShared) <= 48 * 1024, "static shared memory is limited to 48 KB");
+
+// Rows [first, first + n) of a sequence's KV head into `stage`, row_bytes apart. Lane i copies
+// 16-byte pieces i, i + 32, ...: neighbouring lanes read neighbouring pieces of a row, so each
+// row arrives as whole sectors (coalesced) wherever its block sits in the pool.
+template <typename KV>
+__device__ __forceinline__ void stage_kv_rows(const Params& p, const KV* cache, const int* table, int first, int n,
+                                              int kv_head, unsigned char* stage, int row_bytes, int lane) {
+  const int pieces = p.head_dim * int(sizeof(KV)) / 16, per_piece = 16 / int(sizeof(KV));
+  for (int i = lane; i < n * pieces; i += kWarpSize) {
+    const int t = i / pieces, piece = i % pieces;
+    copy16(stage + t * row_bytes + piece * 16, cache + kv_offset(p, table, first + t, kv_head) + piece * per_piece);
+  }
+}
+
+// score[g] += q[g] . k for a staged K row, read 16 bytes at a time (rows are padded so the
+// 8 lanes of a quarter warp hit distinct banks).
+template <typename KV>
+__device__ __forceinline__ void add_scores(const unsigned char* row, const float (&q)[kMaxGroup][kMaxHeadDim], int G,
+                                           int D, float (&score)[kMaxGroup]) {
+  constexpr int kVec = 16 / sizeof(KV);
+  for (int d0 = 0; d0 < D; d0 += kVec) {
+    alignas(16) KV k[kVec];
+    copy16(k, row + d0 * sizeof(KV));
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float kd = to_float(k[j]);
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g)
+        if (g < G) score[g] += q[g][d0 + j] * kd;
+    }
+  }
+}
+
+// Output element d of `head` for a row split into `parts` decode items starting at `first`.
+__device__ __forceinline__ float merge_partitions(const Params& p, int first, int parts, int head, int d) {
+  float m = -INFINITY, sum = 0.f, o = 0.f;
+  for (int i = 0; i < parts; ++i) m = fmaxf(m, p.partial_max[int64_t(first + i) * p.num_heads + head]);
+  for (int i = 0; i < parts; ++i) {
+    const int64_t idx = int64_t(first + i) * p.num_heads + head;
+    const float f = expf(p.partial_max[idx] - m);
+    sum += p.partial_sum[idx] * f;
+    o += p.partial_out[idx * p.head_dim + d] * f;
+  }
+  return o / sum;
+}
+
 template <typename Q, typename KV>
 __global__ void decode_kernel(Params p) {
-  const int kv_head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
-  const int q_row = p.query_start_loc[seq];
-  if (p.query_start_loc[seq + 1] - q_row != 1) return;        // prefill rows: prefill_kernel
-  const int start = part * p.partition_size, ctx = p.context_lens[seq];
-  if (start >= ctx) return;                                    // partition past this context
-  const int end = min(ctx, start + p.partition_size);
+  const int seq = p.decode_items[blockIdx.x].x, part = p.decode_items[blockIdx.x].y, kv_head = blockIdx.y;
+  const int q_row = p.query_start_loc[seq], ctx = p.context_lens[seq];
+  const int parts = num_parts(ctx, p.partition_size);
+  const int start = part * p.partition_size, end = min(ctx, start + p.partition_size);
   const int G = p.group, D = p.head_dim, lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const KV* key_cache = static_cast<const KV*>(p.key_cache);
   const KV* value_cache = static_cast<const KV*>(p.value_cache);
   const int* table = p.block_tables + int64_t(seq) * p.max_blocks;
 
-  __shared__ float q_s[kMaxGroup][kMaxHeadDim];                // the group's queries, pre-scaled
-  __shared__ float probs[kNumWarps][kMaxGroup][kChunk];
-  __shared__ float warp_max_s[kNumWarps][kMaxGroup], warp_sum_s[kNumWarps][kMaxGroup];
-  __shared__ float warp_acc_s[kNumWarps][kMaxGroup][kMaxHeadDim];
+  DecodeShared& s = block_shared<DecodeShared>();
+#ifdef PLANT_BUGS
+  if (PLANTED(kSharedOver48KB) || PLANTED(kSharedOptIn)) block_shared<unsigned char[2][kStageBytes]>()[0][0] = 0;
+  float (&q_s)[kMaxGroup][kMaxHeadDim] = PLANTED(kGlobalQuery) ? planted_global_query : s.q;
+#else
+  float (&q_s)[kMaxGroup][kMaxHeadDim] = s.q;
+#endif
   const Q* query = static_cast<const Q*>(p.query) + (int64_t(q_row) * p.num_heads + kv_head * G) * D;
   for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i / D][i % D] = to_float(query[i]) * p.scale;
   __syncthreads();
@@ -138,75 +237,81 @@ __global__ void decode_kernel(Params p) {
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) acc[g][e] = 0.f;
   }
+  const int row_bytes = D * int(sizeof(KV)) + 16;
+  const int rows_per_stage = min(kChunk, kStageBytes / row_bytes);   // 32, or 16+ for float rows
+  unsigned char* stage = s.warp_area[warp].rows;
   for (int c = start + warp * kChunk; c < end; c += kNumWarps * kChunk) {
-    const int pos = c + lane, n = min(kChunk, end - c);
+    const int n = min(kChunk, end - c);
     float score[kMaxGroup];
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) score[g] = lane < n ? 0.f : -INFINITY;
-    if (lane < n) {                                            // K row read once for the group
-      const KV* k = key_cache + kv_offset(p, table, pos, kv_head);
-      for (int d = 0; d < D; ++d) {
-        const float kd = to_float(k[d]);
-#pragma unroll
-        for (int g = 0; g < kMaxGroup; ++g)
-          if (g < G) score[g] += q_s[g][d] * kd;
-      }
+    for (int s0 = 0; s0 < n; s0 += rows_per_stage) {           // lane t scores token c + t
+      const int rows = min(rows_per_stage, n - s0);
+      stage_kv_rows(p, key_cache, table, c + s0, rows, kv_head, stage, row_bytes, lane);
+      __syncwarp();
+      if (lane >= s0 && lane < s0 + rows) add_scores<KV>(stage + (lane - s0) * row_bytes, q_s, G, D, score);
+      __syncwarp();                                            // stage read before it is refilled
     }
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
       if (g >= G) break;
       const float new_max = fmaxf(run_max[g], warp_max(score[g]));
       const float correction = expf(run_max[g] - new_max);     // 0 on the first chunk
-      probs[warp][g][lane] = lane < n ? expf(score[g] - new_max) : 0.f;
+      s.probs[warp][g][lane] = lane < n ? expf(score[g] - new_max) : 0.f;
       run_max[g] = new_max;
       run_sum[g] *= correction;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) acc[g][e] *= correction;
     }
-    __syncwarp();
-    for (int t = 0; t < n; ++t) {                              // V rows, coalesced across lanes
-      const KV* v = value_cache + kv_offset(p, table, c + t, kv_head);
-      float vd[kPerLane];
+    for (int s0 = 0; s0 < n; s0 += rows_per_stage) {           // V rows: lane reads d = e * 32 + lane
+      const int rows = min(rows_per_stage, n - s0);
+      stage_kv_rows(p, value_cache, table, c + s0, rows, kv_head, stage, row_bytes, lane);
+      __syncwarp();                                            // also orders the probs writes above
+      for (int t = 0; t < rows; ++t) {
+        const KV* v = reinterpret_cast<const KV*>(stage + t * row_bytes);
+        float vd[kPerLane];
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) vd[e] = e * kWarpSize < D ? to_float(v[e * kWarpSize + lane]) : 0.f;
+        for (int e = 0; e < kPerLane; ++e) vd[e] = e * kWarpSize < D ? to_float(v[e * kWarpSize + lane]) : 0.f;
 #pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) {
-        if (g >= G) break;
-        const float prob = probs[warp][g][t];
-        run_sum[g] += prob;
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g >= G) break;
+          const float prob = s.probs[warp][g][s0 + t];
+          run_sum[g] += prob;
 #pragma unroll
-        for (int e = 0; e < kPerLane; ++e) acc[g][e] += prob * vd[e];
+          for (int e = 0; e < kPerLane; ++e) acc[g][e] += prob * vd[e];
+        }
       }
+      __syncwarp();                                            // stage and probs read before reuse
     }
-    __syncwarp();                                              // probs are read before reuse
   }
 
-  // merge the warps: rescale each to the block's max, then sum
+  // merge the warps: rescale each to the block's max, then sum. A warp's stage is free now,
+  // so its partial output goes there.
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) {
     if (g >= G) break;
     if (lane == 0) {
-      warp_max_s[warp][g] = run_max[g];
-      warp_sum_s[warp][g] = run_sum[g];
+      s.warp_max[warp][g] = run_max[g];
+      s.warp_sum[warp][g] = run_sum[g];
     }
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e)
-      if (e * kWarpSize < D) warp_acc_s[warp][g][e * kWarpSize + lane] = acc[g][e];
+      if (e * kWarpSize < D) s.warp_area[warp].acc[g][e * kWarpSize + lane] = acc[g][e];
   }
   __syncthreads();
   for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
     const int g = i / D, d = i % D, head = kv_head * G + g;
     float m = -INFINITY, sum = 0.f, o = 0.f;
-    for (int w = 0; w < kNumWarps; ++w) m = fmaxf(m, warp_max_s[w][g]);
+    for (int w = 0; w < kNumWarps; ++w) m = fmaxf(m, s.warp_max[w][g]);
     for (int w = 0; w < kNumWarps; ++w) {
-      const float f = warp_max_s[w][g] == -INFINITY ? 0.f : expf(warp_max_s[w][g] - m);  // idle warp
-      sum += warp_sum_s[w][g] * f;
-      o += warp_acc_s[w][g][d] * f;
+      const float f = s.warp_max[w][g] == -INFINITY ? 0.f : expf(s.warp_max[w][g] - m);  // idle warp
+      sum += s.warp_sum[w][g] * f;
+      o += s.warp_area[w].acc[g][d] * f;
     }
-    if (p.num_partitions == 1) {
-      static_cast<Q*>(p.out)[(int64_t(q_row) * p.num_heads + head) * D + d] = from_float<Q>(o / sum);
+    if (parts == 1) {                                          // context_len 0: no key, zeros
+      static_cast<Q*>(p.out)[(int64_t(q_row) * p.num_heads + head) * D + d] = from_float<Q>(sum > 0.f ? o / sum : 0.f);
     } else {                                                   // unnormalized; reduce_kernel merges
-      const int64_t idx = (int64_t(seq) * p.num_heads + head) * p.num_partitions + part;
+      const int64_t idx = int64_t(blockIdx.x) * p.num_heads + head;
       p.partial_out[idx * D + d] = o;
       if (d == 0) {
         p.partial_max[idx] = m;
@@ -214,34 +319,40 @@ __global__ void decode_kernel(Params p) {
       }
     }
   }
+#ifdef PLANT_BUGS
+  if (PLANTED(kLastBlockMerges) && parts > 1 && part == parts - 1) {   // trusts the other parts ran first
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x)
+      static_cast<Q*>(p.out)[(int64_t(q_row) * p.num_heads + kv_head * G) * D + i] =
+          from_float<Q>(merge_partitions(p, blockIdx.x - part, parts, kv_head * G + i / D, i % D));
+  }
+#endif
 }
 
-// Merge the partitions of one (sequence, head) of a split decode.
+// Merge the partitions of one (split row, head).
 template <typename Q>
 __global__ void reduce_kernel(Params p) {
-  const int head = blockIdx.x, seq = blockIdx.y;
-  const int q_row = p.query_start_loc[seq];
-  if (p.query_start_loc[seq + 1] - q_row != 1) return;
-  const int used = (p.context_lens[seq] + p.partition_size - 1) / p.partition_size;
-  const int64_t base = (int64_t(seq) * p.num_heads + head) * p.num_partitions;
-  float m = -INFINITY, sum = 0.f;
-  for (int i = 0; i < used; ++i) m = fmaxf(m, p.partial_max[base + i]);
-  for (int i = 0; i < used; ++i) sum += p.partial_sum[base + i] * expf(p.partial_max[base + i] - m);
-  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-    float o = 0.f;
-    for (int i = 0; i < used; ++i) o += p.partial_out[(base + i) * p.head_dim + d] * expf(p.partial_max[base + i] - m);
-    static_cast<Q*>(p.out)[(int64_t(q_row) * p.num_heads + head) * p.head_dim + d] = from_float<Q>(o / sum);
-  }
+  const int seq = p.reduce_items[blockIdx.x].x, first = p.reduce_items[blockIdx.x].y, head = blockIdx.y;
+  const int parts = num_parts(p.context_lens[seq], p.partition_size);
+  Q* out = static_cast<Q*>(p.out) + (int64_t(p.query_start_loc[seq]) * p.num_heads + head) * p.head_dim;
+  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) out[d] = from_float<Q>(merge_partitions(p, first, parts, head, d));
 }
 
 // ---- prefill: a tile of query rows x the GQA group ------------------------------------------
 
+struct PrefillShared {
+  float q[kTileVectors][kMaxHeadDim];            // vector m = (row m / G, head m % G)
+  float k[kChunk][kMaxHeadDim + 1];              // +1: lanes read rows without bank conflicts
+  float v[kChunk][kMaxHeadDim];
+  float probs[kNumWarps][kVectorsPerWarp][kChunk];
+};
+static_assert(sizeof(PrefillShared) <= 48 * 1024, "static shared memory is limited to 48 KB");
+
 template <typename Q, typename KV>
 __global__ void prefill_kernel(Params p) {
-  const int kv_head = blockIdx.x, seq = blockIdx.y, G = p.group, D = p.head_dim;
+  const int seq = p.prefill_items[blockIdx.x].x, row0 = p.prefill_items[blockIdx.x].y, kv_head = blockIdx.y;
+  const int G = p.group, D = p.head_dim;
   const int q_begin = p.query_start_loc[seq], q_len = p.query_start_loc[seq + 1] - q_begin;
-  const int row0 = blockIdx.z * p.rows_per_tile;
-  if (q_len <= 1 || row0 >= q_len) return;                     // decode rows: decode_kernel
   const int rows = min(p.rows_per_tile, q_len - row0), num_vectors = rows * G;
   const int first_pos = p.context_lens[seq] - q_len + row0;    // absolute position of row0
   const int kv_len = first_pos + rows;                         // the tile's last row sees [0, kv_len)
@@ -250,14 +361,11 @@ __global__ void prefill_kernel(Params p) {
   const KV* value_cache = static_cast<const KV*>(p.value_cache);
   const int* table = p.block_tables + int64_t(seq) * p.max_blocks;
 
-  __shared__ float q_s[kTileVectors][kMaxHeadDim];             // vector m = (row m / G, head m % G)
-  __shared__ float k_s[kChunk][kMaxHeadDim + 1];               // +1: lanes read rows without bank conflicts
-  __shared__ float v_s[kChunk][kMaxHeadDim];
-  __shared__ float probs[kNumWarps][kVectorsPerWarp][kChunk];
+  PrefillShared& s = block_shared<PrefillShared>();
   for (int i = threadIdx.x; i < num_vectors * D; i += blockDim.x) {
     const int m = i / D, d = i % D;
     const int64_t src = (int64_t(q_begin + row0 + m / G) * p.num_heads + kv_head * G + m % G) * D + d;
-    q_s[m][d] = to_float(static_cast<const Q*>(p.query)[src]) * p.scale;
+    s.q[m][d] = to_float(static_cast<const Q*>(p.query)[src]) * p.scale;
   }
 
   // warp w owns vectors w, w + 4, ...; lane owns output elements d = e * 32 + lane
@@ -275,10 +383,11 @@ __global__ void prefill_kernel(Params p) {
     for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
       const int t = i / D, d = i % D;
       const int64_t off = kv_offset(p, table, c + t, kv_head) + d;
-      k_s[t][d] = to_float(key_cache[off]);
-      v_s[t][d] = to_float(value_cache[off]);
+      s.k[t][d] = to_float(key_cache[off]);
+      s.v[t][d] = to_float(value_cache[off]);
     }
     __syncthreads();
+    const int v_rows = PLANTED(kUnzeroedTail) ? kChunk : n;   // the plant reads rows never written
 #pragma unroll
     for (int j = 0; j < kVectorsPerWarp; ++j) {
       const int m = warp + j * kNumWarps;
@@ -288,24 +397,24 @@ __global__ void prefill_kernel(Params p) {
       float score = -INFINITY;
       if (visible) {
         score = 0.f;
-        for (int d = 0; d < D; ++d) score += q_s[m][d] * k_s[lane][d];
+        for (int d = 0; d < D; ++d) score += s.q[m][d] * s.k[lane][d];
       }
       const float chunk_max = warp_max(score);
       if (chunk_max == -INFINITY) continue;                    // chunk entirely in this row's future
       const float new_max = fmaxf(run_max[j], chunk_max);
       const float correction = expf(run_max[j] - new_max);
-      probs[warp][j][lane] = visible ? expf(score - new_max) : 0.f;
+      s.probs[warp][j][lane] = visible ? expf(score - new_max) : 0.f;
       run_max[j] = new_max;
       run_sum[j] *= correction;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) acc[j][e] *= correction;
       __syncwarp();
-      for (int t = 0; t < n; ++t) {
-        const float prob = probs[warp][j][t];
+      for (int t = 0; t < v_rows; ++t) {
+        const float prob = s.probs[warp][j][t];
         run_sum[j] += prob;
 #pragma unroll
         for (int e = 0; e < kPerLane; ++e)
-          if (e * kWarpSize < D) acc[j][e] += prob * v_s[t][e * kWarpSize + lane];
+          if (e * kWarpSize < D) acc[j][e] += prob * s.v[t][e * kWarpSize + lane];
       }
     }
   }
@@ -326,45 +435,65 @@ template <typename Q, typename KV>
 __global__ void reshape_and_cache_kernel(const Q* key, const Q* value, KV* key_cache, KV* value_cache,
                                          const int64_t* slot_mapping, int row) {
   const int64_t slot = slot_mapping[blockIdx.x];
-  if (slot < 0) return;                                        // padding token: nothing to store
+  if (slot < 0) return;                                        // -1: padding row, not cached
   for (int i = threadIdx.x; i < row; i += blockDim.x) {
     key_cache[slot * row + i] = from_float<KV>(to_float(key[int64_t(blockIdx.x) * row + i]));
     value_cache[slot * row + i] = from_float<KV>(to_float(value[int64_t(blockIdx.x) * row + i]));
   }
 }
 
-// ---- launchers ----------------------------------------------------------------------------
+// ---- host: planning and launchers -----------------------------------------------------------
 
-int num_partitions(const Params& p) {
-  return (p.max_blocks * p.block_size + p.partition_size - 1) / p.partition_size;
+// Context tokens per decode block, one size for the call: a row gets ceil(context / size)
+// blocks, so a long row is split more than a short one. No split while rows x KV heads already
+// give kBlocksPerSM blocks per SM; else the size that reaches about that many blocks, in
+// multiples of kMinPartition (each warp then gets at least one 32-token chunk).
+int choose_partition(const int* qsl, const int* ctx, int num_seqs, int num_kv_heads, int num_sms) {
+  int64_t rows = 0, tokens = 0;
+  for (int i = 0; i < num_seqs; ++i)
+    if (qsl[i + 1] - qsl[i] == 1) {
+      rows += 1;
+      tokens += ctx[i];
+    }
+  const int64_t target = int64_t(kBlocksPerSM) * max(num_sms, 1);
+  if (rows * num_kv_heads >= target) return kNoSplit;
+  const int64_t per_block = (tokens * num_kv_heads + target - 1) / target;
+  const int64_t size = (per_block + kMinPartition - 1) / kMinPartition * kMinPartition;
+  return size >= kNoSplit ? kNoSplit : size < kMinPartition ? kMinPartition : int(size);
 }
 
 template <typename Q, typename KV>
-void launch_attention(Params p, int num_seqs, int num_tokens, cudaStream_t stream) {
+void launch_attention(const Params& p, const int64_t* counts, cudaStream_t stream) {
   auto* decode = decode_kernel<Q, KV>;      // named pointers: a template's comma would split the macro
   auto* reduce = reduce_kernel<Q>;
   auto* prefill = prefill_kernel<Q, KV>;
-  LAUNCH_KERNEL(decode, dim3(p.num_kv_heads, num_seqs, p.num_partitions), dim3(kThreads), stream, p);
-  if (p.num_partitions > 1) LAUNCH_KERNEL(reduce, dim3(p.num_heads, num_seqs), dim3(kThreads), stream, p);
-  // the host does not know each sequence's q_len (that would be a device sync), so the grid
-  // covers the worst case and tiles past a sequence's rows exit at once
-  const int tiles = (num_tokens + p.rows_per_tile - 1) / p.rows_per_tile;
-  LAUNCH_KERNEL(prefill, dim3(p.num_kv_heads, num_seqs, tiles), dim3(kThreads), stream, p);
+#ifdef PLANT_BUGS
+  if (PLANTED(kSharedOptIn)) cudaFuncSetAttribute(decode, cudaFuncAttributeMaxDynamicSharedMemorySize, 32 * 1024);
+#endif
+  const dim3 block(kThreads);
+  if (counts[0]) LAUNCH_KERNEL(decode, dim3(unsigned(counts[0]), p.num_kv_heads), block, stream, p);
+  if (counts[1] && !PLANTED(kLastBlockMerges))
+    LAUNCH_KERNEL(reduce, dim3(unsigned(counts[1]), p.num_heads), block, stream, p);
+  if (counts[2] && PLANTED(kOldPrefillGrid))                   // the tiles on gridDim.z, as before
+    LAUNCH_KERNEL(prefill, dim3(p.num_kv_heads, 1, unsigned(counts[2])), block, stream, p);
+  else if (counts[2])
+    LAUNCH_KERNEL(prefill, dim3(unsigned(counts[2]), p.num_kv_heads), block, stream, p);
 }
 
 template <typename Q>
-void dispatch_kv(int kv_dtype, Params p, int num_seqs, int num_tokens, cudaStream_t stream) {
-  if (kv_dtype == kFloat32) launch_attention<Q, float>(p, num_seqs, num_tokens, stream);
-  if (kv_dtype == kBFloat16) launch_attention<Q, bf16>(p, num_seqs, num_tokens, stream);
-  if (kv_dtype == kFloat16) launch_attention<Q, f16>(p, num_seqs, num_tokens, stream);
+void dispatch_kv(int kv_dtype, const Params& p, const int64_t* counts, cudaStream_t stream) {
+  if (kv_dtype == kFloat32) launch_attention<Q, float>(p, counts, stream);
+  if (kv_dtype == kBFloat16) launch_attention<Q, bf16>(p, counts, stream);
+  if (kv_dtype == kFloat16) launch_attention<Q, f16>(p, counts, stream);
 }
 
 template <typename Q, typename KV>
 void launch_cache(const void* key, const void* value, void* key_cache, void* value_cache, const int64_t* slots,
                   int num_tokens, int row, cudaStream_t stream) {
   auto* kernel = reshape_and_cache_kernel<Q, KV>;
-  LAUNCH_KERNEL(kernel, dim3(num_tokens), dim3(kThreads), stream, static_cast<const Q*>(key),
-                static_cast<const Q*>(value), static_cast<KV*>(key_cache), static_cast<KV*>(value_cache), slots, row);
+  const dim3 block(PLANTED(kTooManyThreads) ? 2 * 1024 : kThreads);
+  LAUNCH_KERNEL(kernel, dim3(num_tokens), block, stream, static_cast<const Q*>(key), static_cast<const Q*>(value),
+                static_cast<KV*>(key_cache), static_cast<KV*>(value_cache), slots, row);
 }
 
 template <typename Q>
@@ -379,49 +508,75 @@ bool valid_dtype(int dtype) { return dtype == kFloat32 || dtype == kBFloat16 || 
 
 }  // namespace
 
-// Floats of scratch paged_attention_launch needs (0 when no sequence can need a split).
-extern "C" int64_t paged_attention_workspace_floats(int num_seqs, int num_heads, int head_dim, int block_size,
-                                                    int max_blocks, int partition_size) {
-  Params p{};
-  p.block_size = block_size;
-  p.max_blocks = max_blocks;
-  p.partition_size = partition_size > 0 ? partition_size : kDefaultPartition;
-  const int parts = num_partitions(p);
-  return parts > 1 ? int64_t(num_seqs) * num_heads * parts * (head_dim + 2) : 0;
+// Host side, before paged_attention_launch: the work items of every kernel, from host copies
+// of query_start_loc and context_lens. Writes counts = {decode items, reduce items, prefill
+// items, partition size} and, if plan is not null, the items: decode, then reduce, then
+// prefill, each an int2. Returns the ints the plan takes. partition_size <= 0: choose_partition
+// with num_sms; rows with no query tokens get no item.
+extern "C" int64_t paged_attention_plan(const int* query_start_loc, const int* context_lens, int num_seqs,
+                                        int group, int num_kv_heads, int num_sms, int partition_size, int2* plan,
+                                        int64_t* counts) {
+  const int partition = partition_size > 0
+                            ? partition_size
+                            : choose_partition(query_start_loc, context_lens, num_seqs, num_kv_heads, num_sms);
+  const int rows_per_tile = kTileVectors / max(group, 1);
+  std::vector<int2> decode, reduce, prefill;
+  for (int i = 0; i < num_seqs; ++i) {
+    const int q_len = query_start_loc[i + 1] - query_start_loc[i];
+    if (q_len == 1) {
+      const int parts = num_parts(context_lens[i], partition);
+      if (parts > 1) reduce.push_back({i, int(decode.size())});
+      for (int k = 0; k < parts; ++k) decode.push_back({i, k});
+    }
+    for (int r = 0; q_len > 1 && r < q_len; r += rows_per_tile) prefill.push_back({i, r});
+  }
+  counts[0] = decode.size(), counts[1] = reduce.size(), counts[2] = prefill.size(), counts[3] = partition;
+  if (plan != nullptr)
+    for (const auto* items : {&decode, &reduce, &prefill}) plan = std::copy(items->begin(), items->end(), plan);
+  return 2 * (counts[0] + counts[1] + counts[2]);
 }
 
-// Returns nullptr on success, else what is unsupported or the CUDA error.
-// dtypes: 0 float32, 1 bfloat16, 2 float16. partition_size <= 0 picks the default.
+// Floats of scratch paged_attention_launch needs for a plan's counts (0 when no row is split).
+extern "C" int64_t paged_attention_workspace_floats(const int64_t* counts, int num_heads, int head_dim) {
+  return counts[1] > 0 ? counts[0] * num_heads * (head_dim + 2) : 0;
+}
+
+// Returns nullptr on success, else what is unsupported or the CUDA error. plan: the device copy
+// of paged_attention_plan's items, counts its host counts. dtypes: 0 float32, 1 bfloat16, 2 float16.
 extern "C" const char* paged_attention_launch(
     void* out, const void* query, const void* key_cache, const void* value_cache, const int* block_tables,
-    const int* context_lens, const int* query_start_loc, float* workspace, int num_seqs, int num_tokens,
+    const int* context_lens, const int* query_start_loc, const int2* plan, const int64_t* counts, float* workspace,
     int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, int q_dtype, int kv_dtype,
-    float scale, int partition_size, void* stream) {
+    float scale, void* stream) {
   if (head_dim % kWarpSize != 0 || head_dim > kMaxHeadDim) return "head_dim must be a multiple of 32, at most 128";
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxGroup)
     return "num_heads / num_kv_heads must be a whole number in [1, 8]";
+  if (unsigned(num_heads) > kMaxGridY) return "num_heads must be at most 65535 (gridDim.y)";
+  if (counts[0] + counts[1] + counts[2] == 0) return nullptr;
+  if (counts[0] > kMaxGridX || counts[2] > kMaxGridX) return "too many work items for gridDim.x";
   if (!valid_dtype(q_dtype) || !valid_dtype(kv_dtype)) return "dtypes must be float32, bfloat16 or float16";
-  if (num_seqs == 0 || num_tokens == 0) return nullptr;
-  Params p{query, out, key_cache, value_cache, block_tables, context_lens, query_start_loc, nullptr, nullptr,
-           nullptr, num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_heads / num_kv_heads, 1,
-           partition_size > 0 ? partition_size : kDefaultPartition, 1, scale};
+  if (reinterpret_cast<uintptr_t>(key_cache) % 16 || reinterpret_cast<uintptr_t>(value_cache) % 16)
+    return "KV caches must be 16-byte aligned (decode reads them 16 bytes at a time)";
+  Params p{query, out, key_cache, value_cache, block_tables, context_lens, query_start_loc, plan,
+           plan + counts[0], plan + counts[0] + counts[1], nullptr, nullptr, nullptr, num_heads, num_kv_heads,
+           head_dim, block_size, max_blocks, num_heads / num_kv_heads, int(counts[3]), 0, scale};
   p.rows_per_tile = kTileVectors / p.group;
-  p.num_partitions = num_partitions(p);
-  if (p.num_partitions > 1) {                                  // layout of the workspace
-    const int64_t heads = int64_t(num_seqs) * num_heads * p.num_partitions;
+  if (counts[1] > 0) {                                         // layout of the workspace
+    const int64_t heads = counts[0] * num_heads;
     p.partial_out = workspace;
     p.partial_max = workspace + heads * head_dim;
     p.partial_sum = p.partial_max + heads;
   }
   const auto s = static_cast<cudaStream_t>(stream);
-  if (q_dtype == kFloat32) dispatch_kv<float>(kv_dtype, p, num_seqs, num_tokens, s);
-  if (q_dtype == kBFloat16) dispatch_kv<bf16>(kv_dtype, p, num_seqs, num_tokens, s);
-  if (q_dtype == kFloat16) dispatch_kv<f16>(kv_dtype, p, num_seqs, num_tokens, s);
+  if (q_dtype == kFloat32) dispatch_kv<float>(kv_dtype, p, counts, s);
+  if (q_dtype == kBFloat16) dispatch_kv<bf16>(kv_dtype, p, counts, s);
+  if (q_dtype == kFloat16) dispatch_kv<f16>(kv_dtype, p, counts, s);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-// key/value: [num_tokens, row] in q_dtype; caches: [num_slots, row] in kv_dtype. Negative slots are skipped.
+// key/value: [num_tokens, row] in q_dtype; caches: [num_slots, row] in kv_dtype. Slot -1 is
+// skipped (not cached); the binding has checked every other slot is in range.
 extern "C" const char* reshape_and_cache_launch(const void* key, const void* value, void* key_cache,
                                                 void* value_cache, const int64_t* slot_mapping, int num_tokens,
                                                 int row, int q_dtype, int kv_dtype, void* stream) {
@@ -434,3 +589,7 @@ extern "C" const char* reshape_and_cache_launch(const void* key, const void* val
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
+
+#ifdef PLANT_BUGS
+extern "C" void plant_bug(int bug) { planted_bug = bug; }
+#endif
