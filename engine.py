@@ -448,11 +448,14 @@ class Engine:
         if can_stop and (token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)):
             return self._finish(c, "stop", token, now)
         c.text += c.detok.step(token)
-        for stop in (p.stop if can_stop else ()):           # search only where a new match can start
-            at = c.text.find(stop, max(0, c.emitted_text - len(stop) + 1))
-            if at != -1:
-                c.text = c.text[:at]
-                return self._finish(c, "stop", stop, now)
+        # search only where a new match can start; one token may complete several stop strings,
+        # and the one that starts earliest in the text wins (not the first listed)
+        hits = [(at, i) for i, stop in enumerate(p.stop if can_stop else ())
+                if (at := c.text.find(stop, max(0, c.emitted_text - len(stop) + 1))) != -1]
+        if hits:
+            at, i = min(hits)
+            c.text = c.text[:at]
+            return self._finish(c, "stop", p.stop[i], now)
         if c.sampling.grammar is not None and c.sampling.grammar.is_finished:   # nothing but EOS could follow
             return self._finish(c, "stop", None, now)
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
