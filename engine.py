@@ -296,6 +296,7 @@ class Engine:
         return bool(self.requests)
 
     # ------------------------------------------------------------------ one step
+    @torch.inference_mode()   # the sampler edits the model's logits in place: they are inference tensors
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()

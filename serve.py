@@ -288,6 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", help=f"KV cache size, bytes or e.g. 512MiB (default {default.kv_cache_memory})")
     p.add_argument("--max-model-len", type=int, help="max prompt + output tokens (default: the model's context length)")
     p.add_argument("--dtype", help=f"model dtype: auto, float32, bfloat16, float16 (default {default.dtype})")
+    p.add_argument("--device", help=f"auto, cpu or cuda (default {default.device})")
     p.add_argument("--attention-backend", help=f"auto, torch, cpu or cuda (default {default.attention_backend})")
     p.add_argument("--kv-cache-dtype", help=f"KV cache dtype, auto = model dtype (default {default.kv_cache_dtype})")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

@@ -49,7 +49,7 @@ import kv_cache
 from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer, write_gguf_tokenizer
 import model as M
 from engine import LLM, Engine, SamplingParams
-from sampler import make_generator, sample
+from sampler import SamplingState, make_generator, sample
 from scheduler import Status
 import paged_attention as pa
 import serve
@@ -607,10 +607,11 @@ def assert_samples_under(hf, prompt_ids, index, out_ids, params, what=""):
     """Seeded sample `index` replays under transformers: the sampler, fed the oracle's logits and
     the sample's own random stream, picks every token it picked."""
     logits = hf_forward(hf, list(prompt_ids) + list(out_ids))[len(prompt_ids) - 1:-1]
-    gen = make_generator(params.seed, index)
+    state = SamplingState(params, list(prompt_ids), logits.shape[-1], make_generator(params.seed, index), set())
     for i, tok in enumerate(out_ids):
-        picked = sample(logits[i:i + 1], [params], [gen])[0][0]
+        picked = sample(logits[i:i + 1].clone(), [state])[0][0]
         assert picked == tok, f"{what}: sample {index}, token {i} is {tok}, the replay picks {picked}"
+        state.append(tok)
 
 
 def hf_greedy_ids(hf, prompt_ids, max_tokens):
@@ -1169,9 +1170,9 @@ def colliding_hash(parent_hash, token_ids, cache_salt):
 def test_prefix_cache_hash_collisions_never_change_outputs(monkeypatch):
     # blocks of different prompts and different positions collide; only the token check stands between them
     prompts = [SYSTEM + q for q in QUESTIONS[:3]] + [q * 40 for q in QUESTIONS[:2]]
-    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False).generate(prompts, greedy(6)))
+    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False, **CPU32).generate(prompts, greedy(6)))
     monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
-    llm = LLM(kv_cache_memory=SMALL_KV)
+    llm = LLM(kv_cache_memory=SMALL_KV, **CPU32)
     outs = []
     for p in prompts + prompts[::-1]:                          # one at a time: every lookup meets the cache
         outs += llm.generate(p, greedy(6))
@@ -1185,7 +1186,7 @@ def test_prefix_cache_hash_collisions_never_change_outputs(monkeypatch):
 def test_cache_salt_keeps_tenants_apart(monkeypatch, hash_fn):
     if hash_fn == "colliding":
         monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
-    llm = LLM(kv_cache_memory=SMALL_KV)
+    llm = LLM(kv_cache_memory=SMALL_KV, **CPU32)
     prompt, shared = SYSTEM + QUESTIONS[0], len(llm.tokenizer.encode(SYSTEM)) // 16 * 16
     expected = token_ids(llm.generate(prompt, greedy(6)))       # unsalted: warms the cache
     runs = {salt: llm.generate({"prompt": prompt, "cache_salt": salt}, greedy(6))[0]
@@ -2313,7 +2314,7 @@ def booting_server():
     port, log = free_port(), tempfile.TemporaryFile()
     # 128MiB holds ~2900 tokens: less than max_model_len, so the engine itself must reject bigger requests
     proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--kv-cache-memory", "128MiB",
-                             "--max-num-seqs", "64", "--dtype", "float32", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
+                             "--max-num-seqs", "64", "--device", "cpu", "--dtype", "float32", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
                             cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
     yield proc, f"http://127.0.0.1:{port}", log
     if proc.poll() is None:
