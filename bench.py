@@ -54,6 +54,8 @@ class Sizes:
     latency_prompt_median: int = 100
     rate_fractions: tuple = (0.5, 1.0, 2.0, 4.0)
     long_prompt: int = 1024
+    chunk_budget: int = 256              # max_num_batched_tokens of the chunked engine
+    settle_steps: int = 12               # decode steps before the long prompt arrives
     http_prompts: int = 32
     http_len: int = 128                  # vllm bench serve --random-input-len = --random-output-len
     http_rate: float = float("inf")
@@ -87,9 +89,9 @@ FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=1
              http_prompts=64, hf_requests=64, hf_batch_sizes=(8, 32, 64), decode_prompt=128, kernel_e2e_batch=64,
              kernel_e2e_prompt=128, repeats=5, prefix_len=1000, prefix_requests=64, pressure_requests=16)
 
-QUICK = Sizes(name="quick", num_requests=8, out_range=(4, 24), prompt_median=32, static_sizes=(4,), static_max_requests=(),
+QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16, static_sizes=(4,), static_max_requests=(),
               max_num_seqs=8, mem_requests=4, mem_prompt_median=32, mem_max_model_len=128, latency_requests=4,
-              latency_out_range=(4, 12), latency_prompt_median=32, rate_fractions=(1.0,), long_prompt=128,
+              latency_out_range=(4, 8), latency_prompt_median=16, rate_fractions=(1.0,), long_prompt=96, chunk_budget=32, settle_steps=3,
               http_prompts=4, http_len=16, peer_requests=4, peer_out_range=(4, 8), peer_prompt_median=16,
               peer_max_num_seqs=8, peer_kv_cache_memory="128MiB", b1_tokens=8, hf_requests=2, hf_batch_sizes=(2,),
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
@@ -145,7 +147,7 @@ def bench_api_costs(sz, seed, results):
             section_header(f"API cost: {key}", [f"skipped: {why}"])
             results["api"][key] = {"skipped": why}
             continue
-        results["api"][key] = fn()
+        results["api"][key] = fn(batch=sz.max_num_seqs)
         print_flat(f"API cost: {key}", results["api"][key])
 
 
@@ -319,4 +321,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    r = main()
+    sys.exit(r if isinstance(r, int) else 0)      # soak's exit status: 0 only when nothing was lost

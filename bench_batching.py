@@ -201,7 +201,7 @@ def bench_preemption(sz, seed, results):
     per_block, bs = kv_bytes_per_token(probe) * probe.config.block_size, probe.config.block_size
     reqs = make_workload(sz.pressure_requests, seed, sz.latency_out_range, sz.latency_prompt_median, vocab_of(probe))
     blocks = [-(-(len(r.prompt) + r.max_tokens) // bs) for r in reqs]
-    pool = max(sum(blocks) // 3, max(blocks) + 4)       # a third of the need; the largest request must fit
+    pool = max(sum(blocks) // 3, max(blocks) + 1)       # a third of the need; the largest request must fit
     out = {}
     for mode in ("recompute", "swap"):
         engine = make_engine(kv_cache_memory=pool * per_block, preemption_mode=mode, enable_prefix_caching=False,

@@ -59,7 +59,7 @@ def bench_latency(sz, seed, results):
                           "capacity_rps": capacity_rps, "rates": rates, "goodput_rps": goodput}
 
 
-def decode_gaps(engine, long_len, num_running=8):
+def decode_gaps(engine, long_len, settle_steps, num_running=8):
     """Inter-token gaps of running decodes, before and while one long prompt is prefilled, and its TTFT."""
     rng, vocab = random.Random(7), vocab_of(engine)
     running = [new_id("run") for _ in range(num_running)]
@@ -68,7 +68,7 @@ def decode_gaps(engine, long_len, num_running=8):
     last, gaps = {}, {"before": [], "during": []}
     long_id, t_arrive, ttft = None, None, None
     for step in range(10_000):
-        if step == 12:                      # steady decode recorded; now the long prompt arrives
+        if step == settle_steps:            # steady decode recorded; now the long prompt arrives
             long_id, t_arrive = new_id("long"), time.perf_counter()
             engine.add_request(long_id, random_prompt(rng, long_len, vocab), greedy(4))
         outs = engine.step()
@@ -90,10 +90,10 @@ def decode_gaps(engine, long_len, num_running=8):
 def bench_chunked_prefill(sz, seed, results):
     """Does chunking a long prompt's prefill keep the running decodes' worst inter-token gap short?"""
     chunk = {}
-    for name, budget in (("chunked (max_num_batched_tokens=256)", 256), ("unchunked (8192)", 8192)):
+    for name, budget in ((f"chunked (max_num_batched_tokens={sz.chunk_budget})", sz.chunk_budget), ("unchunked (8192)", 8192)):
         engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_batched_tokens=budget, max_num_seqs=16)
         warm_up(engine, sz)
-        chunk[name] = decode_gaps(engine, sz.long_prompt)
+        chunk[name] = decode_gaps(engine, sz.long_prompt, sz.settle_steps)
     c, u = chunk.values()
     section_header("Chunked prefill", [f"8 running decodes while a {sz.long_prompt}-token prompt arrives (seconds)."])
     print(md_table(["mode", "baseline gap median", "max gap", "p99 gap", "long prompt TTFT"],

@@ -49,7 +49,7 @@ def vllm_unavailable():
     """Why vLLM cannot run here, or None."""
     py = os.environ.get("VLLM_PYTHON")
     if not py:
-        return f"VLLM_PYTHON is not set (setup: {VLLM_SETUP})"
+        return "VLLM_PYTHON is not set (see the README for the one-line vLLM setup)"
     if not os.access(py, os.X_OK):
         return f"VLLM_PYTHON={py} is not an executable"
     return None
@@ -250,6 +250,7 @@ def bench_peers(sz, seed, results):
         f"EOS ignored, max_num_seqs={sz.peer_max_num_seqs}, prefix caching off; {torch.get_num_threads()} threads each.",
         f"batch 1: one {len(b1_prompt)}-token prompt, ({sz.b1_tokens} - 1) tokens / (time for {sz.b1_tokens} - time for 1).",
         f"HF: transformers on the first {min(sz.hf_requests, len(reqs))} requests (fp32, sdpa)."]
+        + ([f"vLLM setup: {VLLM_SETUP}"] if "skipped" in vllm else [])
         + [f"vLLM {d}skipped: {v['skipped']}" for d, v in ({"": vllm} if "skipped" in vllm else vllm).items()
            if isinstance(v, dict) and "skipped" in v])
     print(md_table(["contender", "requests", "useful out tok/s", "nanoserve default / contender", "batch-1 decode tok/s"],
