@@ -199,7 +199,7 @@ def bench_preemption(sz, seed, results):
     """When the KV pool is too small, is swapping preempted sequences to host memory faster than recomputing them?"""
     probe = make_engine(kv_cache_memory="64MiB")
     per_block, bs = kv_bytes_per_token(probe) * probe.config.block_size, probe.config.block_size
-    reqs = make_workload(sz.pressure_requests, seed, sz.latency_out_range, sz.latency_prompt_median, vocab_of(probe))
+    reqs = make_workload(sz.pressure_requests, seed, sz.pressure_out_range, sz.pressure_prompt_median, vocab_of(probe))
     blocks = [-(-(len(r.prompt) + r.max_tokens) // bs) for r in reqs]
     pool = max(sum(blocks) // 3, max(blocks) + 1)       # a third of the need; the largest request must fit
     out = {}
