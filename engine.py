@@ -174,7 +174,9 @@ class Request:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **overrides):
+    def __init__(self, config: EngineConfig | None = None, *, loaded_model=None, **overrides):
+        """loaded_model: a (model, model_config, model_dir) from model.load_model to share instead of
+        loading again (bench.py runs many engines on one set of read-only weights)."""
         config = config or EngineConfig()
         for k, v in overrides.items():
             if k not in {f.name for f in fields(EngineConfig)}:
@@ -188,7 +190,7 @@ class Engine:
         dtype, why = resolve_dtype(config.dtype, self.device)
         self.dtype = dtype                                  # what ran; bench.py prints it
         _log_once(f"nanoserve: dtype {str(dtype).removeprefix('torch.')} ({why})")
-        self.model, self.model_config, self.model_dir = load_model(config.model, dtype, self.device)
+        self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
         config.max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -1,0 +1,239 @@
+"""
+bench_online.py: the experiments about requests that arrive over time, in process and over HTTP.
+
+Owns three experiments: latency under Poisson arrivals (TTFT/TPOT/e2e and goodput, engine in process),
+chunked prefill's effect on running decodes, and the HTTP path: serve.py (and `vllm serve` when
+VLLM_PYTHON is set) driven by loadgen.py in its own process, beside the in-process engine on the same
+requests. It starts and stops the servers it measures; it never changes serve.py or the engine.
+"""
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+import loadgen
+from bench_engine import (drain, greedy, latency_stats, make_engine, make_workload, md_table, new_id, pct,
+                          random_prompt, run_arrivals, run_offline, section_header, vocab_of, warm_up)
+
+TTFT_TARGET_S = 2.0      # latency target for goodput: p90 time to first token ...
+TPOT_TARGET_S = 0.25     # ... and p90 time per output token (4 tok/s per user, faster than reading)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def bench_latency(sz, seed, results):
+    """Up to what arrival rate do p90 TTFT and TPOT stay within target (goodput)?"""
+    engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_seqs=sz.max_num_seqs)
+    warm_up(engine, sz)
+    reqs = make_workload(sz.latency_requests, seed + 2, sz.latency_out_range, sz.latency_prompt_median, vocab_of(engine))
+    cap = run_offline(engine, reqs, "latency capacity")["useful_tok_s"]   # all at once: saturated, on these requests
+    capacity_rps = cap / statistics.mean(r.max_tokens for r in reqs)
+    rng, rates, goodput, failed = np.random.default_rng(seed), [], 0.0, False
+    for f in sorted(sz.rate_fractions):
+        offsets = np.cumsum(rng.exponential(1 / (f * capacity_rps), len(reqs))).tolist()
+        outs, wall = run_arrivals(engine, reqs, offsets, time.monotonic, f"rate x{f}")
+        st = latency_stats(outs)
+        ok = st["ttft_p90"] < TTFT_TARGET_S and st["tpot_p90"] < TPOT_TARGET_S
+        failed = failed or not ok
+        goodput = goodput if failed else f * capacity_rps      # every rate up to this one met the target
+        rates.append(st | {"rate_rps": f * capacity_rps, "meets_target": ok,
+                           "useful_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall})
+    section_header("Latency under load (Poisson arrivals, engine in process)", [
+        f"{len(reqs)} requests per rate (output {sz.latency_out_range[0]}-{sz.latency_out_range[1]} tokens, median "
+        f"prompt {sz.latency_prompt_median}); rates are fractions {list(sz.rate_fractions)} of the saturated capacity "
+        f"measured on them, {capacity_rps:.2f} req/s ({cap:.0f} tok/s). RequestOutput.metrics, seconds.",
+        f"goodput target: p90 TTFT < {TTFT_TARGET_S} s and p90 TPOT < {TPOT_TARGET_S} s."])
+    keys = [f"{k}_{q}" for k in ("ttft", "tpot", "e2e") for q in ("p50", "p90", "p99")]
+    print(md_table(["rate req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "e2e p50", "p90",
+                    "p99", "meets target"], [[f"{st['rate_rps']:.2f}", st["useful_tok_s"]] + [st[k] for k in keys]
+                                             + ["yes" if st["meets_target"] else "no"] for st in rates]))
+    print(f"\ngoodput (highest tested rate with it and every lower rate meeting the target): **{goodput:.2f} req/s**")
+    results["latency"] = {"targets": {"ttft_p90_s": TTFT_TARGET_S, "tpot_p90_s": TPOT_TARGET_S},
+                          "capacity_rps": capacity_rps, "rates": rates, "goodput_rps": goodput}
+
+
+def decode_gaps(engine, long_len, settle_steps, num_running=8):
+    """Inter-token gaps of running decodes, before and while one long prompt is prefilled, and its TTFT."""
+    rng, vocab = random.Random(7), vocab_of(engine)
+    running = [new_id("run") for _ in range(num_running)]
+    for rid in running:
+        engine.add_request(rid, random_prompt(rng, 64, vocab), greedy(engine.max_model_len - 65))
+    last, gaps = {}, {"before": [], "during": []}
+    long_id, t_arrive, ttft = None, None, None
+    for step in range(10_000):
+        if step == settle_steps:            # steady decode recorded; now the long prompt arrives
+            long_id, t_arrive = new_id("long"), time.perf_counter()
+            engine.add_request(long_id, random_prompt(rng, long_len, vocab), greedy(4))
+        outs = engine.step()
+        t = time.perf_counter()
+        for o in outs:
+            if o.request_id == long_id:
+                ttft = ttft or (t - t_arrive if o.outputs[0].token_ids else None)
+            else:
+                if o.request_id in last:
+                    gaps["before" if long_id is None else "during"].append(t - last[o.request_id])
+                last[o.request_id] = t
+        if ttft is not None:
+            break
+    drain(engine, running + [long_id])
+    return {"gap_baseline_median_s": statistics.median(gaps["before"]), "gap_max_s": max(gaps["during"]),
+            "gap_p99_s": pct(gaps["during"], 99), "long_prompt_ttft_s": ttft}
+
+
+def bench_chunked_prefill(sz, seed, results):
+    """Does chunking a long prompt's prefill keep the running decodes' worst inter-token gap short?"""
+    chunk = {}
+    for name, budget in ((f"chunked (max_num_batched_tokens={sz.chunk_budget})", sz.chunk_budget), ("unchunked (8192)", 8192)):
+        engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_batched_tokens=budget, max_num_seqs=16)
+        warm_up(engine, sz)
+        chunk[name] = decode_gaps(engine, sz.long_prompt, sz.settle_steps)
+    c, u = chunk.values()
+    section_header("Chunked prefill", [f"8 running decodes while a {sz.long_prompt}-token prompt arrives (seconds)."])
+    print(md_table(["mode", "baseline gap median", "max gap", "p99 gap", "long prompt TTFT"],
+                   [[k, v["gap_baseline_median_s"], v["gap_max_s"], v["gap_p99_s"], v["long_prompt_ttft_s"]]
+                    for k, v in chunk.items()]))
+    print(f"\nchunking lowers the worst inter-token gap **{u['gap_max_s'] / c['gap_max_s']:.2f}x**")
+    results["chunked_prefill"] = chunk | {"max_gap_unchunked_over_chunked": u["gap_max_s"] / c["gap_max_s"]}
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+def random_text_requests(engine, n, input_len, output_len, range_ratio, seed):
+    """vLLM's `--dataset-name random`: lengths uniform in [(1 - r) L, (1 + r) L], prompts decoded from random ids.
+    Returns the loadgen requests (text) and the same prompts as our tokenizer's ids, for the in-process run."""
+    rng, vocab, tok = random.Random(seed), vocab_of(engine), engine.tokenizer
+    reqs = []
+    for _ in range(n):
+        text = tok.decode(random_prompt(rng, rng.randint(int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))), vocab))
+        reqs.append({"prompt": text, "output_len": rng.randint(int(output_len * (1 - range_ratio)), int(output_len * (1 + range_ratio)))})
+    return reqs, [tok.encode(r["prompt"]) for r in reqs]
+
+
+def in_process(engine, reqs, prompts):
+    """The same requests, all at once, in process: per-token arrival times, summarized by loadgen's arithmetic."""
+    ids = {new_id("inproc"): i for i in range(len(reqs))}
+    outs = [{"ttft": None, "itl": [], "latency": None, "output_tokens": None, "error": None} for _ in reqs]
+    t0 = time.perf_counter()
+    for rid, i in ids.items():
+        engine.add_request(rid, prompts[i], greedy(reqs[i]["output_len"]))
+    last = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            now, rec = time.perf_counter(), outs[ids[o.request_id]]
+            if o.outputs[0].delta_token_ids:
+                if rec["ttft"] is None:
+                    rec["ttft"] = now - t0
+                else:
+                    rec["itl"].append(now - last[o.request_id])
+                last[o.request_id], rec["latency"] = now, now - t0
+            if o.finished:
+                rec["output_tokens"] = len(o.outputs[0].token_ids)
+    return loadgen.summarize(reqs, outs, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def server(cmd, port, env, startup_s):
+    """Start a server process, wait for /health, yield, then stop it (SIGTERM, then kill)."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"{os.path.basename(cmd[0])} did not become healthy: {log.read()[-400:].decode(errors='replace')}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            time.sleep(1)
+        yield
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def drive(port, reqs, rate, seed):
+    """loadgen.py in its own process against 127.0.0.1:port; its summary."""
+    model = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10))["data"][0]["id"]
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "reqs.json"), "w") as f:
+            json.dump(reqs, f)
+        subprocess.run([sys.executable, os.path.join(HERE, "loadgen.py"), "--url", f"http://127.0.0.1:{port}/v1/completions",
+                        "--model", model, "--requests", f.name, "--request-rate", str(rate), "--ignore-eos",
+                        "--temperature", "0", "--seed", str(seed), "--out", os.path.join(d, "out.json")],
+                       check=True, capture_output=True, timeout=3600)
+        res = json.load(open(os.path.join(d, "out.json")))
+    res.pop("requests")
+    return res
+
+
+def serve_commands(sz, port, engine):
+    """(name, command, env, startup seconds) of each server to measure, or (name, reason skipped)."""
+    from bench_peers import export_hf_layout, vllm_env, vllm_unavailable
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}     # serve.py picks its own wait policy
+    yield "serve.py", [sys.executable, "serve.py", "--port", str(port), "--max-num-seqs", str(sz.max_num_seqs),
+                       "--kv-cache-memory", sz.kv_cache_memory, "--dtype", engine.config.dtype], env, 300
+    why = vllm_unavailable() or ("not run in --quick (vLLM starts in minutes)" if sz.name == "quick" else None)
+    if why:
+        yield "vllm serve (bfloat16)", why
+        return
+    vllm = os.path.join(os.path.dirname(os.environ["VLLM_PYTHON"]), "vllm")
+    yield "vllm serve (bfloat16)", [vllm, "serve", export_hf_layout(engine.model_dir), "--port", str(port),
+                                    "--dtype", "bfloat16", "--max-num-seqs", str(sz.max_num_seqs),
+                                    "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "4096",
+                                    "--served-model-name", "smollm2"], vllm_env(os.cpu_count()), 1800
+
+
+def bench_http(sz, seed, results):
+    """What does a client of `vllm bench serve`'s kind see from serve.py, against the same engine in process and
+    against `vllm serve` on the same requests?"""
+    engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_seqs=sz.max_num_seqs)
+    reqs, prompts = random_text_requests(engine, sz.http_prompts, sz.http_len, sz.http_len, 0.5, seed + 4)
+    warm_up(engine, sz)
+    runs = {"nanoserve engine, in process": in_process(engine, reqs, prompts)}
+    for name, *spec in serve_commands(sz, free_port(), engine):
+        if len(spec) == 1:
+            runs[name] = {"skipped": spec[0]}
+            continue
+        cmd, env, startup = spec
+        port = int(cmd[cmd.index("--port") + 1])
+        try:
+            with server(cmd, port, env, startup):
+                drive(port, reqs[:2], float("inf"), seed)                   # warm-up, as every contender gets
+                runs[name] = drive(port, reqs, sz.http_rate, seed)
+        except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+            runs[name] = {"skipped": f"{type(e).__name__}: {str(e)[-300:]}"}
+    base = runs["nanoserve engine, in process"]["output_tok_s"]
+    section_header("HTTP: loadgen.py (vllm bench serve's requests) against each server, beside the engine in process", [
+        f"{len(reqs)} requests like `vllm bench serve --dataset-name random --random-input-len {sz.http_len} "
+        f"--random-output-len {sz.http_len} --random-range-ratio 0.5 --request-rate {sz.http_rate} --ignore-eos "
+        "--temperature 0`: streaming /v1/completions with stream_options.include_usage and repetition_penalty 1.0.",
+        "the load generator runs in its own process; in process = the same prompts (our tokenizer's ids) all at once.",
+        "TPOT = (latency - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks; seconds."]
+        + [f"{k}: {v['skipped'] if 'skipped' in v else v['first_error']}" for k, v in runs.items()
+           if "skipped" in v or v.get("failed")])
+    keys = [f"{m}_p{q}_s" for m in ("ttft", "tpot", "itl") for q in loadgen.PERCENTILES]
+    print(md_table(["path", "completed", "failed", "out tok/s", "of in process"]
+                   + [f"{m} p{q}" for m in ("TTFT", "TPOT", "ITL") for q in loadgen.PERCENTILES],
+                   [[k, v["completed"], v["failed"], v["output_tok_s"], v["output_tok_s"] / base] + [v[c] for c in keys]
+                    for k, v in runs.items() if "skipped" not in v]))
+    results["http"] = {"num_requests": len(reqs), "runs": runs}

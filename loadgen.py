@@ -1,0 +1,124 @@
+"""
+loadgen.py: an HTTP load generator that speaks exactly what `vllm bench serve --backend openai` sends.
+
+It runs in its own process (`python loadgen.py --url ... --requests reqs.json --out result.json`), so
+the client's JSON parsing and timing never share a core's time slices or a GIL with the server under
+test, and the same client drives serve.py and `vllm serve` alike. Each request is a streaming
+/v1/completions POST with vLLM's client's fields: model, prompt, repetition_penalty 1.0, max_tokens,
+logprobs null, stream, stream_options.include_usage, ignore_eos when asked, plus any sampling fields
+given (--temperature), and an x-request-id header. Arrivals are all at once (rate inf) or Poisson.
+Owns the client and its metrics (output tok/s, TTFT, TPOT, ITL percentiles); it never starts servers.
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+import uuid
+
+import httpx
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+def payload(model, req, ignore_eos, extra):
+    body = {"model": model, "prompt": req["prompt"], "repetition_penalty": 1.0, "max_tokens": req["output_len"],
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body | extra
+
+
+async def one_request(client, url, body, request_id):
+    """Send one streamed completion; the time of every chunk that carries a choice is a token arrival."""
+    out = {"ttft": None, "itl": [], "latency": None, "output_tokens": None, "error": None}
+    headers = {"x-request-id": request_id}
+    if os.environ.get("OPENAI_API_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+    t0 = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                out["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200].decode(errors='replace')}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line.removeprefix("data: "))
+                if data.get("choices"):
+                    now = time.perf_counter()
+                    if out["ttft"] is None:
+                        out["ttft"] = now - t0
+                    else:
+                        out["itl"].append(now - last)
+                    last = now
+                elif data.get("usage"):
+                    out["output_tokens"] = data["usage"].get("completion_tokens")
+    except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    if out["ttft"] is None:
+        out["error"] = "no chunk with a choice arrived"
+    out["latency"] = last - t0
+    return out
+
+
+async def run(url, model, reqs, rate, seed, ignore_eos, extra):
+    """Send every request at its arrival time (all at once for rate inf); gather each one's timings."""
+    rng = np.random.default_rng(seed)
+    prefix = f"bench-{uuid.uuid4().hex[:8]}-"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600), limits=limits) as client:
+        tasks, start = [], time.perf_counter()
+        for i, req in enumerate(reqs):
+            tasks.append(asyncio.create_task(one_request(client, url, payload(model, req, ignore_eos, extra),
+                                                         prefix + str(i))))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1 / rate))
+        outs = await asyncio.gather(*tasks)
+        return outs, time.perf_counter() - start
+
+
+def summarize(reqs, outs, duration):
+    """vLLM's client's arithmetic: output tok/s over the run; TPOT = (latency - TTFT) / (output tokens - 1)."""
+    ok = [(r, o) for r, o in zip(reqs, outs) if o["error"] is None]
+    errors = [o["error"] for o in outs if o["error"] is not None]
+    tokens = [o["output_tokens"] if o["output_tokens"] is not None else r["output_len"] for r, o in ok]
+    ttft = [o["ttft"] for _, o in ok]
+    tpot = [(o["latency"] - o["ttft"]) / (n - 1) for (_, o), n in zip(ok, tokens) if n > 1]
+    itl = [x for _, o in ok for x in o["itl"]]
+    res = {"completed": len(ok), "failed": len(errors), "first_error": errors[0] if errors else None,
+           "duration_s": duration, "output_tokens": sum(tokens), "output_tok_s": sum(tokens) / duration,
+           "usage_reported": all(o["output_tokens"] is not None for _, o in ok)}
+    for name, v in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        for q in PERCENTILES:
+            res[f"{name}_p{q}_s"] = float(np.percentile(v, q)) if v else float("nan")
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8000/v1/completions")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--requests", required=True, help='JSON list of {"prompt", "output_len"}')
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson; inf: all at once")
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--temperature", type=float, default=None, help="sent as a sampling field when given")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="write the summary (and per-request timings) here as JSON")
+    args = ap.parse_args(argv)
+    reqs = json.load(open(args.requests))
+    extra = {} if args.temperature is None else {"temperature": args.temperature}
+    random.seed(args.seed)
+    outs, duration = asyncio.run(run(args.url, args.model, reqs, args.request_rate, args.seed, args.ignore_eos, extra))
+    res = summarize(reqs, outs, duration)
+    with open(args.out, "w") as f:
+        json.dump(res | {"requests": outs}, f)
+    print(json.dumps(res), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
