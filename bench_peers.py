@@ -57,7 +57,7 @@ def vllm_unavailable():
 
 def vllm_env(threads):
     """Same threads as nanoserve: vLLM's default binds OpenMP to all cores but one it keeps for its front end."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", TOKENIZERS_PARALLELISM="false")
     env.pop("GOMP_SPINCOUNT", None)
     return env
