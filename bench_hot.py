@@ -1,5 +1,5 @@
 """
-Measurements of the hot path (issue 10) that bench.py calls and prints: the paged-attention
+Measurements of the hot path that bench.py calls and prints: the paged-attention
 kernel's KV read speed against plain memory bandwidth, the per-phase cost of Engine.step as
 the batch grows, a batch-64 decode step against the matmul roofline at the engine's dtype,
 and the offline workload's useful output tokens/s. Each function returns a plain dict (every
@@ -166,21 +166,21 @@ def fused_ops_speedup(batch=64, engine=None, steps=6) -> dict:
             "speedup": min(times[False]) / min(times[True])}
 
 
-# ---------------------------------------------------------------------------- the issue's workload
+# ---------------------------------------------------------------------------- the offline peer workload
 
-def issue_workload(num_requests=64, seed=0, vocab=49152):
-    """64 random token-id prompts (~133 tokens on average), outputs 16-256: the issue's shape."""
+def peer_workload(num_requests=64, seed=0, vocab=49152):
+    """64 random token-id prompts (~133 tokens on average), outputs 16-256: the shape bench_peers.py runs against vLLM."""
     rng = random.Random(seed)
     prompts = [_random_prompt(rng, vocab, rng.randint(67, 200)) for _ in range(num_requests)]
     return prompts, [rng.randint(16, 256) for _ in range(num_requests)]
 
 
 def offline_throughput(num_requests=64, **engine_overrides) -> dict:
-    """Useful output tokens/s of LLM.generate on the issue's workload: greedy, EOS ignored,
+    """Useful output tokens/s of LLM.generate on that workload: greedy, EOS ignored,
     max_num_seqs=64, prefix caching off; one short warm-up first."""
     from engine import LLM, SamplingParams
     llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False, max_num_seqs=64, **engine_overrides)
-    prompts, outs = issue_workload(num_requests, vocab=llm.engine.model_config.vocab_size)
+    prompts, outs = peer_workload(num_requests, vocab=llm.engine.model_config.vocab_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
     llm.generate(prompts[:4], params[:4])                 # warm-up: builds, first-touch allocations
     t = time.perf_counter()
