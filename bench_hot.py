@@ -19,23 +19,15 @@ import time
 import torch
 
 import model as M
+from bench_engine import random_prompt, time_fn
 import paged_attention as pa
-
-
-def _best_median(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times), statistics.median(times)
 
 
 def read_bandwidth_gbs(nbytes=512 * 2**20, repeats=3) -> float:
     """Plain read bandwidth: best GB/s of summing a tensor far larger than the caches."""
     x = torch.ones(nbytes // 4)
     x.sum()
-    return nbytes / _best_median(x.sum, repeats)[0] / 1e9
+    return nbytes / time_fn(x.sum, repeats, warmup=0)[0] / 1e9
 
 
 def decode_kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=16, seed=0):
@@ -69,7 +61,7 @@ def bench_kernel_bandwidth(batch=64, contexts=(512, 1024, 2048), kv_dtype=torch.
         best = float("inf")
         read = 0.0
         for _ in range(repeats):                                # interleaved: same load on both
-            best = min(best, _best_median(call, 1)[0])
+            best = min(best, time_fn(call, 1, warmup=0)[0])
             read = max(read, read_bandwidth_gbs(repeats=1))
         reads.append(read)
         out["contexts"][ctx] = {"ms": best * 1e3, "kv_gbs": kv_bytes / best / 1e9, "read_gbs": read,
@@ -88,10 +80,6 @@ def _engine(**overrides):
     return Engine(**{**cfg, **overrides})
 
 
-def _random_prompt(rng, vocab, n):
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
 def decode_steps(engine, batch, prompt_len=32, steps=6, temperature=0.0) -> dict:
     """Run `batch` sequences to decode, then time `steps` pure decode steps: median wall ms
     and the engine's own phase split (engine.phase_times) per step. Leaves no request behind."""
@@ -101,7 +89,7 @@ def decode_steps(engine, batch, prompt_len=32, steps=6, temperature=0.0) -> dict
     params = SamplingParams(temperature=temperature, max_tokens=steps + 8, ignore_eos=True, seed=1 if temperature else None)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for rid in ids:
-        engine.add_request(rid, _random_prompt(rng, vocab, prompt_len), params)
+        engine.add_request(rid, random_prompt(rng, prompt_len, vocab), params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()                                        # one warm decode step
@@ -141,7 +129,7 @@ def matmul_only_ms(engine, batch, repeats=3) -> float:
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
     run = lambda: [M.linear(xs[w.shape[1]], w) for w in weights]   # noqa: E731
     run()
-    return _best_median(run, repeats)[0] * 1e3
+    return time_fn(run, repeats, warmup=0)[0] * 1e3
 
 
 def decode_vs_roofline(batch=64, engine=None, steps=6) -> dict:
@@ -171,7 +159,7 @@ def fused_ops_speedup(batch=64, engine=None, steps=6) -> dict:
 def peer_workload(num_requests=64, seed=0, vocab=49152):
     """64 random token-id prompts (~133 tokens on average), outputs 16-256: the shape bench_peers.py runs against vLLM."""
     rng = random.Random(seed)
-    prompts = [_random_prompt(rng, vocab, rng.randint(67, 200)) for _ in range(num_requests)]
+    prompts = [random_prompt(rng, rng.randint(67, 200), vocab) for _ in range(num_requests)]
     return prompts, [rng.randint(16, 256) for _ in range(num_requests)]
 
 
@@ -210,7 +198,7 @@ def bf16_linear_table(rows=(1, 8, 32, 64, 128, 512), repeats=3) -> dict:
             xs = [torch.randn(m, k).to(dt) for k, _ in shapes]
             run = lambda: [fn(x, w) for x, w in zip(xs, ws[dt])]   # noqa: E731
             run()
-            out[m][name] = _best_median(run, repeats)[0] * 1e3
+            out[m][name] = time_fn(run, repeats, warmup=0)[0] * 1e3
     return out
 
 

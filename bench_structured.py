@@ -21,6 +21,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
+from bench_engine import time_fn
 from sampler import SamplingState, sample
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -38,12 +39,7 @@ def exponential_race(logits, generators):
 
 
 def time_call(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_fn(fn, repeats, warmup=0)[1]       # median seconds
 
 
 def decode_step_times(llm, prompts, params, num_rows, steps):
