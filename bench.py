@@ -212,7 +212,18 @@ def targets(results):
                      ours.get("skipped") or ours["output_tok_s"] / base, 0.9))
         rows.append(("serve.py >= 1.5x vllm serve (out tok/s, same client)",
                      ours.get("skipped") or theirs.get("skipped") or ours["output_tok_s"] / theirs["output_tok_s"], 1.5))
-    section_header("Targets (measured in this run)")
+    notes = []
+    if p and r and "lm_head_params" in r:
+        # the most any engine could give on these requests here: every matmul FLOP at the best rate measured
+        flops = 2 * (r["matmul_params"] - r["lm_head_params"]) * p["prompt_tokens"] + 2 * r["matmul_params"] * p["output_tokens"]
+        ceiling = p["output_tokens"] / (flops / (r["peak_matmul_gflops"] * 1e9))
+        notes.append(f"Compute ceiling of the peer workload on this machine: {flops / 1e12:.2f} TFLOP of matmuls at the "
+                     f"best rate measured here ({r['peak_matmul_gflops']:.0f} GFLOP/s, {r['dtype']}) = {ceiling:.0f} useful "
+                     "tok/s, attention and sampling not counted.")
+        best = p["vllm"].get(p["vllm"].get("best_dtype", ""), {})
+        if "useful_tok_s" in best:
+            notes[-1] += f" Twice vLLM's best here is {2 * best['useful_tok_s']:.0f} tok/s."
+    section_header("Targets (measured in this run)", notes)
     print(md_table(["target", "measured", "needed", "result"],
                    [[n, m, need, ("met" if m >= need else "missed") if isinstance(m, float) else "not measured"]
                     for n, m, need in rows]))

@@ -33,14 +33,17 @@ def memory_bandwidth(repeats, nbytes=512 * 2**20):
 
 def matmul_forward_time(shapes, batch, dtype, repeats):
     """Seconds for only the linear layers of one forward at `batch` tokens: the attainable floor, taken as
-    the faster of torch.mm and the engine's own model.linear on the same shapes and dtype."""
-    from model import linear
+    the faster of torch.mm and the engine's own model.linear (with its prepacked weights) on the same
+    shapes and dtype."""
+    from model import linear, pack_weight
     ws = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
+    packed = [pack_weight(w) for w in ws]
     xs = {k: torch.randn(batch, k, dtype=dtype) for k, _ in shapes}
     def fwd(mm):
-        for (k, _), w in zip(shapes, ws):
-            mm(xs[k], w)
-    return min(time_fn(lambda: fwd(lambda x, w: torch.mm(x, w.T)), repeats)[0], time_fn(lambda: fwd(linear), repeats)[0])
+        for (k, _), w, p in zip(shapes, ws, packed):
+            mm(xs[k], w, p)
+    return min(time_fn(lambda: fwd(lambda x, w, p: torch.mm(x, w.T)), repeats)[0],
+               time_fn(lambda: fwd(lambda x, w, p: linear(x, w, packed=p)), repeats)[0])
 
 
 def bench_roofline(sz, seed, results):
@@ -50,7 +53,8 @@ def bench_roofline(sz, seed, results):
     h, inter = mc.hidden_size, mc.intermediate_size
     mm = {f"[64,{h}]x[{h},{inter}]": matmul_gflops(64, h, inter, dtype, sz.repeats),
           f"[64,{h}]x[{h},{mc.vocab_size}] (lm head)": matmul_gflops(64, h, mc.vocab_size, dtype, sz.repeats),
-          f"[1,{h}]x[{h},{inter}]": matmul_gflops(1, h, inter, dtype, sz.repeats)}
+          f"[1,{h}]x[{h},{inter}]": matmul_gflops(1, h, inter, dtype, sz.repeats),
+          f"[512,{h}]x[{h},{inter}] (cache-hot, near this CPU's peak)": matmul_gflops(512, h, inter, dtype, sz.repeats)}
     bw, params = memory_bandwidth(sz.repeats), sum(k * n for k, n in shapes)
     warm_up(engine, sz)
     per_batch = {}
@@ -72,7 +76,7 @@ def bench_roofline(sz, seed, results):
                    [[b, d["step_s_median"] * 1e3, d["decode_tok_s"], d["gflops"], d["matmul_floor_s"] * 1e3,
                      d["frac_of_matmul_roofline"]] + [d["phases_s"][p] * 1e3 for p in phases] for b, d in per_batch.items()]))
     results["roofline"] = {"dtype": model_dtype(engine), "matmul_gflops": mm, "peak_matmul_gflops": max(mm.values()),
-                           "bandwidth_gbs": bw, "matmul_params": params, "decode": {str(b): d for b, d in per_batch.items()}}
+                           "bandwidth_gbs": bw, "matmul_params": params, "lm_head_params": h * mc.vocab_size, "decode": {str(b): d for b, d in per_batch.items()}}
 
 
 def kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=16, seed=0):

@@ -123,11 +123,11 @@ def phase_breakdown(batches=(1, 8, 64), engine=None, steps=6) -> dict:
 
 def matmul_only_ms(engine, batch, repeats=3) -> float:
     """Time of only the model's linear layers at `batch` rows, in the engine's dtype, through
-    model.linear (the path the engine takes): the matmul roofline of a decode step."""
-    net = engine.model
-    weights = [m.weight for m in net.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
-    run = lambda: [M.linear(xs[w.shape[1]], w) for w in weights]   # noqa: E731
+    model.linear on each layer's prepacked weight (the path the engine takes): the matmul roofline
+    of a decode step."""
+    layers = [m for m in engine.model.modules() if isinstance(m, M.Linear)]
+    xs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype) for m in layers}
+    run = lambda: [M.linear(xs[m.in_features], m.weight, packed=m.packed_weight()) for m in layers]   # noqa: E731
     run()
     return time_fn(run, repeats, warmup=0)[0] * 1e3
 
@@ -182,12 +182,17 @@ def offline_throughput(num_requests=64, **engine_overrides) -> dict:
 
 def bf16_linear_table(rows=(1, 8, 32, 64, 128, 512), repeats=3) -> dict:
     """ms of one pass over SmolLM2's per-layer linear shapes: float32 and bfloat16 through
-    model.linear (the engine's path) vs bfloat16 through F.linear and oneDNN's _linear_pointwise."""
+    model.linear with prepacked weights (the engine's path) and without, vs bfloat16 through
+    F.linear and oneDNN's _linear_pointwise."""
     import torch.nn.functional as F
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
     ws = {dt: [torch.randn(n, k).to(dt) for k, n in shapes] for dt in (torch.float32, torch.bfloat16)}
-    paths = {"float32 model.linear": (torch.float32, M.linear),
-             "bfloat16 model.linear": (torch.bfloat16, M.linear),
+    packs = {id(w): M.pack_weight(w) for dt in ws for w in ws[dt]}
+    prepacked = lambda x, w: M.linear(x, w, packed=packs[id(w)])   # noqa: E731
+    paths = {"float32 model.linear": (torch.float32, prepacked),
+             "float32 unpacked": (torch.float32, M.linear),
+             "bfloat16 model.linear": (torch.bfloat16, prepacked),
+             "bfloat16 unpacked": (torch.bfloat16, M.linear),
              "bfloat16 F.linear": (torch.bfloat16, F.linear),
              "bfloat16 onednn": (torch.bfloat16,
                                  lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))}

@@ -542,6 +542,9 @@ def test_cpu_linear_matches_f_linear_on_smollm2_shapes(smollm2_linear_weights, r
         x = torch.randn(rows, w.shape[1])
         ref = torch.nn.functional.linear(x, w)
         assert torch.allclose(M.linear(x, w), ref, rtol=1e-4, atol=1e-4), f"{tuple(w.shape)} x {rows} rows"
+        if onednn:                                             # the engine's path: oneDNN's prepacked copy
+            got = M.linear(x, w, packed=M.pack_weight(w))
+            assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), f"packed {tuple(w.shape)} x {rows} rows"
     bias = torch.randn(960)                                    # qkv bias (Qwen2), 3-D input
     x = torch.randn(1, rows, 576)
     ref = torch.nn.functional.linear(x, smollm2_linear_weights[0], bias)
@@ -556,14 +559,37 @@ def test_cpu_linear_bfloat16_matches_float32_math_on_smollm2_shapes(smollm2_line
     for w in smollm2_linear_weights[:4]:
         w16, x16 = w.bfloat16(), torch.randn(rows, w.shape[1], generator=g).bfloat16()
         ref = torch.nn.functional.linear(x16.float(), w16.float())
-        got = M.linear(x16, w16)
-        assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=2e-3, msg=f"{tuple(w.shape)} x {rows} rows")
+        for packed in (None, M.pack_weight(w16)):              # plain, and the engine's prepacked copy
+            got = M.linear(x16, w16, packed=packed)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=2e-3,
+                                       msg=f"{tuple(w.shape)} x {rows} rows, packed {packed is not None}")
     bias = torch.randn(960, generator=g).bfloat16()
     x16 = torch.randn(rows, 576, generator=g).bfloat16()
     ref = torch.nn.functional.linear(x16.float(), smollm2_linear_weights[0].bfloat16().float(), bias.float())
     torch.testing.assert_close(M.linear(x16, smollm2_linear_weights[0].bfloat16(), bias).float(), ref,
                                rtol=8e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_module_repacks_when_its_weight_changes(dtype):
+    # the packed copy is a cache of the weight: after an in-place edit or a new weight, the
+    # output must follow the weight (oracle: F.linear in float32 on the current weight)
+    if not M.onednn_prepack_available():
+        pytest.skip("this torch has no oneDNN weight prepacking: M.Linear runs on the plain weight")
+    torch.manual_seed(0)
+    layer = M.Linear(576, 960, bias=False).to(dtype)
+    x = torch.randn(64, 576).to(dtype)                          # 64 rows: the oneDNN path
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=4e-3)
+    with torch.inference_mode():
+        for change in ("none", "in place", "replaced"):
+            if change == "in place":
+                layer.weight.mul_(-2)
+            elif change == "replaced":                        # an inference tensor: no version counter
+                layer.weight = torch.nn.Parameter(torch.randn(960, 576).to(dtype), requires_grad=False)
+            ref = torch.nn.functional.linear(x.float(), layer.weight.float())
+            torch.testing.assert_close(layer(x).float(), ref, **tol, msg=f"after weight change: {change}")
+            assert layer.packed_weight() is not None
 
 
 def test_cpu_linear_without_fast_kernels_warns_once_and_uses_f_linear(monkeypatch):
@@ -575,6 +601,7 @@ def test_cpu_linear_without_fast_kernels_warns_once_and_uses_f_linear(monkeypatc
     monkeypatch.setattr(extensions, "failed", {})
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     M._cpu_linear_kernels.cache_clear()
+    M.onednn_prepack_available.cache_clear()
     try:
         x, w = torch.randn(3, 64), torch.randn(32, 64)
         with pytest.warns(RuntimeWarning) as record:
@@ -586,6 +613,7 @@ def test_cpu_linear_without_fast_kernels_warns_once_and_uses_f_linear(monkeypatc
             M.linear(x, w)
     finally:
         M._cpu_linear_kernels.cache_clear()                    # later tests rebuild the real answer
+        M.onednn_prepack_available.cache_clear()
 
 
 # ============================================================================ engine.py / scheduler.py
