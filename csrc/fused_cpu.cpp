@@ -33,7 +33,7 @@ inline void store(at::BFloat16* p, float x) {   // round to nearest even, as tor
 // e^x for x <= 0 (paged_attention_cpu.cpp's polynomial): vectorizes, unlike std::exp.
 inline float exp_nonpositive(float x) {
   const float y = std::max(x * 1.44269504f, -126.f);
-  const float n = std::floor(y + 0.5f), f = y - n;
+  const float n = (y + 12582912.f) - 12582912.f, f = y - n;   // round to nearest: 1.5 * 2^23 pushes the fraction out
   float p = 1.5403530e-4f;
   p = p * f + 1.3333558e-3f;
   p = p * f + 9.6181291e-3f;
@@ -134,18 +134,24 @@ void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t
 template <typename T>
 void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t I = out.size(1);
+  const T* src = gate_up.const_data_ptr<T>();     // data pointers outside the loops: the calls that
+  T* dst = out.mutable_data_ptr<T>();             // fetch them can throw, which stops vectorization
+  const int64_t src_stride = gate_up.stride(0), dst_stride = out.stride(0);
   at::parallel_for(0, gate_up.size(0), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(I);
+    float* buf = row.data();
     for (int64_t r = begin; r < end; ++r) {
-      const T* g = gate_up.const_data_ptr<T>() + r * gate_up.stride(0);
+      const T* g = src + r * src_stride;
       const T* u = g + I;
-      T* o = out.mutable_data_ptr<T>() + r * out.stride(0);
+      T* o = dst + r * dst_stride;
+      for (int64_t i = 0; i < I; ++i) buf[i] = to_float(g[i]);
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
-        const float x = to_float(g[i]);
+        const float x = buf[i];
         const float e = exp_nonpositive(-std::fabs(x));          // e^-|x|: never overflows
-        const float sigmoid = x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-        store(o + i, x * sigmoid * to_float(u[i]));
+        buf[i] = x * ((x >= 0.f ? 1.f : e) / (1.f + e));          // x * sigmoid(x)
       }
+      for (int64_t i = 0; i < I; ++i) store(o + i, buf[i] * to_float(u[i]));
     }
   });
 }
