@@ -166,7 +166,7 @@ def peer_workload(num_requests=64, seed=0, vocab=49152):
 def offline_throughput(num_requests=64, **engine_overrides) -> dict:
     """Useful output tokens/s of LLM.generate on that workload: greedy, EOS ignored,
     max_num_seqs=64, prefix caching off; one short warm-up first."""
-    from engine import LLM, SamplingParams
+    from llm import LLM, SamplingParams
     llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False, max_num_seqs=64, **engine_overrides)
     prompts, outs = peer_workload(num_requests, vocab=llm.engine.model_config.vocab_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]

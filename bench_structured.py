@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
+from llm import LLM, SamplingParams, StructuredOutputsParams
 from bench_engine import time_fn
 from sampler import SamplingState, sample
 

@@ -1,5 +1,5 @@
 """
-The engine: one step of continuous batching, and the offline LLM front end.
+The engine: one step of continuous batching.
 
 Engine.step() is the whole loop body, in the order data flows:
   scheduler.schedule()  -> which sequences run and how many tokens each (scheduler.py)
@@ -10,7 +10,7 @@ Engine.step() is the whole loop body, in the order data flows:
                            masks from structured_output.py, each on just the rows that ask)
   update                -> append tokens, detokenize, check stop conditions, retire finished
                            sequences (their blocks return to the pool this very step)
-LLM.generate() drives step() until every request is done; serve.py drives it from a thread.
+llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from a thread.
 Owns requests, their outputs and metrics (prompt logprobs included: extra logits rows of the
 prefill the request already does); validates input at the edge (add_request).
 """
@@ -34,7 +34,7 @@ from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["LLM", "Engine", "EngineConfig", "EngineStats", "InvalidRequest", "SamplingParams",
+__all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "SamplingParams",
            "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
@@ -527,75 +527,3 @@ def step_counts(batch: ScheduledBatch) -> dict:
                 num_batched_tokens_last_step=sum(n for s, n in rows if not s.is_padding),
                 num_padding_last_step=sum(n for s, n in rows if s.is_padding and s.status is Status.FINISHED),
                 num_prompt_padding_last_step=sum(n for s, n in rows if s.is_padding and s.status is not Status.FINISHED))
-
-
-class LLM:
-    """Offline generation: `LLM().generate(prompts, SamplingParams(...))`, names as in vLLM."""
-
-    def __init__(self, model: str | None = None, **engine_kwargs):
-        self.engine = Engine(EngineConfig(model=model), **engine_kwargs)
-        self.tokenizer = self.engine.tokenizer
-        self._ids = itertools.count()
-
-    def _add_all(self, prompts, sampling_params, priority):
-        """prompts: a string, token ids, or vLLM's {"prompt" | "prompt_token_ids", "cache_salt"}, or a list of them."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequest("sampling_params", f"sampling_params: got {len(params)} for {len(prompts)} prompts")
-        priority = priority or [0] * len(prompts)
-        ids = []
-        try:
-            for prompt, p, prio in zip(prompts, params, priority):
-                ids.append(f"llm-{next(self._ids)}")
-                salt = None
-                if isinstance(prompt, dict):
-                    salt, prompt = prompt.get("cache_salt"), prompt.get("prompt", prompt.get("prompt_token_ids"))
-                self.engine.add_request(ids[-1], prompt, p or SamplingParams(), prio, cache_salt=salt)
-        except InvalidRequest:
-            for rid in ids:                                 # all or nothing: no half-added batch
-                self.engine.abort_request(rid)
-            raise
-        return ids
-
-    def stream(self, prompts, sampling_params=None, priority=None):
-        """Yield RequestOutputs (with delta_text/delta_token_ids) as tokens are produced."""
-        ids = set(self._add_all(prompts, sampling_params, priority))
-        try:
-            while ids and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.request_id in ids:
-                        yield out
-                        if out.finished:
-                            ids.discard(out.request_id)
-        finally:
-            for rid in ids:                                 # a consumer that stops early aborts the rest
-                self.engine.abort_request(rid)
-
-    def generate(self, prompts, sampling_params=None, use_tqdm=False, priority=None) -> list[RequestOutput]:
-        ids = self._add_all(prompts, sampling_params, priority)
-        final, bar = {}, None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(ids), desc="generate")
-        try:
-            while len(final) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        if bar:
-                            bar.update(1)
-        finally:
-            for rid in ids:
-                if rid not in final:
-                    self.engine.abort_request(rid)
-            if bar:
-                bar.close()
-        return [final[rid] for rid in ids]
-
-    def chat(self, messages, sampling_params=None, use_tqdm=False) -> list[RequestOutput]:
-        """messages: one conversation (list of {"role", "content"}) or a list of them."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)

@@ -48,7 +48,8 @@ import extensions
 import kv_cache
 from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer, write_gguf_tokenizer
 import model as M
-from engine import LLM, Engine, SamplingParams
+from engine import Engine, SamplingParams
+from llm import LLM
 from sampler import SamplingState, make_generator, sample
 from scheduler import Status
 import paged_attention as pa
