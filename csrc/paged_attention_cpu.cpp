@@ -347,6 +347,22 @@ inline void prefetch_row(const KV* row) {
 
 // p[i * 64 + 16 * s + t] = q_i . k_t for MB query vectors and the keys of spans [0, ns); key
 // slots past a span's n are left as garbage for the softmax to mask.
+// Start the page walks for a span two steps ahead: one prefetch per 4 KiB page of its K and V
+// rows. Scattered blocks on 4 KiB pages miss the TLB on almost every block, and in a virtual
+// machine each walk is long; a load that waits for one stalls the math behind it. Measured
+// +20-25% at 96 MB of KV; the rows themselves are prefetched one step ahead (prefetch_row).
+// row_bytes: the part of each row the item reads (all its heads).
+template <typename KV>
+void touch_pages(const Span<KV>& span, int64_t row_stride, int64_t row_bytes) {
+  const auto* k = reinterpret_cast<const char*>(span.k);
+  const auto* v = reinterpret_cast<const char*>(span.v);
+  const int64_t last = (span.n - 1) * row_stride * (int64_t)sizeof(KV) + row_bytes - 1;   // last byte read
+  for (int64_t at = 0; at < last + 4096; at += 4096) {
+    __builtin_prefetch(k + std::min(at, last), 0, 1);
+    __builtin_prefetch(v + std::min(at, last), 0, 1);
+  }
+}
+
 // While at it, prefetches the K row at the same place of `ahead` (the next step's spans, na
 // of them; na = 0 for none).
 template <typename KV, int C, int MB>
@@ -510,7 +526,10 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
   Span<KV> spans[kSpans], ahead[kSpans];     // this step's keys, the next step's
   int ns = make_spans(0, spans);
   while (ns > 0) {
-    const int na = make_spans(spans[ns - 1].pos + spans[ns - 1].n, ahead);
+    const int end = spans[ns - 1].pos + spans[ns - 1].n;
+    const int na = make_spans(end, ahead);
+    Span<KV> far[kSpans];                    // two steps ahead: only their pages, see touch_pages
+    for (int i = 0, nf = make_spans(end + 16 * kSpans, far); i < nf; ++i) touch_pages(far[i], row_stride, H * D * (int64_t)sizeof(KV));
     for (int h = 0; h < H; ++h) {            // the same keys for head kv_head + h
       Span<KV> head_spans[kSpans], head_ahead[kSpans];
       for (int i = 0; i < ns; ++i) head_spans[i] = {spans[i].k + h * D, spans[i].v + h * D, spans[i].n, spans[i].pos};
@@ -523,8 +542,7 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
                             &s.row_sum[h * M + m], acc_h + m * D);
       values_all<KV, C>(p, M, head_spans, ns, head_ahead, na, row_stride, acc_h);
     }
-    std::copy(ahead, ahead + na, spans);
-    ns = na;
+    ns = make_spans(spans[ns - 1].pos + spans[ns - 1].n, spans);
   }
   for (int h = 0; h < H; ++h)
     for (int m = 0; m < M; ++m) {
