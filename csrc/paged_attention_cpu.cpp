@@ -24,6 +24,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -482,16 +483,36 @@ void softmax_step(float* p, const Span<KV>* spans, int ns, int row_pos, float* r
       _mm512_storeu_ps(acc + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), _mm512_set1_ps(correction)));
 }
 
+// A step's spans of item w: up to kSpans spans of up to 16 keys from position `start` on, never
+// crossing a block, at KV head w.kv_head. Returns how many (0 past the item's context).
+template <typename KV>
+int make_spans(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w, int start,
+               Span<KV>* spans) {
+  const int kv_len = w.first_pos + (w.row_end - w.row_begin), bs = b.block_size;
+  const int64_t row_stride = (int64_t)b.num_kv_heads * b.head_dim;
+  const int* block_table = b.block_tables + w.seq * b.max_blocks;
+  int ns = 0;
+  for (; ns < kSpans && start < kv_len; ++ns) {
+    const int n = std::min({16, bs - start % bs, kv_len - start});
+    const int64_t at = ((int64_t)block_table[start / bs] * bs + start % bs) * row_stride + (int64_t)w.kv_head * b.head_dim;
+    spans[ns] = {key_cache + at, value_cache + at, n, start};
+    start += n;
+  }
+  return ns;
+}
+
 // The item covers KV heads [kv_head, kv_head + num_heads): with all of a sequence's heads in
 // one item, a block is read front to back (every head's rows are interleaved in it), which
 // DRAM serves much faster than each head's 128-byte slices read by separate items.
-// State of (head h, query vector m) is at index h * M + m, in Rows' lane order.
+// `next` (may be null) is the item this thread runs next: the last steps prefetch its first
+// ones, so a new sequence does not start cold. State of (head h, query vector m) is at index
+// h * M + m, in Rows' lane order.
 template <typename KV, int C>
 void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w,
-                         Scratch& s) {
+                         const WorkItem* next, Scratch& s) {
   using R = Rows<KV, C>;
   constexpr int D = 16 * C;
-  const int G = b.group, bs = b.block_size, H = w.num_heads;
+  const int G = b.group, H = w.num_heads;
   const int rows = w.row_end - w.row_begin, M = rows * G;    // query vectors per KV head, < 16
   auto query_row = [&](int h, int m) {                       // [D] of query vector (h, m)
     return (int64_t)(w.row_begin + m / G) * b.num_heads + (w.kv_head + h) * G + m % G;
@@ -507,29 +528,21 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
   std::fill(s.acc.begin(), s.acc.begin() + (int64_t)H * M * D, 0.f);
   const int kv_len = w.first_pos + rows;
   const int64_t row_stride = (int64_t)b.num_kv_heads * D;
-  const int* block_table = b.block_tables + w.seq * b.max_blocks;
-  auto row_offset = [&](int pos) {           // cache offset of position pos, head kv_head
-    return ((int64_t)block_table[pos / bs] * bs + pos % bs) * row_stride + (int64_t)w.kv_head * D;
-  };
-  // a step's spans: up to 16 keys each from `start` on, never crossing a block; returns the count
-  auto make_spans = [&](int start, Span<KV>* spans) {
-    int ns = 0;
-    for (; ns < kSpans && start < kv_len; ++ns) {
-      const int n = std::min({16, bs - start % bs, kv_len - start});
-      const int64_t at = row_offset(start);
-      spans[ns] = {key_cache + at, value_cache + at, n, start};
-      start += n;
-    }
-    return ns;
+  if (next && next->num_heads != H) next = nullptr;   // its rows would not line up with ours
+  // spans at position `pos` of the key stream: this item's keys, then the next item's
+  auto spans_at = [&](int pos, Span<KV>* out) {
+    if (pos < kv_len) return make_spans(b, key_cache, value_cache, w, pos, out);
+    return next ? make_spans(b, key_cache, value_cache, *next, pos - kv_len, out) : 0;
   };
   alignas(64) float p[16 * 16 * kSpans];     // [m][16 * kSpans keys]: scores, then weights
-  Span<KV> spans[kSpans], ahead[kSpans];     // this step's keys, the next step's
-  int ns = make_spans(0, spans);
+  Span<KV> spans[kSpans], ahead[kSpans];     // this step's keys, the next step's (for prefetch)
+  int ns = make_spans(b, key_cache, value_cache, w, 0, spans);
   while (ns > 0) {
     const int end = spans[ns - 1].pos + spans[ns - 1].n;
-    const int na = make_spans(end, ahead);
+    const int na = spans_at(end, ahead);
     Span<KV> far[kSpans];                    // two steps ahead: only their pages, see touch_pages
-    for (int i = 0, nf = make_spans(end + 16 * kSpans, far); i < nf; ++i) touch_pages(far[i], row_stride, H * D * (int64_t)sizeof(KV));
+    for (int i = 0, nf = spans_at(end + 16 * kSpans, far); i < nf; ++i)
+      touch_pages(far[i], row_stride, H * D * (int64_t)sizeof(KV));
     for (int h = 0; h < H; ++h) {            // the same keys for head kv_head + h
       Span<KV> head_spans[kSpans], head_ahead[kSpans];
       for (int i = 0; i < ns; ++i) head_spans[i] = {spans[i].k + h * D, spans[i].v + h * D, spans[i].n, spans[i].pos};
@@ -542,7 +555,7 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
                             &s.row_sum[h * M + m], acc_h + m * D);
       values_all<KV, C>(p, M, head_spans, ns, head_ahead, na, row_stride, acc_h);
     }
-    ns = make_spans(spans[ns - 1].pos + spans[ns - 1].n, spans);
+    ns = make_spans(b, key_cache, value_cache, w, end, spans);
   }
   for (int h = 0; h < H; ++h)
     for (int m = 0; m < M; ++m) {
@@ -562,12 +575,15 @@ bool whole_sequence_items(const Batch& b, int num_seqs, int rows) {
 
 // The AVX-512 path for decode-sized tiles of the usual head sizes, else the generic one.
 template <typename KV>
-void attend(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w, Scratch& s) {
+void attend(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w, const WorkItem* next,
+            Scratch& s) {
 #if defined(__AVX512F__)
   if ((w.row_end - w.row_begin) * b.group < kLanes) {
-    if (b.head_dim == 64) return attend_small_avx512<KV, 4>(b, key_cache, value_cache, w, s);
-    if (b.head_dim == 128) return attend_small_avx512<KV, 8>(b, key_cache, value_cache, w, s);
+    if (b.head_dim == 64) return attend_small_avx512<KV, 4>(b, key_cache, value_cache, w, next, s);
+    if (b.head_dim == 128) return attend_small_avx512<KV, 8>(b, key_cache, value_cache, w, next, s);
   }
+#else
+  (void)next;
 #endif
   attend_tile<KV>(b, key_cache, value_cache, w, s);   // num_heads == 1 here
 }
@@ -578,12 +594,18 @@ void run_items(const Batch& b, const at::Tensor& key_cache, const at::Tensor& va
   const KV* k = key_cache.const_data_ptr<KV>();
   const KV* v = value_cache.const_data_ptr<KV>();
   const int64_t num_items = items.size();
-  // torch's thread count (torch.set_num_threads) governs this loop too: same libgomp.
+  // Dynamic scheduling by hand, each thread claiming one item ahead, so that the item it runs
+  // knows the next one and can prefetch its start. torch's thread count (torch.set_num_threads)
+  // governs this loop too: same libgomp.
+  std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
   {
     Scratch scratch(b);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) attend<KV>(b, k, v, items[i], scratch);
+    for (int64_t i = claimed++; i < num_items;) {
+      const int64_t next = claimed++;
+      attend<KV>(b, k, v, items[i], next < num_items ? &items[next] : nullptr, scratch);
+      i = next;
+    }
   }
 }
 
