@@ -599,17 +599,20 @@ void run_items(const Batch& b, const at::Tensor& key_cache, const at::Tensor& va
   const KV* k = key_cache.const_data_ptr<KV>();
   const KV* v = value_cache.const_data_ptr<KV>();
   const int64_t num_items = items.size();
-  // Dynamic scheduling by hand, each thread claiming one item ahead, so that the item it runs
-  // knows the next one and can prefetch its start. torch's thread count (torch.set_num_threads)
-  // governs this loop too: same libgomp.
+  // Dynamic scheduling by hand. With many items (a decode batch) each thread claims one item
+  // ahead, so the item it runs knows the next one and can prefetch its start; with few (long
+  // prefill chunks) that would let one thread hold two items while another idles, so not then.
+  // torch's thread count (torch.set_num_threads) governs this loop too: same libgomp.
+  const int threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  const bool claim_ahead = num_items >= 4 * threads;
   std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
+#pragma omp parallel num_threads(threads)
   {
     Scratch scratch(b);
     for (int64_t i = claimed++; i < num_items;) {
-      const int64_t next = claimed++;
+      const int64_t next = claim_ahead ? claimed++ : num_items;
       attend<KV>(b, k, v, items[i], next < num_items ? &items[next] : nullptr, scratch);
-      i = next;
+      i = claim_ahead ? next : claimed++;
     }
   }
 }
