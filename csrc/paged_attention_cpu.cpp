@@ -369,11 +369,12 @@ void touch_pages(const Span<KV>& span, int64_t row_stride, int64_t row_bytes) {
 }
 
 // p[i * 64 + 16 * s + t] = q_i . k_t for MB query vectors and the keys of spans [0, ns); key
-// slots past a span's n get 0, for the softmax to mask. While at it, prefetches the K row at the
-// same place of `ahead` (the next step's spans, na of them; na = 0 for none).
+// slots past a span's n get 0, for the softmax to mask. While at it, for each row it reads,
+// prefetches one row's worth of K at ahead[s].k + t * pf_stride (`ahead`: the next step's
+// spans, na of them, 0 for none).
 template <typename KV, int C, int MB>
-void span_scores(const float* q, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na, int64_t row_stride,
-                 float* p) {
+void span_scores(const float* q, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na, int64_t pf_stride,
+                 int64_t row_stride, float* p) {
   __m512 qr[MB][C];
   for (int i = 0; i < MB; ++i)
     for (int c = 0; c < C; ++c) qr[i][c] = _mm512_loadu_ps(q + i * 16 * C + 16 * c);
@@ -384,7 +385,7 @@ void span_scores(const float* q, const Span<KV>* spans, int ns, const Span<KV>* 
         for (int i = 0; i < MB; ++i) dots[i][t] = _mm512_setzero_ps();
         continue;
       }
-      if (s < na && t < ahead[s].n) prefetch_row<KV, C>(ahead[s].k + t * row_stride);
+      if (s < na && t < ahead[s].n) prefetch_row<KV, C>(ahead[s].k + t * pf_stride);
       __m512 k[C];
       Rows<KV, C>::load(spans[s].k + t * row_stride, k);
       for (int i = 0; i < MB; ++i) {
@@ -398,16 +399,16 @@ void span_scores(const float* q, const Span<KV>* spans, int ns, const Span<KV>* 
 }
 
 // acc_i += sum_t p[i * 64 + 16 * s + t] * v_t over the spans, MB accumulators in registers;
-// prefetches V rows of `ahead` as span_scores does K rows.
+// prefetches V from `ahead` as span_scores does K.
 template <typename KV, int C, int MB>
-void span_values(const float* p, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na, int64_t row_stride,
-                 float* acc) {
+void span_values(const float* p, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na, int64_t pf_stride,
+                 int64_t row_stride, float* acc) {
   __m512 a[MB][C];
   for (int i = 0; i < MB; ++i)
     for (int c = 0; c < C; ++c) a[i][c] = _mm512_loadu_ps(acc + i * 16 * C + 16 * c);
   for (int s = 0; s < ns; ++s)
     for (int t = 0; t < spans[s].n; ++t) {
-      if (s < na && t < ahead[s].n) prefetch_row<KV, C>(ahead[s].v + t * row_stride);
+      if (s < na && t < ahead[s].n) prefetch_row<KV, C>(ahead[s].v + t * pf_stride);
       __m512 v[C];
       Rows<KV, C>::load(spans[s].v + t * row_stride, v);
       for (int i = 0; i < MB; ++i) {
@@ -423,34 +424,34 @@ void span_values(const float* p, const Span<KV>* spans, int ns, const Span<KV>* 
 // head_dim 64, or 2 of 128, fill 16 of the 32 registers.
 template <typename KV, int C>
 void scores_all(const float* q, int M, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na,
-                int64_t row_stride, float* p) {
+                int64_t pf_stride, int64_t row_stride, float* p) {
   constexpr int kMB = C <= 4 ? 4 : 2, D = 16 * C;
   for (int m = 0; m < M; m += kMB) {
     const float* qm = q + m * D;
     float* pm = p + m * 16 * kSpans;
     const int na_m = m == 0 ? na : 0;        // prefetch once, with the first group
     switch (std::min(kMB, M - m)) {
-      case 1: span_scores<KV, C, 1>(qm, spans, ns, ahead, na_m, row_stride, pm); break;
-      case 2: span_scores<KV, C, 2>(qm, spans, ns, ahead, na_m, row_stride, pm); break;
-      case 3: if constexpr (kMB >= 3) span_scores<KV, C, 3>(qm, spans, ns, ahead, na_m, row_stride, pm); break;
-      default: if constexpr (kMB >= 4) span_scores<KV, C, 4>(qm, spans, ns, ahead, na_m, row_stride, pm); break;
+      case 1: span_scores<KV, C, 1>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      case 2: span_scores<KV, C, 2>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      case 3: if constexpr (kMB >= 3) span_scores<KV, C, 3>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      default: if constexpr (kMB >= 4) span_scores<KV, C, 4>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
     }
   }
 }
 
 template <typename KV, int C>
 void values_all(const float* p, int M, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na,
-                int64_t row_stride, float* acc) {
+                int64_t pf_stride, int64_t row_stride, float* acc) {
   constexpr int kMB = C <= 4 ? 4 : 2, D = 16 * C;
   for (int m = 0; m < M; m += kMB) {
     const float* pm = p + m * 16 * kSpans;
     float* am = acc + m * D;
     const int na_m = m == 0 ? na : 0;
     switch (std::min(kMB, M - m)) {
-      case 1: span_values<KV, C, 1>(pm, spans, ns, ahead, na_m, row_stride, am); break;
-      case 2: span_values<KV, C, 2>(pm, spans, ns, ahead, na_m, row_stride, am); break;
-      case 3: if constexpr (kMB >= 3) span_values<KV, C, 3>(pm, spans, ns, ahead, na_m, row_stride, am); break;
-      default: if constexpr (kMB >= 4) span_values<KV, C, 4>(pm, spans, ns, ahead, na_m, row_stride, am); break;
+      case 1: span_values<KV, C, 1>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
+      case 2: span_values<KV, C, 2>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
+      case 3: if constexpr (kMB >= 3) span_values<KV, C, 3>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
+      default: if constexpr (kMB >= 4) span_values<KV, C, 4>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
     }
   }
 }
@@ -533,6 +534,12 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
   std::fill(s.acc.begin(), s.acc.begin() + (int64_t)H * M * D, 0.f);
   const int kv_len = w.first_pos + rows;
   const int64_t row_stride = (int64_t)b.num_kv_heads * D;
+  // Prefetch in memory order: when the item owns all heads, a span's rows are one contiguous
+  // range, and the pass of head h prefetches the h-th 1/H of the next span's range (D elements
+  // per row consumed), so DRAM sees each block read front to back once, not H strided passes
+  // (measured up to +10-30% at 512-1024 tokens); otherwise each head prefetches its own rows.
+  const bool whole_rows = H == b.num_kv_heads;
+  const int64_t pf_stride = whole_rows ? D : row_stride;
   if (next && next->num_heads != H) next = nullptr;   // its rows would not line up with ours
   // spans at position `pos` of the key stream: this item's keys, then the next item's
   auto spans_at = [&](int pos, Span<KV>* out) {
@@ -549,16 +556,19 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
     for (int i = 0, nf = spans_at(end + 16 * kSpans, far); i < nf; ++i)
       touch_pages(far[i], row_stride, H * D * (int64_t)sizeof(KV));
     for (int h = 0; h < H; ++h) {            // the same keys for head kv_head + h
-      Span<KV> head_spans[kSpans], head_ahead[kSpans];
+      Span<KV> head_spans[kSpans], head_ahead[kSpans];   // head_ahead: what this head's passes prefetch
       for (int i = 0; i < ns; ++i) head_spans[i] = {spans[i].k + h * D, spans[i].v + h * D, spans[i].n, spans[i].pos};
-      for (int i = 0; i < na; ++i) head_ahead[i] = {ahead[i].k + h * D, ahead[i].v + h * D, ahead[i].n, ahead[i].pos};
+      for (int i = 0; i < na; ++i) {
+        const int64_t part = h * (whole_rows ? ahead[i].n * D : D);
+        head_ahead[i] = {ahead[i].k + part, ahead[i].v + part, ahead[i].n, ahead[i].pos};
+      }
       float* q_h = &s.q[h * M * D];
       float* acc_h = &s.acc[h * M * D];
-      scores_all<KV, C>(q_h, M, head_spans, ns, head_ahead, na, row_stride, p);
+      scores_all<KV, C>(q_h, M, head_spans, ns, head_ahead, na, pf_stride, row_stride, p);
       for (int m = 0; m < M; ++m)
         softmax_step<KV, C>(p + m * 16 * kSpans, head_spans, ns, w.first_pos + m / G, &s.row_max[h * M + m],
                             &s.row_sum[h * M + m], acc_h + m * D);
-      values_all<KV, C>(p, M, head_spans, ns, head_ahead, na, row_stride, acc_h);
+      values_all<KV, C>(p, M, head_spans, ns, head_ahead, na, pf_stride, row_stride, acc_h);
     }
     ns = make_spans(b, key_cache, value_cache, w, end, spans);
   }
