@@ -1626,6 +1626,24 @@ def test_cpu_kernel_small_tiles_match_reference_at_every_width(cpu_backend, head
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("block_size", [8, 16, 32])   # spans of 8 keys, one per block, two per block
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_cpu_kernel_decode_batch_matches_reference(cpu_backend, kv_dtype, block_size, head_dim, group):
+    # enough sequences that each work item takes all KV heads of one (the AVX-512 decode path's
+    # batch-64 shape); contexts that end mid-block, on a block edge and mid-step (64 keys per
+    # softmax step), so full, partial and short steps all run; one 2-row tile for causality
+    num_seqs = 4 * torch.get_num_threads() + 3
+    ctx_lens = [1, 15, 16, 17, 63, 64, 65, 127, 129, 200, 333, 1000, 77, 5, 31][:num_seqs]
+    ctx_lens += [40 + 9 * i for i in range(num_seqs - len(ctx_lens))]
+    q_lens = [1] * num_seqs
+    q_lens[3] = 2
+    batch = make_batch(q_lens, ctx_lens, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
+                       kv_dtype=kv_dtype, seed=group * block_size)
+    check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
+
+
 def test_cpu_kernel_keeps_bfloat16_queries(cpu_backend):
     batch = make_batch(*MIXED, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     check_against_reference(cpu_backend, batch, ATOL_BF16_QUERY)
