@@ -207,11 +207,14 @@ def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, st
 
 # ---------------------------------------------------------------------------- layers
 
-# Below this many rows csrc/linear_cpu.cpp streams the weight once and beats oneDNN; above
-# it oneDNN does. ms per pass over all SmolLM2-135M weights, cold cache, 2 Zen 3 cores
-# (2026-11-22, dev box), at M = 1 / 8 / 16 / 32 / 64: F.linear (MKL) 44 / 144 / 198 / 298 / 287,
-# oneDNN 50 / 103 / 143 / 193 / 244, linear_cpu.cpp 40 / 60 / 112 / 194 / -.
-SMALL_M_ROWS = 32
+# Below this many rows csrc/linear_cpu.cpp streams the weight once and beats oneDNN on its
+# prepacked weight (see PACK_ROWS_HINT); from it on oneDNN wins. ms per pass over SmolLM2-135M's
+# 30 layers, cold cache, 2 Zen 4 cores, quiet (2026-11-23), at M = 1 / 2 / 3 / 4 / 5 / 6 / 8:
+# float32 kernel 21.6 / 19.1 / 20.9 / 23.4 / 25.6 / 27.2 / 31.1, packed oneDNN 26.1 / 26.1 / 24.5 /
+# 25.8 / 22.8 / 22.6 / 28.0; bfloat16 kernel 15.9 / 16.0 / 17.0 / 17.7 / 18.5 / 18.9 / 20.8,
+# packed oneDNN 17.4 / 16.9 / 16.0 / 15.1 / 16.6 / 16.9 / 19.1.
+SMALL_M_ROWS = 5
+SMALL_M_ROWS_BF16 = 3   # the bf16 kernel: AVX512_BF16 dot products (shift-and-FMA on AVX2)
 
 
 @functools.cache
@@ -225,19 +228,13 @@ def _cpu_linear_kernels() -> tuple[bool, bool]:
     return small_m, onednn
 
 
-# bfloat16: linear_cpu.cpp's bf16 kernel (AVX512_BF16 dot products) beats F.linear (oneDNN)
-# below 16 rows. ms per pass over all SmolLM2-135M weights, 2 Zen 4 cores, shared (2026-11-23),
-# at M = 1 / 4 / 8 / 16 / 32: kernel 10.0 / 10.1 / 15.9 / 21.6 / 28.7, F.linear 17.5 / 15.4 /
-# 16.5 / 19.8 / 27.0 (float32 for comparison: 15.6 at M = 1, 79 at M = 64 vs bf16's 42).
-SMALL_M_ROWS_BF16 = 16
-
-
 # F.linear hands oneDNN a plain [N, K] weight, and oneDNN reorders it into its blocked layout on
 # every call: at 64 rows that reorder is a third of the matmul. Reordering once at load time
 # (the layout oneDNN picks for PACK_ROWS_HINT rows, which suits 16-512 rows here) and calling
 # _linear_pointwise on the packed copy removes it: a batch-64 pass over all SmolLM2-135M weights
 # took 84 ms plain and 55 ms packed in bfloat16, 151 and 106 ms in float32 (2 Zen 4 cores,
-# 2026-11-23). The cost is a second copy of each weight, since the small-M kernel reads the plain one.
+# 2026-11-23; hints 128-1024 were within noise of each other, 64 was slower). The cost is a
+# second copy of each weight, since the small-M kernel reads the plain one.
 PACK_ROWS_HINT = 512
 
 

@@ -552,7 +552,7 @@ def test_cpu_linear_matches_f_linear_on_smollm2_shapes(smollm2_linear_weights, r
     assert torch.allclose(M.linear(x, smollm2_linear_weights[0], bias), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 15, 16, 64])   # both sides of SMALL_M_ROWS_BF16
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 64])   # both sides of SMALL_M_ROWS_BF16
 def test_cpu_linear_bfloat16_matches_float32_math_on_smollm2_shapes(smollm2_linear_weights, rows):
     # oracle: the same bf16 inputs multiplied in float32 (exact products, float32 sums), then one
     # rounding to bf16: at most one bf16 unit (2^-8 relative) apart, plus summation order
