@@ -6,7 +6,8 @@ prints a markdown table):
                                (target: at most 10% more), and sampler.sample alone on [64, vocab]
                                logits next to the exponential race it replaced;
   bench_structured_output_cost a decode step at batch 32 whose rows all follow a JSON schema
-                               against one whose rows are free (target: at most 10% more per token).
+                               against one whose rows are free (target: at most 10% more per token),
+                               and what the grammar work of such a step costs piece by piece.
 
 Both compare medians of steps interleaved in one process, so the ratio survives a noisy machine.
 Owns nothing else; it never changes the engine. `python bench_structured.py` runs both.
@@ -23,6 +24,8 @@ import torch
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from bench_engine import time_fn
 from sampler import SamplingState, sample
+from structured_output import (apply_token_bitmask_, apply_token_bitmask_reference,
+                               fill_bitmasks)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -120,12 +123,45 @@ def bench_structured_output_cost(llm=None, batch=32, steps=8, rounds=2, dtype=No
     step = interleaved_medians(llm, {"free": (prompts, free), "json schema": (prompts, constrained)},
                                batch, steps, rounds)
     ratio = step["json schema"] / step["free"]
+    pieces = grammar_step_breakdown(llm, prompts, constrained, steps)
     print(f"\n### Structured output cost (batch {batch}, every row constrained by a JSON schema)\n")
     print("| decode step | ms | ms per token |\n|---|---|---|")
     for name, t in step.items():
         print(f"| {name} | {t * 1e3:.1f} | {t * 1e3 / batch:.2f} |")
+    print(f"\n| grammar work of one step at batch {batch} (replayed on the same states) | ms |\n|---|---|")
+    for name, t in pieces.items():
+        print(f"| {name} | {t * 1e3:.2f} |")
     print(f"\nconstrained / free per token = **{ratio:.3f}** (target <= 1.10)")
-    return {"batch": batch, "step_ms": {k: v * 1e3 for k, v in step.items()}, "structured_cost_ratio": ratio}
+    return {"batch": batch, "step_ms": {k: v * 1e3 for k, v in step.items()},
+            "grammar_ms": {k: v * 1e3 for k, v in pieces.items()}, "structured_cost_ratio": ratio}
+
+
+def grammar_step_breakdown(llm, prompts, params, steps):
+    """Median seconds per step of each piece of a constrained step's grammar work, on fresh
+    grammars replaying the tokens the greedy run samples: llguidance filling every row's
+    bitmask, applying it to [batch, vocab] logits (csrc op, and the plain-PyTorch reference
+    for comparison) and advancing every matcher by its token."""
+    token_ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    grammars = [llm.engine.grammars.compile(params.structured_outputs) for _ in prompts]
+    vocab = llm.engine.model_config.vocab_size
+    logits = torch.randn(len(prompts), vocab)                                     # [batch, vocab]
+    rows = list(range(len(prompts)))
+    times = {"fill bitmasks (llguidance)": [], "apply bitmask (csrc op)": [],
+             "apply bitmask (plain PyTorch reference)": [], "advance matchers": []}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        times[name].append(time.perf_counter() - t0)
+        return out
+    for k in range(min([steps] + [len(t) for t in token_ids])):
+        bitmask = timed("fill bitmasks (llguidance)", lambda: fill_bitmasks(grammars, vocab))
+        for name, apply in (("apply bitmask (csrc op)", apply_token_bitmask_),
+                            ("apply bitmask (plain PyTorch reference)", apply_token_bitmask_reference)):
+            x = logits.clone()
+            timed(name, lambda: apply(x, bitmask, rows))
+        timed("advance matchers", lambda: [(g.advance(t[k]), g.is_finished) for g, t in zip(grammars, token_ids)])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 if __name__ == "__main__":

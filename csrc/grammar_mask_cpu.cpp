@@ -4,8 +4,9 @@
 //                                                  bit t of bitmask[j] is 0 (bit t is bit t % 32 of
 //                                                  word t / 32, llguidance's layout)
 // logits: [num_rows, vocab] float32 or bfloat16, rows contiguous; bitmask: [g, ceil(vocab / 32)]
-// int32; rows: [g] int64, distinct. A word with every bit set (32 allowed tokens) costs one compare;
-// any other is a branch-free select over its 32 logits, which the compiler turns into vector blends.
+// int32; rows: [g] int64, distinct. A word with every bit set (32 allowed tokens) costs one compare,
+// one with none set 32 stores; any other is a branch-free select over its 32 logits, which the
+// compiler turns into vector blends.
 // Parallel over the g rows with torch's threads. Registered as torch.ops.nanoserve_grammar.*.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,7 +26,9 @@ void ban_row(T* row, const int32_t* words, int64_t vocab) {
     const uint32_t banned = ~uint32_t(words[w]);
     if (banned == 0) continue;                                  // all 32 allowed: common inside strings
     T* x = row + w * 32;
-    if (vocab - w * 32 >= 32) {
+    if (vocab - w * 32 >= 32 && banned == 0xffffffffu) {
+      for (int b = 0; b < 32; ++b) x[b] = neg_inf;             // all 32 banned: stores only, no loads
+    } else if (vocab - w * 32 >= 32) {
       for (int b = 0; b < 32; ++b)                              // branch-free select: vector blends
         x[b] = (banned >> b) & 1 ? neg_inf : x[b];
     } else {
@@ -50,7 +53,9 @@ void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask, const at
     TORCH_CHECK(0 <= row_ids[j] && row_ids[j] < logits.size(0), "rows entry out of range");
   const int32_t* bits = bitmask.data_ptr<int32_t>();
   const int64_t words = bitmask.size(1), stride = logits.stride(0);
-  at::parallel_for(0, g, 1, [&](int64_t begin, int64_t end) {
+  // a row is ~0.02 ms of work: waking a sleeping thread costs more than that, so batches up to
+  // 64 rows run on the calling thread and only larger ones are split
+  at::parallel_for(0, g, 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       if (logits.scalar_type() == at::kFloat)
         ban_row(logits.data_ptr<float>() + row_ids[j] * stride, bits + j * words, vocab);
