@@ -109,7 +109,9 @@ def bench_sampling_overhead(llm=None, batch=64, vocab=None, steps=8, rounds=2, r
             "step_ms": {k: v * 1e3 for k, v in step.items()}, "sampling_step_ratio": ratio}
 
 
-def bench_structured_output_cost(llm=None, batch=32, steps=8, rounds=2, dtype=None):
+def bench_structured_output_cost(llm=None, batch=32, steps=8, rounds=5, dtype=None):
+    # five short rounds each, taking turns: a burst of load from a neighbour spoils a round or two of
+    # one variant, which moves the median of five less than it moved the median of two
     llm = llm or LLM(**({"dtype": dtype} if dtype else {}))
     tok = llm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Describe person number {i} as JSON."}])
