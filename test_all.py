@@ -1712,7 +1712,7 @@ import sys, torch, extensions
 for build in extensions.BUILDS.values():   # this process builds and loads the AVX2-only variants
     build["extra_cflags"] = [f for f in build.get("extra_cflags", []) if f != "-march=native"] + sys.argv[1:]
 import model as M, paged_attention as pa, test_all as T
-for kind in ("cpu", "linear_cpu", "fused_cpu"):
+for kind in ("cpu", "linear_cpu", "fused_cpu", "grammar_cpu"):
     extensions.load(kind)
 for kv in (torch.float32, torch.bfloat16):
     T.check_against_reference(lambda *b: pa.paged_attention(*b, backend="cpu"), T.make_batch(*T.MIXED, kv_dtype=kv), T.ATOL[kv])
@@ -1722,12 +1722,18 @@ got = M.linear(x.bfloat16(), w.bfloat16()).float()
 torch.testing.assert_close(got, torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float()), rtol=8e-3, atol=2e-2)
 gu = torch.randn(5, 64) * 4
 torch.testing.assert_close(M.silu_and_mul(gu, fused=True), M.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
+import structured_output as so
+bits, logits = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32), torch.randn(4, 1000)
+got, want = logits.clone(), logits.clone()
+so.apply_token_bitmask_(got, bits, [3, 0, 1])
+so.apply_token_bitmask_reference(want, bits, [3, 0, 1])
+assert torch.equal(got, want)
 print("avx2 numerics ok")
 """
 
 
 def test_cpu_kernels_built_for_avx2_only_match_the_references():
-    # builds all three libraries without AVX-512 (~2 min the first time, cached after): opt-in
+    # builds all four libraries without AVX-512 (~2 min the first time, cached after): opt-in
     if os.environ.get("NANOSERVE_TEST_AVX2_BUILD") != "1":
         pytest.skip("set NANOSERVE_TEST_AVX2_BUILD=1 to build the kernels for AVX2 only and check their numerics")
     result = subprocess.run([sys.executable, "-c", AVX2_NUMERICS, *AVX2_FLAGS], cwd=HERE, capture_output=True, text=True)
