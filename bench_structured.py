@@ -18,6 +18,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")    # as bench.py: short OpenMP 
 
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 
@@ -46,28 +47,32 @@ def time_call(fn, repeats):
 
 
 def decode_step_times(llm, prompts, params, num_rows, steps):
-    """Seconds of each engine step in which exactly num_rows rows each decode one token."""
+    """Seconds of each engine step in which exactly num_rows rows each decode one token: the
+    whole step ("step") and each of engine.phase_times' phases within it."""
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
     times = []
     while engine.has_unfinished_requests():
+        before = asdict(engine.phase_times)
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
         s = engine.stats()
         if s.num_seqs_last_step == num_rows and s.num_batched_tokens_last_step == num_rows and len(times) < steps:
-            times.append(dt)
+            times.append({"step": dt, **{k: v - before[k] for k, v in asdict(engine.phase_times).items()}})
     return times
 
 
-def interleaved_medians(llm, runs: dict, num_rows, steps, rounds):
-    """Each variant runs `rounds` times, taking turns; the median step of each."""
+def interleaved_medians(llm, runs: dict, num_rows, steps, rounds, part="step"):
+    """Each variant runs `rounds` times, taking turns; the median step of each (or, with
+    part=None, the median of the step and of each phase: {variant: {part: seconds}})."""
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, (prompts, params) in runs.items():
             times[name] += decode_step_times(llm, prompts, params, num_rows, steps)
-    return {name: statistics.median(t) for name, t in times.items()}
+    medians = {name: {k: statistics.median(t[k] for t in ts) for k in ts[0]} for name, ts in times.items()}
+    return medians if part is None else {name: m[part] for name, m in medians.items()}
 
 
 def bench_sampling_overhead(llm=None, batch=64, vocab=None, steps=8, rounds=2, repeats=10, dtype=None):
@@ -122,19 +127,24 @@ def bench_structured_output_cost(llm=None, batch=32, steps=8, rounds=5, dtype=No
     free = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     constrained = SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                  structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    step = interleaved_medians(llm, {"free": (prompts, free), "json schema": (prompts, constrained)},
-                               batch, steps, rounds)
+    parts = interleaved_medians(llm, {"free": (prompts, free), "json schema": (prompts, constrained)},
+                                batch, steps, rounds, part=None)
+    step = {name: p["step"] for name, p in parts.items()}
     ratio = step["json schema"] / step["free"]
     pieces = grammar_step_breakdown(llm, prompts, constrained, steps)
     print(f"\n### Structured output cost (batch {batch}, every row constrained by a JSON schema)\n")
-    print("| decode step | ms | ms per token |\n|---|---|---|")
-    for name, t in step.items():
-        print(f"| {name} | {t * 1e3:.1f} | {t * 1e3 / batch:.2f} |")
+    # the grammar's work is all in sample (fill + apply) and update (advance); forward is the
+    # same model call in both, so its difference is the noise of a shared machine
+    print("| decode step | ms | ms per token | forward ms | sample ms | update ms |\n|---|---|---|---|---|---|")
+    for name, p in parts.items():
+        print(f"| {name} | {p['step'] * 1e3:.1f} | {p['step'] * 1e3 / batch:.2f} | {p['forward'] * 1e3:.1f} | "
+              f"{p['sample'] * 1e3:.2f} | {p['update'] * 1e3:.2f} |")
     print(f"\n| grammar work of one step at batch {batch} (replayed on the same states) | ms |\n|---|---|")
     for name, t in pieces.items():
         print(f"| {name} | {t * 1e3:.2f} |")
     print(f"\nconstrained / free per token = **{ratio:.3f}** (target <= 1.10)")
     return {"batch": batch, "step_ms": {k: v * 1e3 for k, v in step.items()},
+            "phase_ms": {name: {k: v * 1e3 for k, v in p.items() if k != "step"} for name, p in parts.items()},
             "grammar_ms": {k: v * 1e3 for k, v in pieces.items()}, "structured_cost_ratio": ratio}
 
 

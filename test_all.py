@@ -1069,6 +1069,11 @@ def test_grammar_masks_allow_exactly_the_tokens_a_regex_can_continue_with(tok):
     allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
     assert allowed[0] == oracle(0) and allowed[2] == oracle(2) and len(oracle(0)) > 3
     assert allowed[1] == set(range(vocab))                              # the free row is untouched
+    for parallel in (False, True):              # both fills (this machine's CPU count picks one above)
+        bits = so.fill_bitmasks([a, b], vocab, parallel=parallel)       # [2, words]
+        for j, k in enumerate((0, 2)):
+            token = torch.arange(vocab)
+            assert set(token[(bits[j, token // 32] >> (token % 32)) & 1 == 1].tolist()) == oracle(k), parallel
 
 
 def test_top_p_applies_to_what_top_k_kept_and_draws_follow_the_distribution():
