@@ -6,7 +6,8 @@ prints a markdown table):
                                (target: at most 10% more), and sampler.sample alone on [64, vocab]
                                logits next to the exponential race it replaced;
   bench_structured_output_cost a decode step at batch 32 whose rows all follow a JSON schema
-                               against one whose rows are free (target: at most 10% more per token).
+                               against one whose rows are free (target: at most 10% more per token),
+                               and what the grammar work of such a step costs piece by piece.
 
 Both compare medians of steps interleaved in one process, so the ratio survives a noisy machine.
 Owns nothing else; it never changes the engine. `python bench_structured.py` runs both.
@@ -17,12 +18,15 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")    # as bench.py: short OpenMP 
 
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 
 from llm import LLM, SamplingParams, StructuredOutputsParams
 from bench_engine import time_fn
 from sampler import SamplingState, sample
+from structured_output import (apply_token_bitmask_, apply_token_bitmask_reference,
+                               fill_bitmasks)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -43,28 +47,32 @@ def time_call(fn, repeats):
 
 
 def decode_step_times(llm, prompts, params, num_rows, steps):
-    """Seconds of each engine step in which exactly num_rows rows each decode one token."""
+    """Seconds of each engine step in which exactly num_rows rows each decode one token: the
+    whole step ("step") and each of engine.phase_times' phases within it."""
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
     times = []
     while engine.has_unfinished_requests():
+        before = asdict(engine.phase_times)
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
         s = engine.stats()
         if s.num_seqs_last_step == num_rows and s.num_batched_tokens_last_step == num_rows and len(times) < steps:
-            times.append(dt)
+            times.append({"step": dt, **{k: v - before[k] for k, v in asdict(engine.phase_times).items()}})
     return times
 
 
-def interleaved_medians(llm, runs: dict, num_rows, steps, rounds):
-    """Each variant runs `rounds` times, taking turns; the median step of each."""
+def interleaved_medians(llm, runs: dict, num_rows, steps, rounds, part="step"):
+    """Each variant runs `rounds` times, taking turns; the median step of each (or, with
+    part=None, the median of the step and of each phase: {variant: {part: seconds}})."""
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, (prompts, params) in runs.items():
             times[name] += decode_step_times(llm, prompts, params, num_rows, steps)
-    return {name: statistics.median(t) for name, t in times.items()}
+    medians = {name: {k: statistics.median(t[k] for t in ts) for k in ts[0]} for name, ts in times.items()}
+    return medians if part is None else {name: m[part] for name, m in medians.items()}
 
 
 def bench_sampling_overhead(llm=None, batch=64, vocab=None, steps=8, rounds=2, repeats=10, dtype=None):
@@ -106,7 +114,9 @@ def bench_sampling_overhead(llm=None, batch=64, vocab=None, steps=8, rounds=2, r
             "step_ms": {k: v * 1e3 for k, v in step.items()}, "sampling_step_ratio": ratio}
 
 
-def bench_structured_output_cost(llm=None, batch=32, steps=8, rounds=2, dtype=None):
+def bench_structured_output_cost(llm=None, batch=32, steps=8, rounds=5, dtype=None):
+    # five short rounds each, taking turns: a burst of load from a neighbour spoils a round or two of
+    # one variant, which moves the median of five less than it moved the median of two
     llm = llm or LLM(**({"dtype": dtype} if dtype else {}))
     tok = llm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Describe person number {i} as JSON."}])
@@ -117,15 +127,53 @@ def bench_structured_output_cost(llm=None, batch=32, steps=8, rounds=2, dtype=No
     free = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     constrained = SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                  structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    step = interleaved_medians(llm, {"free": (prompts, free), "json schema": (prompts, constrained)},
-                               batch, steps, rounds)
+    parts = interleaved_medians(llm, {"free": (prompts, free), "json schema": (prompts, constrained)},
+                                batch, steps, rounds, part=None)
+    step = {name: p["step"] for name, p in parts.items()}
     ratio = step["json schema"] / step["free"]
+    pieces = grammar_step_breakdown(llm, prompts, constrained, steps)
     print(f"\n### Structured output cost (batch {batch}, every row constrained by a JSON schema)\n")
-    print("| decode step | ms | ms per token |\n|---|---|---|")
-    for name, t in step.items():
-        print(f"| {name} | {t * 1e3:.1f} | {t * 1e3 / batch:.2f} |")
+    # the grammar's work is all in sample (fill + apply) and update (advance); forward is the
+    # same model call in both, so its difference is the noise of a shared machine
+    print("| decode step | ms | ms per token | forward ms | sample ms | update ms |\n|---|---|---|---|---|---|")
+    for name, p in parts.items():
+        print(f"| {name} | {p['step'] * 1e3:.1f} | {p['step'] * 1e3 / batch:.2f} | {p['forward'] * 1e3:.1f} | "
+              f"{p['sample'] * 1e3:.2f} | {p['update'] * 1e3:.2f} |")
+    print(f"\n| grammar work of one step at batch {batch} (replayed on the same states) | ms |\n|---|---|")
+    for name, t in pieces.items():
+        print(f"| {name} | {t * 1e3:.2f} |")
     print(f"\nconstrained / free per token = **{ratio:.3f}** (target <= 1.10)")
-    return {"batch": batch, "step_ms": {k: v * 1e3 for k, v in step.items()}, "structured_cost_ratio": ratio}
+    return {"batch": batch, "step_ms": {k: v * 1e3 for k, v in step.items()},
+            "phase_ms": {name: {k: v * 1e3 for k, v in p.items() if k != "step"} for name, p in parts.items()},
+            "grammar_ms": {k: v * 1e3 for k, v in pieces.items()}, "structured_cost_ratio": ratio}
+
+
+def grammar_step_breakdown(llm, prompts, params, steps):
+    """Median seconds per step of each piece of a constrained step's grammar work, on fresh
+    grammars replaying the tokens the greedy run samples: llguidance filling every row's
+    bitmask, applying it to [batch, vocab] logits (csrc op, and the plain-PyTorch reference
+    for comparison) and advancing every matcher by its token."""
+    token_ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    grammars = [llm.engine.grammars.compile(params.structured_outputs) for _ in prompts]
+    vocab = llm.engine.model_config.vocab_size
+    logits = torch.randn(len(prompts), vocab)                                     # [batch, vocab]
+    rows = list(range(len(prompts)))
+    times = {"fill bitmasks (llguidance)": [], "apply bitmask (csrc op)": [],
+             "apply bitmask (plain PyTorch reference)": [], "advance matchers": []}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        times[name].append(time.perf_counter() - t0)
+        return out
+    for k in range(min([steps] + [len(t) for t in token_ids])):
+        bitmask = timed("fill bitmasks (llguidance)", lambda: fill_bitmasks(grammars, vocab))
+        for name, apply in (("apply bitmask (csrc op)", apply_token_bitmask_),
+                            ("apply bitmask (plain PyTorch reference)", apply_token_bitmask_reference)):
+            x = logits.clone()
+            timed(name, lambda: apply(x, bitmask, rows))
+        timed("advance matchers", lambda: [(g.advance(t[k]), g.is_finished) for g, t in zip(grammars, token_ids)])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 if __name__ == "__main__":

@@ -38,6 +38,10 @@ BUILDS = {   # torch.utils.cpp_extension.load arguments per library
     "fused_cpu": dict(
         name="nanoserve_fused_cpu", sources=["fused_cpu.cpp"],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"]),
+    # not the model: structured_output.py's grammar mask, applied from llguidance's packed bitmask
+    "grammar_cpu": dict(
+        name="nanoserve_grammar_cpu", sources=["grammar_mask_cpu.cpp"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"]),
 }
 _loaded = set()     # kinds whose ops are registered in torch.ops
 failed = {}         # kind -> why its build failed (warned about once)

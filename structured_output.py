@@ -4,21 +4,24 @@ per-token mask, so that every sampled token keeps the output inside the grammar.
 
 Owns StructuredOutputsParams (vLLM 0.32's name and fields), the compilation of each kind into an
 llguidance grammar, one Grammar (an llguidance matcher) per completion that advances with every
-token, and the batched mask: one bitmask row per constrained completion, unpacked and applied
-to just those rows of the logits. Does not sample (sampler.py) or decide when a request stops
+token, and the batched mask: one bitmask row per constrained completion (32 tokens per int32 word),
+applied in place to just those rows of the logits by csrc/grammar_mask_cpu.cpp on the CPU (a
+plain-PyTorch reference elsewhere). Does not sample (sampler.py) or decide when a request stops
 (engine.py ends a completion at EOS or once its grammar can take nothing more).
 
 Why llguidance rather than xgrammar: both are maintained and used by vLLM; llguidance is one
 Rust wheel with no Python dependencies, while xgrammar pulls in transformers and triton (about
 a gigabyte here) for a runtime that needs neither. llguidance builds its token trie from our
-tokenizer's bytes and fills the masks of a batch in parallel (bench_structured.py measures the cost).
+tokenizer's bytes and fills the masks of a batch in its own threads (bench_structured.py measures the cost).
 """
 import json
+import os
 from dataclasses import dataclass
 
 import torch
 
 import errors
+import extensions
 
 try:
     import llguidance
@@ -129,14 +132,51 @@ def apply_grammar_masks(logits, grammars: list):
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return
+    bitmask = fill_bitmasks([grammars[i] for i in rows], logits.shape[1])       # [g, words] int32
+    apply_token_bitmask_(logits, bitmask, rows)
+
+
+def fill_bitmasks(grammars: list, vocab: int, parallel: bool | None = None):
+    """Every grammar's next-token bitmask, one row each: bit t % 32 of word t // 32 is set iff
+    token t is allowed. llguidance computes each row without the GIL. parallel (default: with 4
+    or more CPUs) hands all rows to llguidance's thread pool in one call; its pool has 80% of the
+    CPUs, so on 2 CPUs that is one worker and only adds a hand-off, and on a 2-core machine the
+    calling thread filled 32 JSON-schema rows in ~1.2 ms against ~1.4 ms through the pool."""
+    bitmask = torch.empty(len(grammars), (vocab + 31) // 32, dtype=torch.int32)   # every word is written
+    if parallel is None:
+        parallel = (os.cpu_count() or 1) >= 4
+    if not parallel:
+        for j, g in enumerate(grammars):
+            llguidance_torch.fill_next_token_bitmask(g.matcher, bitmask, j)
+        return bitmask
     global _executor
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    vocab = logits.shape[1]
-    bitmask = llguidance_torch.allocate_token_bitmask(len(rows), vocab)         # [g, ceil(vocab / 32)] int32
-    llguidance_torch.fill_next_token_bitmask_par(_executor, [(grammars[i].matcher, j) for j, i in enumerate(rows)],
+    llguidance_torch.fill_next_token_bitmask_par(_executor, [(g.matcher, j) for j, g in enumerate(grammars)],
                                                  bitmask)
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool()                    # [g, words, 32]
+    return bitmask
+
+
+def apply_token_bitmask_(logits, bitmask, rows: list[int]):
+    """logits[rows[j], t] = -inf wherever bit t of bitmask[j] is clear. On the CPU one pass of
+    csrc/grammar_mask_cpu.cpp writes only the banned logits in place; the reference expands the
+    bitmask to [g, vocab] bools and gathers and scatters the rows (bench_structured times both:
+    0.3-0.5 ms against 5-15 ms at batch 32 here)."""
+    if logits.device.type == "cpu" and _grammar_cpu_built():
+        torch.ops.nanoserve_grammar.apply_token_bitmask_(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
+    else:
+        apply_token_bitmask_reference(logits, bitmask, rows)
+
+
+def apply_token_bitmask_reference(logits, bitmask, rows: list[int]):
+    """Plain PyTorch: unpack every bit, then mask the chosen rows (on any device)."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = bitmask.to(logits.device, non_blocking=True)                         # [g, words]
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool()                       # [g, words, 32]
     allowed = allowed.view(len(rows), -1)[:, :vocab]                            # [g, vocab]
     logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+
+
+def _grammar_cpu_built() -> bool:
+    return extensions.try_load("grammar_cpu", "grammar masks are applied with plain PyTorch ops (slower)")

@@ -1054,6 +1054,57 @@ def test_structured_outputs_survive_preemption(llm_f32, mode):
     assert_all_blocks_free(tiny.engine)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_grammar_bitmask_apply_matches_a_plain_expansion_of_the_bits(dtype):
+    import structured_output as so
+    if not so._grammar_cpu_built():
+        pytest.skip(f"csrc/grammar_mask_cpu.cpp could not be built: {extensions.failed.get('grammar_cpu')}")
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 1000, [4, 0, 2]               # 1000 = 31 words + 8 bits: the last word is partial
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32, generator=g)     # [3, words]
+    bitmask[0, :10], bitmask[1, 5:] = -1, 0     # whole words allowed and whole words banned
+    # the logits are a view with padding after each row: the op must not write past the vocab
+    padded = torch.randn(5, vocab + 24, generator=g).to(dtype)
+    logits = padded[:, :vocab]                                          # [5, 1000], row stride 1024
+    token = torch.arange(vocab)
+    want = padded.clone()
+    for j, r in enumerate(rows):                # bit t % 32 of word t // 32, gathered token by token
+        banned = ((bitmask[j, token // 32] >> (token % 32)) & 1) == 0
+        want[r, :vocab][banned] = float("-inf")
+    for apply in (so.apply_token_bitmask_, so.apply_token_bitmask_reference):
+        got = padded.clone()
+        apply(got[:, :vocab], bitmask, rows)
+        assert torch.equal(got, want), apply.__name__          # rows 1 and 3 and the padding untouched
+    assert 0 < torch.isinf(want[rows]).sum() < 3 * vocab and logits.stride(0) == vocab + 24
+
+
+def test_grammar_masks_allow_exactly_the_tokens_a_regex_can_continue_with(tok):
+    # oracle: [ab]{2,5} after k letters can take any token spelled with a and b alone, at most 5 - k
+    # bytes long, and EOS once k >= 2; llguidance's mask must say the same through the whole path
+    import structured_output as so
+    from structured_output import StructuredOutputsParams as SO
+    vocab = tok.vocab_size
+    compiler = so.GrammarCompiler(tok, vocab)
+
+    def oracle(k):
+        spelled = {t for t in range(vocab) if not tok.is_special(t) and re.fullmatch(rb"[ab]+", tok.token_bytes(t))
+                   and len(tok.token_bytes(t)) <= 5 - k}
+        return spelled | ({tok.eos_token_id} if k >= 2 else set())
+    a, b = compiler.compile(SO(regex="[ab]{2,5}")), compiler.compile(SO(regex="[ab]{2,5}"))
+    for t in tok.encode("ab"):                  # two grammars in one batch, in different states
+        b.advance(t)
+    logits = torch.zeros(3, vocab)
+    so.apply_grammar_masks(logits, [a, None, b])
+    allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+    assert allowed[0] == oracle(0) and allowed[2] == oracle(2) and len(oracle(0)) > 3
+    assert allowed[1] == set(range(vocab))                              # the free row is untouched
+    for parallel in (False, True):              # both fills (this machine's CPU count picks one above)
+        bits = so.fill_bitmasks([a, b], vocab, parallel=parallel)       # [2, words]
+        for j, k in enumerate((0, 2)):
+            token = torch.arange(vocab)
+            assert set(token[(bits[j, token // 32] >> (token % 32)) & 1 == 1].tolist()) == oracle(k), parallel
+
+
 def test_top_p_applies_to_what_top_k_kept_and_draws_follow_the_distribution():
     from sampler import SamplingState, apply_top_k_top_p_min_p, sample
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))
@@ -1686,12 +1737,12 @@ def test_reshape_and_cache_rejects_out_of_range_slots(cpu_backend):
 # ---- the same C++ on a CPU without AVX-512 ---------------------------------------------------
 
 AVX2_FLAGS = ["-march=x86-64-v3"]     # AVX2 + FMA + F16C, no AVX-512: the oldest CPU the kernels target
-CPU_SOURCES = ["paged_attention_cpu.cpp", "linear_cpu.cpp", "fused_cpu.cpp"]
+CPU_SOURCES = ["paged_attention_cpu.cpp", "linear_cpu.cpp", "fused_cpu.cpp", "grammar_mask_cpu.cpp"]
 
 
 def test_cpu_kernels_compile_for_avx2_only_cpus():
     # -march=native here has AVX-512; the #if'd AVX-512 paths must have AVX2 twins that compile.
-    # Syntax only (templates instantiated, no code generated), the three files at once: 25-100 s
+    # Syntax only (templates instantiated, no code generated), the four files at once: 25-100 s
     # on 2 shared cores (torch's headers), so opt-in like the build below.
     if os.environ.get("NANOSERVE_TEST_AVX2_BUILD") != "1":
         pytest.skip("set NANOSERVE_TEST_AVX2_BUILD=1 to compile-check the CPU kernels for AVX2 only")
@@ -1713,7 +1764,7 @@ import sys, torch, extensions
 for build in extensions.BUILDS.values():   # this process builds and loads the AVX2-only variants
     build["extra_cflags"] = [f for f in build.get("extra_cflags", []) if f != "-march=native"] + sys.argv[1:]
 import model as M, paged_attention as pa, test_all as T
-for kind in ("cpu", "linear_cpu", "fused_cpu"):
+for kind in ("cpu", "linear_cpu", "fused_cpu", "grammar_cpu"):
     extensions.load(kind)
 for kv in (torch.float32, torch.bfloat16):
     T.check_against_reference(lambda *b: pa.paged_attention(*b, backend="cpu"), T.make_batch(*T.MIXED, kv_dtype=kv), T.ATOL[kv])
@@ -1723,12 +1774,18 @@ got = M.linear(x.bfloat16(), w.bfloat16()).float()
 torch.testing.assert_close(got, torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float()), rtol=8e-3, atol=2e-2)
 gu = torch.randn(5, 64) * 4
 torch.testing.assert_close(M.silu_and_mul(gu, fused=True), M.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
+import structured_output as so
+bits, logits = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32), torch.randn(4, 1000)
+got, want = logits.clone(), logits.clone()
+so.apply_token_bitmask_(got, bits, [3, 0, 1])
+so.apply_token_bitmask_reference(want, bits, [3, 0, 1])
+assert torch.equal(got, want)
 print("avx2 numerics ok")
 """
 
 
 def test_cpu_kernels_built_for_avx2_only_match_the_references():
-    # builds all three libraries without AVX-512 (~2 min the first time, cached after): opt-in
+    # builds all four libraries without AVX-512 (~2 min the first time, cached after): opt-in
     if os.environ.get("NANOSERVE_TEST_AVX2_BUILD") != "1":
         pytest.skip("set NANOSERVE_TEST_AVX2_BUILD=1 to build the kernels for AVX2 only and check their numerics")
     result = subprocess.run([sys.executable, "-c", AVX2_NUMERICS, *AVX2_FLAGS], cwd=HERE, capture_output=True, text=True)
