@@ -75,7 +75,7 @@ def interleaved_medians(llm, runs: dict, num_rows, steps, rounds, part="step"):
     return medians if part is None else {name: m[part] for name, m in medians.items()}
 
 
-def bench_sampling_overhead(llm=None, batch=64, vocab=None, steps=8, rounds=2, repeats=10, dtype=None):
+def bench_sampling_overhead(llm=None, batch=64, vocab=None, steps=8, rounds=5, repeats=10, dtype=None):
     llm = llm or LLM(**({"dtype": dtype} if dtype else {}))
     vocab = vocab or llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
