@@ -229,9 +229,9 @@ def _cpu_linear_kernels() -> tuple[bool, bool]:
 
 
 # F.linear hands oneDNN a plain [N, K] weight, and oneDNN reorders it into its blocked layout on
-# every call: at 64 rows that reorder is a third of the matmul. Reordering once at load time
-# (the layout oneDNN picks for PACK_ROWS_HINT rows, which suits 16-512 rows here) and calling
-# _linear_pointwise on the packed copy removes it: a batch-64 pass over all SmolLM2-135M weights
+# every call: at 64 rows that reorder is a third of the matmul. Reordering once, at a layer's
+# first call (into the layout oneDNN picks for PACK_ROWS_HINT rows, which suits 16-512 rows
+# here), and calling _linear_pointwise on the packed copy removes it: a batch-64 pass over all SmolLM2-135M weights
 # took 84 ms plain and 55 ms packed in bfloat16, 151 and 106 ms in float32 (2 Zen 4 cores,
 # 2026-11-23; hints 128-1024 were within noise of each other, 64 was slower). The cost is a
 # second copy of each weight, since the small-M kernel reads the plain one.
