@@ -10,7 +10,8 @@ Engine.step() is the whole loop body, in the order data flows:
                            masks from structured_output.py, each on just the rows that ask)
   update                -> append tokens, detokenize, check stop conditions, retire finished
                            sequences (their blocks return to the pool this very step)
-llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from a thread.
+llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from engine_core.py,
+in a process of its own.
 Owns requests, their outputs and metrics (prompt logprobs included: extra logits rows of the
 prefill the request already does); validates input at the edge (add_request).
 """
@@ -34,7 +35,7 @@ from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "SamplingParams",
+__all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "PromptLimits", "SamplingParams",
            "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
@@ -80,6 +81,38 @@ class EngineStats:
     num_batched_tokens_last_step: int   # their tokens
     num_padding_last_step: int          # static batching: finished members still computed
     num_prompt_padding_last_step: int   # static batching: left-padding rows of short prompts
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What any prompt must fit on this engine. The engine checks it at add_request; serve.py's front
+    end, which has no Engine, checks the same numbers before queueing, so a bad request fails before
+    its stream starts."""
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    usable_blocks: int                  # the whole pool less the scheduler's watermark
+
+    def check(self, ids: list[int], max_tokens: int):
+        """Can a prompt of these token ids, with max_tokens more, ever run here?"""
+        vocab = self.vocab_size
+        if not ids:
+            raise InvalidRequest("prompt", "prompt must not be empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest("prompt", f"prompt token ids must be in [0, {vocab}), got {bad}")
+        total, limit = len(ids) + max_tokens, self.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequest("prompt", f"prompt has {len(ids)} tokens; the context length is "
+                                           f"max_model_len={limit}")
+        if total > limit:
+            raise InvalidRequest("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} "
+                                               f"exceeds the context length max_model_len={limit}; use at most "
+                                               f"{limit - len(ids)}")
+        if -(-total // self.block_size) > self.usable_blocks:
+            raise InvalidRequest("prompt", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
+                                           f"({self.usable_blocks} blocks of {self.block_size}); raise "
+                                           f"kv_cache_memory or lower max_tokens")
 
 
 @dataclass
@@ -201,6 +234,8 @@ class Engine:
         self.attention_backend = paged_attention.resolve_backend(config.attention_backend, self.device.type)
         self._init_kv_cache(dtype)
         self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
+        self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
+                                          self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
@@ -254,27 +289,7 @@ class Engine:
         return self.grammars.compile(structured)
 
     def check_prompt(self, ids: list[int], max_tokens: int):
-        """Can a prompt of these token ids, with max_tokens more, ever run here? (serve.py asks
-        before queueing, so a bad request fails before its stream starts.)"""
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise InvalidRequest("prompt", "prompt must not be empty")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest("prompt", f"prompt token ids must be in [0, {vocab}), got {bad}")
-        total, limit = len(ids) + max_tokens, self.max_model_len
-        if len(ids) >= limit:
-            raise InvalidRequest("prompt", f"prompt has {len(ids)} tokens; the context length is "
-                                           f"max_model_len={limit}")
-        if total > limit:
-            raise InvalidRequest("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} "
-                                               f"exceeds the context length max_model_len={limit}; use at most "
-                                               f"{limit - len(ids)}")
-        usable = self.blocks.num_blocks - self.scheduler.watermark_blocks
-        if self.blocks.blocks_needed(total) > usable:
-            raise InvalidRequest("prompt", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
-                                           f"({usable} blocks of {self.config.block_size}); raise kv_cache_memory "
-                                           f"or lower max_tokens")
+        self.prompt_limits.check(ids, max_tokens)
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):

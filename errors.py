@@ -11,6 +11,9 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # it crosses the pipe from the engine core process to serve.py's front end
+        return InvalidRequest, (self.field, str(self))
+
 
 def need(ok: bool, field: str, allowed: str, value) -> None:
     """Raise InvalidRequest('<field> must be <allowed>, got <value>') unless ok."""

@@ -18,7 +18,8 @@ from typing import AsyncIterator, Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine import Engine, InvalidRequest, RequestOutput, SamplingParams, StructuredOutputsParams
+from engine import InvalidRequest, PromptLimits, RequestOutput, SamplingParams, StructuredOutputsParams
+from tokenizer import Tokenizer
 
 MAX_N = 16  # choices per prompt; more would let one request crowd out the batch
 
@@ -32,6 +33,9 @@ class APIError(Exception):
                  headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def __reduce__(self):  # the engine core process sends these to the front end
+        return APIError, (self.status, self.message, self.param, self.code, self.headers)
 
     def body(self) -> dict:
         kind = {404: "not_found_error"}.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
@@ -171,11 +175,10 @@ def logit_bias(req: SamplingRequest) -> dict[int, float] | None:
 class OpenAIProtocol:
     """Checks requests against the served model (name, vocabulary, context, policy) and renders tokens."""
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
-        self.vocab_size = engine.model_config.vocab_size
-        self.max_model_len = engine.max_model_len
-        self.scheduling_policy = engine.config.scheduling_policy
+    def __init__(self, tokenizer: Tokenizer, limits: PromptLimits, scheduling_policy: str, model_name: str):
+        self.tokenizer, self.limits, self.model_name = tokenizer, limits, model_name
+        self.vocab_size, self.max_model_len = limits.vocab_size, limits.max_model_len
+        self.scheduling_policy = scheduling_policy
         self.token_text_cache: dict[int, str] = {}
 
     def parse(self, body: bytes, schema: type[SamplingRequest]) -> SamplingRequest:
@@ -196,7 +199,7 @@ class OpenAIProtocol:
         """The engine's own checks (vocabulary, context length, KV cache), before anything is queued."""
         for ids in prompts:
             try:
-                self.engine.check_prompt(ids, max_tokens)
+                self.limits.check(ids, max_tokens)
             except InvalidRequest as exc:
                 code = "context_length_exceeded" if "context length" in str(exc) else None
                 raise invalid(exc, aliases, code) from None

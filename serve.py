@@ -4,15 +4,20 @@ OpenAI-compatible HTTP server over one continuous-batching Engine: /v1/completio
 
 One request, HTTP to sampler and back: a route reads the body (413 over --max-request-bytes),
 openai_api.py parses it and tokenizes (off the event loop) into an Exchange, OpenAIServer.start
-admits it as a Run into the EngineLoop (engine_loop.py: the thread that owns the Engine, steps
-it and routes each RequestOutput back to the Run), and the route answers with a JSON body or an
-SSE stream built by the Exchange. This file owns routes, admission (API key, body size, queue
-bound), disconnects, graceful shutdown and /metrics; it never touches the Engine from the event
-loop except through the EngineLoop.
+admits it as a Run through the EngineClient (engine_client.py), which sends it over a pipe to the
+engine core (engine_core.py: the process that owns the Engine and steps it) and routes each
+RequestOutput the core sends back to the Run; the route answers with a JSON body or an SSE stream
+built by the Exchange. This process owns routes, admission (API key, body size, queue bound),
+disconnects, graceful shutdown and /metrics; it never holds the Engine: the engine core process does,
+so the GIL this process's Python holds never pauses a step.
 """
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # 2 shared cores: spinning OpenMP threads starve the event loop
+# The engine core process inherits this: a step is hundreds of small OpenMP ops, and a short spin
+# between them (bench.py's) beats a passive wait's wake-up per op; README, "HTTP", has the numbers.
+# An OMP_WAIT_POLICY or GOMP_SPINCOUNT you set wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import argparse
 import asyncio
@@ -30,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import Engine, EngineConfig, InvalidRequest
-from engine_loop import ClientGone, EngineLoop, Run
+from engine_client import ClientGone, EngineClient, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
     OpenAIProtocol
 
@@ -40,13 +45,13 @@ log = logging.getLogger("nanoserve.serve")
 # ----------------------------------------------------------------------------- the server
 
 class OpenAIServer:
-    """The route handlers: admission into the EngineLoop, then a JSON body or an SSE stream."""
+    """The route handlers: admission through the EngineClient, then a JSON body or an SSE stream."""
 
-    def __init__(self, engine: Engine, served_model_name: str, max_waiting: int, max_request_bytes: int):
-        self.engine, self.model_name, self.max_waiting = engine, served_model_name, max_waiting
+    def __init__(self, client: EngineClient, served_model_name: str, max_waiting: int, max_request_bytes: int):
+        self.client, self.model_name, self.max_waiting = client, served_model_name, max_waiting
         self.max_request_bytes = max_request_bytes
-        self.loop = EngineLoop(engine)
-        self.api = OpenAIProtocol(engine, served_model_name)
+        info = client.info
+        self.api = OpenAIProtocol(client.tokenizer, info.limits, info.scheduling_policy, served_model_name)
         self.runs: set[Run] = set()       # admitted (or being admitted) and not yet closed
         self.accepting = True             # False once shutdown began: new work gets 503
 
@@ -59,7 +64,7 @@ class OpenAIServer:
     async def answer(self, request: Request, schema: type, exchange_type: type):
         """Admit the request, then stream the run as SSE or wait for all of it; the run is aborted
         however this ends early. Everything before admission is cheap and costs the engine nothing."""
-        requests = self.loop.metrics.requests
+        requests = self.client.metrics.requests
         requests["received"] += 1
         try:
             self.check_accepting()
@@ -91,17 +96,17 @@ class OpenAIServer:
                            headers={"Retry-After": "5"})
 
     def check_capacity(self, num_prompts: int) -> None:
-        if self.loop.num_waiting() + num_prompts > self.max_waiting:
+        if self.client.num_waiting() + num_prompts > self.max_waiting:
             raise APIError(503, f"too many waiting requests (max {self.max_waiting}); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
 
     async def start(self, exchange: Exchange) -> Run:
         """Admit one HTTP request into the engine; a refusal is counted as rejected, a hang-up as aborted."""
         ids = [f"{exchange.request_id}-{i}" for i in range(len(exchange.prompts))]
-        run = Run(self.loop, ids, exchange.prompts, exchange.params, exchange.req.priority, exchange.req.cache_salt,
+        run = Run(self.client, ids, exchange.prompts, exchange.params, exchange.req.priority, exchange.req.cache_salt,
                   self.runs)
         try:
-            self.loop.submit(run)
+            self.client.submit(run)
             await run.admitted()
         except InvalidRequest as exc:  # the engine rejected the input at add time
             run.unfinished.clear()
@@ -120,12 +125,12 @@ class OpenAIServer:
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "nanoserve", "max_model_len": self.engine.max_model_len}]}
+                                            "owned_by": "nanoserve", "max_model_len": self.api.max_model_len}]}
 
     async def health(self):
-        if self.loop.alive():
+        if self.client.alive():
             return JSONResponse({"status": "ok"})
-        reason = self.loop.dead_reason or "the engine loop is not running"
+        reason = self.client.dead_reason or "the engine core is not running"
         return APIError(503, f"unhealthy: {reason}", code="engine_dead").response()
 
     async def prometheus(self):
@@ -167,8 +172,8 @@ class EventStream(StreamingResponse):
 
 
 def render_metrics(server: OpenAIServer) -> str:
-    stats, loop, labels = server.loop.stats, server.loop, f'model_name="{server.model_name}"'
-    occupancy = stats.num_seqs_last_step / server.engine.config.max_num_seqs
+    stats, client, labels = server.client.stats, server.client, f'model_name="{server.model_name}"'
+    occupancy = stats.num_seqs_last_step / client.info.max_num_seqs
     series = [  # (name, type, help, value)
         ("num_requests_running", "gauge", "Requests in the running batch.", stats.num_running),
         ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats.num_waiting),
@@ -183,17 +188,17 @@ def render_metrics(server: OpenAIServer) -> str:
         ("num_batched_tokens_last_step", "gauge", "Tokens in the last step.",
          stats.num_batched_tokens_last_step),
         ("queue_depth", "gauge", "Requests accepted over HTTP but not yet handed to the engine.",
-         loop.num_pending_adds),
+         client.num_pending_adds),
         ("prefix_cache_hit_rate", "gauge", "Prefix cache hit rate (0..1).", stats.prefix_cache_hit_rate),
         ("requests_received_total", "counter", "Generation requests received (= finished + aborted + rejected "
-         "+ failed once they end).", loop.metrics.requests["received"]),
-        ("requests_finished_total", "counter", "Requests that ran to their end.", loop.metrics.requests["finished"]),
+         "+ failed once they end).", client.metrics.requests["received"]),
+        ("requests_finished_total", "counter", "Requests that ran to their end.", client.metrics.requests["finished"]),
         ("request_aborted_total", "counter", "Admitted requests aborted unfinished: the client left, or shutdown.",
-         loop.metrics.requests["aborted"]),
+         client.metrics.requests["aborted"]),
         ("requests_rejected_total", "counter", "Requests refused before they ran (4xx, 503).",
-         loop.metrics.requests["rejected"]),
+         client.metrics.requests["rejected"]),
         ("request_failures_total", "counter", "Admitted requests failed by an engine error.",
-         loop.metrics.requests["failed"]),
+         client.metrics.requests["failed"]),
         ("requests_in_flight", "gauge", "Admitted requests not yet ended.", len(server.runs)),
     ]
     lines = []
@@ -203,24 +208,26 @@ def render_metrics(server: OpenAIServer) -> str:
     lines += ["# HELP nanoserve:finished_sequences_total Finished choices (n per request) by finish_reason.",
               "# TYPE nanoserve:finished_sequences_total counter"]
     lines += [f'nanoserve:finished_sequences_total{{{labels},finished_reason="{reason}"}} {count}'
-              for reason, count in sorted(loop.metrics.finished.items(), key=lambda kv: str(kv[0]))]
-    for histogram in (loop.metrics.ttft, loop.metrics.tpot, loop.metrics.e2e):
+              for reason, count in sorted(client.metrics.finished.items(), key=lambda kv: str(kv[0]))]
+    for histogram in (client.metrics.ttft, client.metrics.tpot, client.metrics.e2e):
         lines += histogram.render(labels)
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- app and CLI
 
-def build_app(engine: Engine, served_model_name: str, max_waiting: int = 256, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the engine thread (tests may run it in-process)."""
-    server = OpenAIServer(engine, served_model_name, max_waiting, max_request_bytes)
+def build_app(engine: Engine | EngineClient, served_model_name: str, max_waiting: int = 256,
+              api_key: str | None = None, max_request_bytes: int = 1 << 20) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the engine core. serve.py passes the client of a
+    core process; tests may pass an Engine, whose core then runs in a thread of this process."""
+    client = engine if isinstance(engine, EngineClient) else EngineClient.in_thread(engine)
+    server = OpenAIServer(client, served_model_name, max_waiting, max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.loop.start()
+        client.start()
         yield
-        server.loop.stop()
+        client.stop()
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.state.server = server
@@ -361,12 +368,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = Engine(engine_config(args))
+        client = EngineClient.in_process(engine_config(args))   # builds the engine in the core process
     except ValueError as exc:  # a bad flag value: say which, without a traceback
         sys.exit(f"serve.py: error: {exc}")
     default_name = os.path.basename(os.path.normpath(args.model or "SmolLM2-135M-Instruct")).removesuffix(".gguf")
     name = args.served_model_name or default_name
-    app = build_app(engine, name, args.max_waiting, args.api_key, args.max_request_bytes)
+    app = build_app(client, name, args.max_waiting, args.api_key, args.max_request_bytes)
     log.info("serving %s on http://%s:%d%s", name, args.host, args.port, " (API key required)" if args.api_key else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     # uvicorn re-raises a signal it was stopped by; a no-op handler turns that into a normal exit (status 0).

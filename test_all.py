@@ -2850,7 +2850,7 @@ def test_engine_thread_dying_fails_every_client_and_health_says_so(tiny):
     engine = CrashingEngine(tiny_llm(tiny, max_num_seqs=2).engine)
     body = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
     with TestClient(build_app(engine, "tiny")) as http, ThreadPoolExecutor(4) as pool:
-        loop = http.app.state.server.loop
+        loop = http.app.state.server.client
         streams = [pool.submit(sse_lines, http, body) for _ in range(4)]      # 2 run, 2 wait in the engine
         deadline = time.monotonic() + 60
         while not (loop.stats.num_running == 2 and loop.stats.num_waiting == 2 and loop.stats.generation_tokens_total):
@@ -2868,13 +2868,64 @@ def test_engine_thread_dying_fails_every_client_and_health_says_so(tiny):
     assert health.status_code == 503 and "injected crash" in health.json()["error"]["message"]
 
 
+def child_processes(pid: int) -> dict[int, str]:
+    """{pid: command line} of the processes whose parent is pid."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1] == str(pid):
+                found[int(entry)] = open(f"/proc/{entry}/cmdline").read().replace("\0", " ")
+        except OSError:
+            pass
+    return found
+
+
+def test_engine_core_process_dying_fails_streams_and_serve_still_exits_0(tiny):
+    """serve.py's engine runs in a child process (so the front end's Python never holds the GIL a step
+    needs). When that process is killed outright, a stream in flight ends with an error event, /health
+    and new requests get 503, and SIGTERM still stops the front end with status 0."""
+    port, log = free_port(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--model", str(tiny[0]),
+                             "--kv-cache-memory", "16MiB", "--device", "cpu", "--dtype", "float32"],
+                            cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+    url, body = f"http://127.0.0.1:{port}", {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
+                                             "ignore_eos": True, "stream": True}
+    try:
+        deadline = time.monotonic() + 120
+        while not health_ok(url):
+            assert proc.poll() is None and time.monotonic() < deadline, server_log(log)
+            time.sleep(0.2)
+        cores = [p for p, cmd in child_processes(proc.pid).items() if "spawn_main" in cmd]
+        assert len(cores) == 1, child_processes(proc.pid)
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+            os.kill(cores[0], signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and "engine is dead" in json.loads(rest[-2][6:])["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 503
+        late = httpx.post(url + "/v1/completions", json={**body, "stream": False})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, server_log(log)
+
+
+def health_ok(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def test_max_waiting_counts_every_prompt_of_a_request(tiny):
     engine = WrappedEngine(tiny_llm(tiny).engine)
     engine.gate.clear()                           # the first request's step holds the loop: the rest wait
     def body(prompts):
         return {"prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     with TestClient(build_app(engine, "tiny", max_waiting=3)) as http, ThreadPoolExecutor(2) as pool:
-        loop = http.app.state.server.loop
+        loop = http.app.state.server.client
         first = pool.submit(http.post, "/v1/completions", json=body([[5, 6], [7, 8]]))   # 2 of 3 places
         deadline = time.monotonic() + 30
         while loop.num_waiting() != 2 or loop.num_pending_adds:

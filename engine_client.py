@@ -1,0 +1,346 @@
+"""
+The front end's side of the engine core: serve.py's handle on an engine that runs elsewhere.
+
+An EngineClient starts the engine core (engine_core.py: in a process of its own for serve.py, in a
+thread for tests), sends it add and abort commands, and routes each CoreUpdate it answers with to the
+Run of the HTTP request it belongs to, on the event loop. Two small threads move the pickled messages,
+so the event loop never blocks on the pipe. A Run keeps only the newest output per prompt (deltas
+merged), so a slow reader costs bounded memory and stalls no one. Also the server's latency
+histograms and request counters. Owns no HTTP and no protocol: serve.py owns routes, admission and
+shutdown, openai_api.py the request and answer shapes, engine_core.py the Engine.
+"""
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+
+from fastapi import Request
+
+from engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from engine_core import STOP, AbortRequests, AddRequests, CoreDied, CoreUpdate, EngineCore, EngineInfo, \
+    run_core_process
+from openai_api import APIError
+from tokenizer import Tokenizer
+
+log = logging.getLogger("nanoserve.serve")
+DISCONNECT_POLL_S = 0.5    # how often a non-streamed request checks whether its client is gone
+
+
+# ----------------------------------------------------------------------------- metrics
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: list[float]):
+        self.name, self.help, self.buckets = name, help_text, buckets
+        self.counts, self.sum, self.count = [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, le in enumerate(self.buckets):
+            self.counts[i] += value <= le
+        self.sum += value
+        self.count += 1
+
+    def render(self, labels: str) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        lines += [f'{self.name}_bucket{{{labels},le="{le}"}} {c}' for le, c in zip(self.buckets, self.counts)]
+        lines += [f'{self.name}_bucket{{{labels},le="+Inf"}} {self.count}',
+                  f"{self.name}_sum{{{labels}}} {self.sum}", f"{self.name}_count{{{labels}}} {self.count}"]
+        return lines
+
+
+class ServerMetrics:
+    """Latency histograms and request counters the engine's stats() does not keep."""
+
+    def __init__(self):
+        self.ttft = Histogram("nanoserve:time_to_first_token_seconds",
+                              "Time from request admission to its first token.",
+                              [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80])
+        self.tpot = Histogram("nanoserve:time_per_output_token_seconds", "Mean time between output tokens.",
+                              [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5])
+        self.e2e = Histogram("nanoserve:e2e_request_latency_seconds",
+                             "Time from request admission to its last token.",
+                             [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320])
+        self.finished = collections.Counter()  # finish_reason -> choices
+        # HTTP requests to the generation routes, counted on the event loop:
+        # received = finished + aborted (client left, or shutdown) + rejected (never admitted) + failed (engine error)
+        self.requests = collections.Counter()
+
+
+# ----------------------------------------------------------------------------- one HTTP request
+
+class ClientGone(Exception):
+    """The client of a non-streamed request hung up; nobody is left to answer."""
+
+
+class Run:
+    """One HTTP request's sequences (one engine request per prompt) and what the engine sent them.
+
+    Outputs coalesce: only the newest output of each prompt waits to be read, with the deltas the
+    reader has not taken yet merged in front, so a client that reads slowly holds one output per
+    prompt however far behind it is, and never slows the engine or anyone else."""
+
+    def __init__(self, client: "EngineClient", request_ids: list[str], prompts: list[list[int]],
+                 params: SamplingParams, priority: int, cache_salt: str | None, active: set):
+        self.client, self.request_ids, self.prompts = client, request_ids, prompts
+        self.params, self.priority, self.cache_salt = params, priority, cache_salt
+        self.notices = collections.deque()         # ("admitted" | "error" | "gone", payload), in order
+        self.pending: dict[int, RequestOutput] = {}  # prompt index -> newest unread output
+        self.ready = asyncio.Event()
+        self.arrival = time.monotonic()
+        self.unfinished = set(request_ids)
+        self.error: Exception | None = None
+        self.active = active                       # the server's runs in flight (shutdown drains them)
+        self.closed = False
+        active.add(self)
+
+    def put(self, kind: str, payload) -> None:
+        """On the event loop: one message from the engine core (or a watcher, or shutdown)."""
+        if kind == "output":
+            index, out = payload
+            self.pending[index] = merge_unread(self.pending.get(index), out)
+        else:
+            self.notices.append((kind, payload))
+        self.ready.set()
+
+    async def next(self) -> tuple[str, object]:
+        while not (self.notices or self.pending):
+            self.ready.clear()
+            await self.ready.wait()
+        if self.notices:
+            return self.notices.popleft()
+        index = next(iter(self.pending))
+        return "output", (index, self.pending.pop(index))
+
+    async def outputs(self):
+        """Every (prompt index, RequestOutput) until all prompts have finished; raises what the engine sent."""
+        while self.unfinished:
+            kind, payload = await self.next()
+            if kind == "gone":
+                raise ClientGone()
+            if kind == "error":
+                self.error = payload
+                raise payload
+            index, out = payload
+            if out.finished:
+                self.unfinished.discard(out.request_id)
+            yield index, out
+
+    async def watch_disconnect(self, request: Request) -> None:
+        """For non-streamed requests, which Starlette does not cancel when the client leaves."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        self.put("gone", None)
+
+    async def admitted(self) -> None:
+        kind, payload = await self.next()
+        if kind == "error":
+            raise payload
+
+    def close(self, outcome: str | None = None) -> None:
+        """Abort whatever has not finished (client gone, error, shutdown) and count how the request
+        ended, once; safe to call again."""
+        if self.closed:
+            return
+        self.closed = True
+        self.active.discard(self)
+        if outcome is None:
+            shutdown = isinstance(self.error, APIError) and self.error.code == "shutting_down"
+            outcome = ("finished" if not self.unfinished else "aborted" if self.error is None or shutdown
+                       else "failed")
+        if self.unfinished:
+            self.client.abort(list(self.unfinished))
+        self.unfinished.clear()
+        self.client.metrics.requests[outcome] += 1
+
+
+def merge_unread(unread: RequestOutput | None, new: RequestOutput) -> RequestOutput:
+    """new, with the deltas of an output nobody has read yet in front of its own (the rest of an
+    output is cumulative already: text, token ids, logprobs)."""
+    if unread is None:
+        return new
+    outputs = [dataclasses.replace(c, delta_text=u.delta_text + c.delta_text,
+                                   delta_token_ids=u.delta_token_ids + c.delta_token_ids)
+               for u, c in zip(unread.outputs, new.outputs)]
+    return dataclasses.replace(new, outputs=outputs)
+
+
+@dataclasses.dataclass
+class Tracked:
+    run: Run
+    index: int                         # which prompt of the run
+    first_token_time: float | None = None
+
+
+# ----------------------------------------------------------------------------- the engine core's client
+
+class EngineClient:
+    """The front end's handle on the engine core: submit and abort from the event loop; a reader thread
+    hands each CoreUpdate to the event loop, which routes it to the Runs. All client state (tracked,
+    adding, metrics) is touched on the event loop only."""
+
+    def __init__(self, info: EngineInfo, tokenizer: Tokenizer, conn, core):
+        self.info, self.tokenizer, self.conn, self.core = info, tokenizer, conn, core  # core: Process or Thread
+        self.metrics = ServerMetrics()
+        self.stats = info.stats            # the newest the core sent; read by /metrics and admission
+        self.dead_reason: str | None = None
+        self.stopping = False
+        self.keys = itertools.count()
+        self.adding: dict[int, Run] = {}   # AddRequests key -> run, until the core admits or rejects it
+        self.num_pending_adds = 0          # their prompts: the queue before the engine's own
+        self.tracked: dict[str, Tracked] = {}
+        self.outbox = queue.SimpleQueue()  # commands for the writer thread: a big prompt never blocks the loop
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @staticmethod
+    def in_process(config: EngineConfig) -> "EngineClient":
+        """serve.py: the engine core in a process of its own; returns once its engine is built.
+        Raises the core's ValueError for a bad engine flag."""
+        context = multiprocessing.get_context("spawn")   # never fork a process that may hold OpenMP threads
+        conn, core_conn = context.Pipe()
+        core = context.Process(target=run_core_process, args=(config, core_conn), name="nanoserve-engine-core",
+                               daemon=True)
+        core.start()
+        core_conn.close()                  # ours is the only end left here, so the core's exit reads as EOF
+        try:
+            info = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the engine core exited while starting (exit code {core.join(5) or core.exitcode})")
+        if isinstance(info, Exception):
+            core.join(5)
+            raise info
+        return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, core)
+
+    @staticmethod
+    def in_thread(engine: Engine) -> "EngineClient":
+        """Tests: the same core loop over the same pipe, in a thread beside an Engine the test holds."""
+        conn, core_conn = multiprocessing.Pipe()
+        core = threading.Thread(target=EngineCore(engine, core_conn).run, name="engine-core", daemon=True)
+        return EngineClient(EngineInfo.of(engine), engine.tokenizer, conn, core)
+
+    # -- called on the event loop
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if isinstance(self.core, threading.Thread):
+            self.core.start()
+        threading.Thread(target=self._read, name="core-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="core-writer", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop the core (requests still in it are aborted) and wait for it."""
+        self.stopping = True
+        self.outbox.put(STOP)
+        self.core.join(timeout=30)
+        if isinstance(self.core, multiprocessing.process.BaseProcess) and self.core.is_alive():
+            log.warning("the engine core did not stop in 30 s; killing it")
+            self.core.kill()
+
+    def alive(self) -> bool:
+        return self.dead_reason is None and self.core.is_alive()
+
+    def num_waiting(self) -> int:
+        return self.stats.num_waiting + self.stats.num_swapped + self.num_pending_adds
+
+    def submit(self, run: Run) -> None:
+        if self.dead_reason is not None:
+            raise APIError(503, f"engine is dead: {self.dead_reason}", code="engine_dead")
+        key = next(self.keys)
+        self.adding[key] = run
+        self.num_pending_adds += len(run.request_ids)
+        for index, request_id in enumerate(run.request_ids):
+            self.tracked[request_id] = Tracked(run, index)
+        self.outbox.put(AddRequests(key, run.request_ids, run.prompts, run.params, run.priority, run.cache_salt))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.tracked.pop(request_id, None)
+        self.outbox.put(AbortRequests(request_ids))
+
+    # -- the pipe's two threads
+    def _write(self) -> None:
+        while True:
+            command = self.outbox.get()
+            try:
+                self.conn.send(command)
+            except OSError:
+                return                     # the core is gone; the reader reports it
+            if command is STOP:
+                return
+
+    def _read(self) -> None:
+        try:
+            while True:
+                update = self.conn.recv()
+                if isinstance(update, CoreDied):
+                    self.loop.call_soon_threadsafe(self.died, update.reason)
+                    return
+                self.loop.call_soon_threadsafe(self.apply, update)   # one wake-up of the loop per step
+        except (EOFError, OSError):
+            pass
+        except BaseException as exc:       # a message that does not unpickle: the pipe can no longer be trusted
+            log.exception("reading from the engine core failed")
+            self.loop.call_soon_threadsafe(self.died, repr(exc))
+            return
+        if not self.stopping:
+            code = getattr(self.core, "exitcode", None)
+            self.loop.call_soon_threadsafe(self.died, f"the engine core exited (exit code {code})")
+
+    # -- back on the event loop
+    def apply(self, update: CoreUpdate) -> None:
+        """Route one turn of the core to the Runs: admissions, refusals, outputs, failures."""
+        self.stats = update.stats
+        for key in update.admitted:
+            run = self.adding.pop(key)
+            self.num_pending_adds -= len(run.request_ids)
+            run.put("admitted", None)
+        for key, exc in update.rejected:
+            run = self.adding.pop(key)
+            self.num_pending_adds -= len(run.request_ids)
+            for request_id in run.request_ids:
+                self.tracked.pop(request_id, None)
+            run.put("error", exc)
+        now = time.monotonic()
+        for out in update.outputs:
+            entry = self.tracked.get(out.request_id)
+            if entry is None:
+                continue  # aborted while the step ran
+            try:
+                self._route(entry, out, now)
+            except Exception as exc:  # a bug with one output fails that request, not the server
+                log.exception("routing output of %s failed", out.request_id)
+                self.abort([out.request_id])
+                entry.run.put("error", APIError(500, f"output processing failed: {exc!r}"))
+        for request_id, exc in update.failed:
+            entry = self.tracked.pop(request_id, None)
+            if entry is not None:
+                entry.run.put("error", exc)
+
+    def _route(self, entry: Tracked, out: RequestOutput, now: float) -> None:
+        metrics = self.metrics
+        if entry.first_token_time is None and any(c.token_ids for c in out.outputs):
+            entry.first_token_time = now
+            metrics.ttft.observe(now - entry.run.arrival)
+        entry.run.put("output", (entry.index, out))
+        if not out.finished:
+            return
+        del self.tracked[out.request_id]
+        metrics.e2e.observe(now - entry.run.arrival)
+        num_tokens = max(len(c.token_ids) for c in out.outputs)
+        if entry.first_token_time is not None and num_tokens > 1:
+            metrics.tpot.observe((now - entry.first_token_time) / (num_tokens - 1))
+        metrics.finished.update(c.finish_reason for c in out.outputs)
+
+    def died(self, reason: str) -> None:
+        """The core is gone: every run still waiting on it ends with a 503, and so does new work."""
+        log.error("engine core died: %s", reason)
+        self.dead_reason = reason
+        error = APIError(503, f"engine is dead: {reason}", code="engine_dead")
+        runs = {entry.run for entry in self.tracked.values()} | set(self.adding.values())
+        self.tracked.clear()
+        self.adding.clear()
+        self.num_pending_adds = 0
+        for run in runs:
+            run.put("error", error)
