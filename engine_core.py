@@ -7,8 +7,8 @@ reason is the GIL: in one process, every bit of Python the event loop ran (parsi
 SSE chunk) paused the engine's step, and on 2 cores a batch-32 step took 104 ms in the server against
 64 ms alone. vLLM's and SGLang's engine cores exist for the same reason.
 
-One turn of the loop: take every command waiting on the pipe (add, abort), step the engine once, send
-one CoreUpdate with what happened. Idle, it sleeps on the pipe. It owns no HTTP, no client state and no
+One turn of the loop: take every command waiting on the pipe (add, abort), answer the adds at once,
+step the engine once, send one CoreUpdate with what the step produced. Idle, it sleeps on the pipe. It owns no HTTP, no client state and no
 protocol. A failed step fails every request in the engine; MAX_STEP_FAILURES in a row end the core,
 which says why (CoreDied) if it can; the front end sees any end of the core as the pipe closing.
 Tests run the same loop in a thread of their own process (engine_client.EngineClient.in_thread), over
@@ -52,7 +52,7 @@ STOP = None                             # front end -> core: abort what is left 
 
 @dataclass
 class CoreUpdate:
-    """Core -> front end, once per turn of the loop: what the step produced, and the engine's state."""
+    """Core -> front end, after a turn's adds and after its step: what happened, and the engine's state."""
     stats: EngineStats
     outputs: list[RequestOutput] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)                       # AddRequests keys
@@ -107,6 +107,9 @@ class EngineCore:
             update = CoreUpdate(stats=None)
             if not self.take_commands(update, wait=not self.engine.has_unfinished_requests()):
                 break
+            if update.admitted or update.rejected or not self.engine.has_unfinished_requests():
+                self.send(update)       # before the step: admission and the queue's length can't wait for it
+                update = CoreUpdate(stats=None)
             if self.engine.has_unfinished_requests():
                 try:
                     update.outputs = self.engine.step()
@@ -114,8 +117,11 @@ class EngineCore:
                 except Exception as exc:
                     failures += 1
                     self.step_failed(exc, failures, update)
-            update.stats = self.engine.stats()
-            self.conn.send(update)
+                self.send(update)
+
+    def send(self, update: CoreUpdate) -> None:
+        update.stats = self.engine.stats()
+        self.conn.send(update)
 
     def take_commands(self, update: CoreUpdate, wait: bool) -> bool:
         """Apply every command on the pipe (waiting for one if idle); False once told to stop."""
@@ -162,8 +168,7 @@ class EngineCore:
             update.failed.append((request_id, error))
         self.engine.check_invariants()  # an inconsistent engine must not keep serving
         if failures >= MAX_STEP_FAILURES:
-            update.stats = self.engine.stats()
-            self.conn.send(update)      # the failed requests hear why before the pipe closes
+            self.send(update)           # the failed requests hear why before the pipe closes
             raise RuntimeError(f"engine.step() failed {failures} times in a row") from exc
 
 

@@ -2799,6 +2799,7 @@ def test_full_waiting_queue_gets_503_with_retry_after(offline):
     assert not offline.engine.has_unfinished_requests()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the core thread's death is the point
 def test_step_failure_fails_requests_then_repeated_failures_mark_unhealthy(offline):
     engine = WrappedEngine(offline.engine)
     engine.failures_left = 1
@@ -2925,19 +2926,21 @@ def test_max_waiting_counts_every_prompt_of_a_request(tiny):
     def body(prompts):
         return {"prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     with TestClient(build_app(engine, "tiny", max_waiting=3)) as http, ThreadPoolExecutor(2) as pool:
-        loop = http.app.state.server.client
-        first = pool.submit(http.post, "/v1/completions", json=body([[5, 6], [7, 8]]))   # 2 of 3 places
-        deadline = time.monotonic() + 30
-        while loop.num_waiting() != 2 or loop.num_pending_adds:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        two_more = http.post("/v1/completions", json=body([[9], [10]]))                 # 2 + 2 > 3
-        fits = pool.submit(http.post, "/v1/completions", json=body([[11]]))             # 2 + 1 = 3
-        while loop.num_waiting() != 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        one_more = http.post("/v1/completions", json=body([[12]]))                      # 3 + 1 > 3
-        engine.gate.set()
+        client = http.app.state.server.client
+        try:
+            first = pool.submit(http.post, "/v1/completions", json=body([[5, 6], [7, 8]]))   # 2 of 3 places
+            deadline = time.monotonic() + 30
+            while client.num_waiting() != 2 or client.num_pending_adds:   # admitted, queued in the engine
+                assert time.monotonic() < deadline, (client.stats, client.num_pending_adds)
+                time.sleep(0.02)
+            two_more = http.post("/v1/completions", json=body([[9], [10]]))                 # 2 + 2 > 3
+            fits = pool.submit(http.post, "/v1/completions", json=body([[11]]))             # 2 + 1 = 3
+            while client.num_waiting() != 3:
+                assert time.monotonic() < deadline, (client.stats, client.num_pending_adds)
+                time.sleep(0.02)
+            one_more = http.post("/v1/completions", json=body([[12]]))                      # 3 + 1 > 3
+        finally:
+            engine.gate.set()                     # a failed wait must not leave the pool's requests hanging
         accepted = [first.result(timeout=60), fits.result(timeout=60)]
     assert [two_more.status_code, one_more.status_code] == [503, 503]
     assert two_more.json()["error"]["code"] == "queue_full"
