@@ -247,11 +247,23 @@ def onednn_prepack_available() -> bool:
     return ok
 
 
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """oneDNN runs bfloat16 only where the CPU has AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an
+    AVX2-only CPU its bf16 reorder raises, and bf16 layers there run F.linear (slower; dtype auto
+    never picks bf16 on such a CPU)."""
+    ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if not ok:
+        warnings.warn("oneDNN has no bfloat16 path on this CPU; bfloat16 linear layers use F.linear "
+                      "(slower: float32 is the fast dtype here)", RuntimeWarning)
+    return ok
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a CPU float32/bfloat16 weight [N, K], or None where it does not apply."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if not onednn_prepack_available():
+    if not onednn_prepack_available() or (weight.dtype == torch.bfloat16 and not onednn_bf16_available()):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 

@@ -578,6 +578,9 @@ def test_linear_module_repacks_when_its_weight_changes(dtype):
     # output must follow the weight (oracle: F.linear in float32 on the current weight)
     if not M.onednn_prepack_available():
         pytest.skip("this torch has no oneDNN weight prepacking: M.Linear runs on the plain weight")
+    if dtype == torch.bfloat16 and not M.onednn_bf16_available():
+        assert M.pack_weight(torch.randn(960, 576).bfloat16()) is None       # F.linear instead: no raise
+        pytest.skip("oneDNN has no bfloat16 path on this CPU (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     torch.manual_seed(0)
     layer = M.Linear(576, 960, bias=False).to(dtype)
     x = torch.randn(64, 576).to(dtype)                          # 64 rows: the oneDNN path
@@ -2624,7 +2627,7 @@ def test_slow_reader_holds_one_merged_output_per_prompt(offline):
 
     async def run_unread():
         run = serve.Run(None, [step_outputs[0].request_id], [[1]], None, 0, None, set())
-        for out in step_outputs:                                # what the engine thread delivers, step by step
+        for out in step_outputs:                                # what the engine core delivers, step by step
             run.put("output", (0, out))
             assert len(run.pending) == 1 and not run.notices
         return [out async for _, out in run.outputs()]
@@ -2706,7 +2709,7 @@ def test_bad_input_gets_openai_error_naming_the_field(server, path, body, status
 
 def test_request_rejected_by_engine_fails_alone(server, client, offline):
     """max_tokens=4000 fits max_model_len (serve.py's check) but not the 128MiB KV cache: engine.add_request
-    rejects it on the step thread. That request gets a 400; a concurrent one completes untouched."""
+    rejects it in the engine core. That request gets a 400; a concurrent one completes untouched."""
     prompt = "A short poem about the sea:"
     with ThreadPoolExecutor(1) as pool:
         good = pool.submit(lambda: list(client.completions.create(
@@ -2784,7 +2787,7 @@ class WrappedEngine:
 
 def test_full_waiting_queue_gets_503_with_retry_after(offline):
     engine = WrappedEngine(offline.engine)
-    engine.gate.clear()  # the first admitted request holds the step thread, the next ones queue up
+    engine.gate.clear()  # the first admitted request holds the core's step, the next ones queue up
     with TestClient(build_app(engine, MODEL, max_waiting=2)) as http, ThreadPoolExecutor(6) as pool:
         posts = [pool.submit(http.post, "/v1/completions", json={"prompt": f"Hi {i}", "max_tokens": 2})
                  for i in range(6)]
