@@ -84,6 +84,7 @@ class Sizes:
     pressure_requests: int = 10
     pressure_out_range: tuple = (8, 32)
     pressure_prompt_median: int = 100
+    api_rounds: int = 5                  # interleaved rounds per variant of the API-cost steps
 
 
 FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=100, static_max_requests=(),
@@ -97,7 +98,7 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               http_prompts=4, http_len=16, peer_requests=4, peer_out_range=(4, 8), peer_prompt_median=16,
               peer_max_num_seqs=8, peer_kv_cache_memory="128MiB", b1_tokens=8, hf_requests=2, hf_batch_sizes=(2,),
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
-              kernel_e2e_prompt=16, repeats=2, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
+              kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
               cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(32, 48), pressure_prompt_median=16)
 
 
@@ -150,7 +151,7 @@ def bench_api_costs(sz, seed, results):
             results["api"][key] = {"skipped": why}
             continue
         batch = min(32, sz.max_num_seqs) if key == "structured_output" else sz.max_num_seqs   # the targets' batch sizes
-        results["api"][key] = fn(batch=batch)
+        results["api"][key] = fn(batch=batch, rounds=sz.api_rounds)
         print_flat(f"API cost: {key}", results["api"][key])
 
 
