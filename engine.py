@@ -267,7 +267,7 @@ class Engine:
         need(cache_salt is None or (isinstance(cache_salt, str) and cache_salt), "cache_salt",
              "a non-empty string or None", cache_salt)
         text, ids = self._tokenize(prompt)
-        self.check_prompt(ids, params.max_tokens)
+        self.prompt_limits.check(ids, params.max_tokens)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, ids, params, [], RequestMetrics(now, num_prompt_tokens=len(ids)),
                       None if params.prompt_logprobs is None else [None], cache_salt)
@@ -287,9 +287,6 @@ class Engine:
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         return self.grammars.compile(structured)
-
-    def check_prompt(self, ids: list[int], max_tokens: int):
-        self.prompt_limits.check(ids, max_tokens)
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
