@@ -24,8 +24,7 @@ import errors
 import extensions
 
 try:
-    import llguidance
-    import llguidance.torch as llguidance_torch
+    import llguidance      # not llguidance.torch: its import runs torch.compile, ~5 s per process
 except ImportError:   # only structured requests need it; they get a clear error (see validate)
     llguidance = None
 
@@ -145,15 +144,16 @@ def fill_bitmasks(grammars: list, vocab: int, parallel: bool | None = None):
     bitmask = torch.empty(len(grammars), (vocab + 31) // 32, dtype=torch.int32)   # every word is written
     if parallel is None:
         parallel = (os.cpu_count() or 1) >= 4
+    row_bytes = bitmask.shape[1] * 4
     if not parallel:
         for j, g in enumerate(grammars):
-            llguidance_torch.fill_next_token_bitmask(g.matcher, bitmask, j)
+            g.matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), row_bytes)
         return bitmask
     global _executor
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    llguidance_torch.fill_next_token_bitmask_par(_executor, [(g.matcher, j) for j, g in enumerate(grammars)],
-                                                 bitmask)
+    _executor.unsafe_compute_mask_ptr([(g.matcher, j) for j, g in enumerate(grammars)], bitmask.data_ptr(),
+                                      row_bytes, len(grammars))
     return bitmask
 
 
