@@ -208,7 +208,7 @@ def targets(results):
                      r["decode"][big]["frac_of_matmul_roofline"], 0.5))
     if h:
         runs, base = h["runs"], h["runs"]["nanoserve engine, in process"]["output_tok_s"]
-        ours, theirs = runs.get("serve.py", {}), runs.get("vllm serve (bfloat16)", {})
+        ours, theirs = runs.get("serve.py", {}), runs.get("vllm serve", {})
         rows.append(("serve.py >= 90% of the engine in process (out tok/s)",
                      ours.get("skipped") or ours["output_tok_s"] / base, 0.9))
         rows.append(("serve.py >= 1.5x vllm serve (out tok/s, same client)",

@@ -20,7 +20,8 @@ import urllib.request
 import numpy as np
 
 import loadgen
-from bench_engine import (drain, greedy, latency_stats, make_engine, make_workload, md_table, new_id, pct,
+from bench_engine import (drain, greedy, latency_stats, make_engine, make_workload, md_table, model_dtype,
+                          new_id, pct,
                           random_prompt, run_arrivals, run_offline, section_header, vocab_of, warm_up)
 
 TTFT_TARGET_S = 2.0      # latency target for goodput: p90 time to first token ...
@@ -194,11 +195,13 @@ def serve_commands(sz, port, engine):
                        "--kv-cache-memory", sz.kv_cache_memory, "--dtype", engine.config.dtype], env, 300
     why = vllm_unavailable() or ("not run in --quick (vLLM starts in minutes)" if sz.name == "quick" else None)
     if why:
-        yield "vllm serve (bfloat16)", why
+        yield "vllm serve", why
         return
     vllm = os.path.join(os.path.dirname(os.environ["VLLM_PYTHON"]), "vllm")
-    yield "vllm serve (bfloat16)", [vllm, "serve", export_hf_layout(engine.model_dir), "--port", str(port),
-                                    "--dtype", "bfloat16", "--max-num-seqs", str(sz.max_num_seqs),
+    # the dtype serve.py runs here (bfloat16 only where the CPU multiplies it natively): an AVX2-only CPU
+    # would otherwise time vLLM's emulated bfloat16 against our float32
+    yield "vllm serve", [vllm, "serve", export_hf_layout(engine.model_dir), "--port", str(port),
+                         "--dtype", model_dtype(engine), "--max-num-seqs", str(sz.max_num_seqs),
                                     "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "4096",
                                     "--served-model-name", "smollm2"], vllm_env(os.cpu_count()), 1800
 
@@ -228,6 +231,7 @@ def bench_http(sz, seed, results):
         f"--random-output-len {sz.http_len} --random-range-ratio 0.5 --request-rate {sz.http_rate} --ignore-eos "
         "--temperature 0`: streaming /v1/completions with stream_options.include_usage and repetition_penalty 1.0.",
         "the load generator runs in its own process; in process = the same prompts (our tokenizer's ids) all at once.",
+        f"every server runs {model_dtype(engine)} (nanoserve's dtype auto on this CPU).",
         "TPOT = (latency - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks; seconds."]
         + [f"{k}: {v['skipped'] if 'skipped' in v else v['first_error']}" for k, v in runs.items()
            if "skipped" in v or v.get("failed")])
