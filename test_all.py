@@ -1874,11 +1874,15 @@ def emulated_binding(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler to build the CUDA emulation")
-    so = tmp_path_factory.mktemp("cuda_emu_binding") / "nanoserve_cuda_emu.so"
+    out = tmp_path_factory.mktemp("cuda_emu_binding")
+    so = out / "nanoserve_cuda_emu.so"
     libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-ltorch", "-ltorch_cpu", "-lc10"]
-    subprocess.run([cxx, *EMU_FLAGS, "-DNANOSERVE_CUDA_EMU", *torch_build_flags(),
-                    str(CSRC / "paged_attention_cuda_binding.cpp"), "-x", "c++",
-                    str(CSRC / "paged_attention_cuda.cu"), *libs, "-o", str(so)], check=True)
+    sources = [["paged_attention_cuda_binding.cpp"], ["-x", "c++", "paged_attention_cuda.cu"]]
+    compiles = [subprocess.Popen([cxx, *EMU_FLAGS, "-DNANOSERVE_CUDA_EMU", *torch_build_flags(), "-c",
+                                  *src[:-1], str(CSRC / src[-1]), "-o", str(out / f"{i}.o")])
+                for i, src in enumerate(sources)]          # one per core: the two files build side by side
+    assert [c.wait() for c in compiles] == [0, 0], "the CUDA emulation did not compile (its errors are above)"
+    subprocess.run([cxx, "-shared", str(out / "0.o"), str(out / "1.o"), *libs, "-o", str(so)], check=True)
     torch.ops.load_library(str(so))
     lib = ctypes.CDLL(str(so))             # the same loaded library: its emulator controls
     lib.cuda_emu_take_launch_log.restype = ctypes.c_char_p
