@@ -21,8 +21,7 @@ import numpy as np
 
 import loadgen
 from bench_engine import (drain, greedy, latency_stats, make_engine, make_workload, md_table, model_dtype,
-                          new_id, pct,
-                          random_prompt, run_arrivals, run_offline, section_header, vocab_of, warm_up)
+                          new_id, pct, random_prompt, run_arrivals, run_offline, section_header, vocab_of, warm_up)
 
 TTFT_TARGET_S = 2.0      # latency target for goodput: p90 time to first token ...
 TPOT_TARGET_S = 0.25     # ... and p90 time per output token (4 tok/s per user, faster than reading)
@@ -202,8 +201,8 @@ def serve_commands(sz, port, engine):
     # would otherwise time vLLM's emulated bfloat16 against our float32
     yield "vllm serve", [vllm, "serve", export_hf_layout(engine.model_dir), "--port", str(port),
                          "--dtype", model_dtype(engine), "--max-num-seqs", str(sz.max_num_seqs),
-                                    "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "4096",
-                                    "--served-model-name", "smollm2"], vllm_env(os.cpu_count()), 1800
+                         "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "4096",
+                         "--served-model-name", "smollm2"], vllm_env(os.cpu_count()), 1800
 
 
 def bench_http(sz, seed, results):
