@@ -183,11 +183,14 @@ def batch1_decode_tok_s(wall_long, wall_short, n_long):
 
 
 def nanoserve_runs(sz, reqs, b1_prompt):
-    """nanoserve at its default dtype and at bfloat16 on the peer workload (taking turns step by step), and batch 1."""
+    """nanoserve at its default dtype and at bfloat16 on the peer workload (taking turns step by step), and batch 1.
+    bfloat16 runs beside a float32 default only where oneDNN has a bf16 path: elsewhere (AVX2-only CPUs) it
+    is emulated, several times slower than float32, and took most of a quick-start bench there."""
+    import torch
     from bench_engine import greedy, make_engine, model_dtype, run_interleaved, run_timed, warm_up
     engines = {"default": make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
                                       enable_prefix_caching=False)}
-    if model_dtype(engines["default"]) != "bfloat16":
+    if model_dtype(engines["default"]) != "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         engines["bfloat16"] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
                                           enable_prefix_caching=False, dtype="bfloat16")
     for e in engines.values():
@@ -261,6 +264,8 @@ def bench_peers(sz, seed, results):
         f"batch 1: one {len(b1_prompt)}-token prompt, ({sz.b1_tokens} - 1) tokens / (time for {sz.b1_tokens} - time for 1).",
         f"HF: transformers on the first {min(sz.hf_requests, len(reqs))} requests (fp32, sdpa)."
         + (f" HF skipped: {hf['skipped']}" if "skipped" in hf else "")]
+        + ([] if "bfloat16" in ours or ours["default"]["dtype"] == "bfloat16" else
+           ["nanoserve bfloat16 not run: oneDNN has no bfloat16 path on this CPU (it would be emulated)."])
         + ([f"vLLM setup: {VLLM_SETUP}"] if "skipped" in vllm else [])
         + [f"vLLM {d}skipped: {v['skipped']}" for d, v in ({"": vllm} if "skipped" in vllm else vllm).items()
            if isinstance(v, dict) and "skipped" in v])
