@@ -35,9 +35,11 @@ BUILDS = {   # torch.utils.cpp_extension.load arguments per library
         name="nanoserve_linear_cpu", sources=["linear_cpu.cpp"],
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"]),
     # model.py's fused per-layer ops: residual add + RMSNorm, RoPE in place, SwiGLU
+    # (no trapping math: else GCC 12 keeps SwiGLU's compares as branches and the loop scalar on AVX2)
     "fused_cpu": dict(
         name="nanoserve_fused_cpu", sources=["fused_cpu.cpp"],
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"]),
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+        extra_ldflags=["-fopenmp"]),
     # not the model: structured_output.py's grammar mask, applied from llguidance's packed bitmask
     "grammar_cpu": dict(
         name="nanoserve_grammar_cpu", sources=["grammar_mask_cpu.cpp"],

@@ -1,20 +1,20 @@
 // CPU kernels behind paged_attention.py's "cpu" backend: ragged paged attention and the
 // fused KV write (reshape_and_cache). Semantics are exactly paged_attention_reference's.
 //
-// Parallel work item = (sequence, KV head, tile of up to kTileRows query rows); with AVX-512 and
-// enough decode sequences, (sequence, all KV heads, tile) so that blocks are read whole. Items are
-// flattened and handed out dynamically, longest first (each thread claims one item ahead, so an
-// item can prefetch the next one's first blocks), so 64 decode rows and one long prefill chunk
-// both keep every core busy. Inside an item, each KV row is loaded (and converted from bf16/fp16
-// to float) once and used by every query row of the tile and every query head of the GQA group.
-// Softmax is online (running max and sum per query vector), so no [context x heads] buffer is
-// ever materialized. The block table scatters blocks, which defeats the hardware prefetcher,
-// so the kernel prefetches the blocks it reads next itself.
+// Parallel work item = (sequence, KV head, tile of up to kTileRows query rows); on the SIMD
+// decode path with enough decode sequences, (sequence, all KV heads, tile) so that blocks are
+// read whole. Items are flattened and handed out dynamically, longest first (each thread claims
+// one item ahead, so an item can prefetch the next one's first blocks), so 64 decode rows and one
+// long prefill chunk both keep every core busy. Inside an item, each KV row is loaded (and
+// converted from bf16/fp16 to float) once and used by every query row of the tile and every query
+// head of the GQA group. Softmax is online (running max and sum per query vector), so no [context
+// x heads] buffer is ever materialized. The block table scatters blocks, which defeats the
+// hardware prefetcher, so the kernel prefetches the blocks it reads next itself.
 //
-// Two paths. Decode-sized tiles (fewer than 16 query vectors, head_dim 64 or 128) take the
-// AVX-512 decode path where the compiler targets it ("decode tiles with AVX-512" below: 64 keys
-// per softmax step, 16 keys per score register). Everything else, and every tile on a CPU
-// without AVX-512, takes the generic path (attend_tile): decode rows score keys with dot
+// Two paths. Decode-sized tiles (fewer than 16 query vectors, head_dim 64 or 128) take the SIMD
+// decode path, written once for AVX-512 and AVX2 ("decode tiles in SIMD registers" below: 64 keys
+// per softmax step, 16 or 8 keys per score register). Everything else, and every tile on a CPU
+// without AVX2 + FMA, takes the generic path (attend_tile): decode rows score keys with dot
 // products, prefill tiles (>= 16 query vectors) with q transposed, vectorized over the queries.
 // Registered as torch.ops.nanoserve_cpu.{paged_attention, reshape_and_cache}; built by
 // paged_attention.py with -O3 -march=native -fopenmp. Lean headers keep the build ~10 s.
@@ -157,7 +157,7 @@ struct Batch {                      // raw views of the call's tensors
 
 struct WorkItem {
   int seq, kv_head;
-  int num_heads;                    // KV heads kv_head .. kv_head + num_heads - 1 (> 1: AVX-512 path only)
+  int num_heads;                    // KV heads kv_head .. kv_head + num_heads - 1 (> 1: SIMD decode path only)
   int row_begin, row_end;           // query rows (indices into `query`) of this tile
   int first_pos;                    // absolute position of row_begin
   int64_t cost;                     // ~ rows x context, for longest-first ordering
@@ -247,94 +247,168 @@ void attend_tile(const Batch& b, const KV* key_cache, const KV* value_cache, con
   }
 }
 
-// ---- decode tiles with AVX-512 -------------------------------------------------------------
+// ---- decode tiles in SIMD registers (AVX-512 or AVX2) ----------------------------------------
 // A decode item has few query vectors (the GQA group, e.g. 3), so the generic path above spends
 // its time on one horizontal sum per (query, key) and a scalar exp per key, not on reading KV.
 // At batch 64 the kernel must read ~15 GB/s of KV on 2 cores, i.e. one K row and one V row of a
 // KV head every ~35 ns per core; so every instruction per key counts. Here:
-//   - keys go 16 at a time (a "span"): each query's 16 dot products are left as 16 vectors and
-//     summed by one transpose-and-add tree (45 ops instead of 16 horizontal sums);
-//   - a step takes up to kSpans spans (64 keys: 4 blocks of 16), scores them all, then runs the
-//     online softmax once: one max, one rescale of the accumulators and one scalar exp per
-//     query per 64 keys instead of per 16, and the exp itself 16 lanes at a time;
+//   - keys go W at a time (a "span", W = the register's floats: 16 on AVX-512, 8 on AVX2): each
+//     query's W dot products are left as W vectors and summed by one transpose-and-add tree
+//     (45 ops instead of 16 horizontal sums on AVX-512);
+//   - a step takes up to kSpans spans (64 keys), scores them all, then runs the online softmax
+//     once: one max, one rescale of the accumulators and one scalar exp per query per 64 keys
+//     instead of per span, and the exp itself W lanes at a time;
 //   - K/V rows are widened to float in registers as they are used (no buffer), bf16 in its
 //     cheapest order (see Rows), and query vectors go MB <= kMB at a time, exactly as many as
 //     there are (no padded lanes of work), their q or accumulators held in registers;
 //   - the step is memory-bound at batch 64, so the next step's rows are prefetched, one row's
-//     worth per row consumed and in memory order (see attend_small_avx512).
+//     worth per row consumed and in memory order (see attend_small).
 // Measured on 2 shared Zen 4 cores, 64 x 2048 tokens of bf16 KV: 1.9x the previous version of this
 // path single-threaded (9-13 vs 5-7 GB/s); what remains is mostly memory stalls, not math.
-// Built only where the compiler targets AVX-512 (-march=native on such a CPU); elsewhere the
+// Built where the compiler targets AVX-512 or AVX2 + FMA + F16C (-march=native); elsewhere the
 // generic path runs. Exactly the same math as the generic path, in another summation order.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define NANOSERVE_SIMD_DECODE 1
+
+// The few register operations the decode path needs, for the widest registers the CPU has.
 #if defined(__AVX512F__)
+struct Simd {
+  using V = __m512;
+  static constexpr int W = 16;        // floats per register: keys per span
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {                // 2^n for integral n in [-126, 127]: build the exponent bits
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static V zero_below(V x, V r, float bound) {   // x where r >= bound, else 0
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, _mm512_set1_ps(bound), _CMP_GE_OQ), x);
+  }
+  static V first_n(V x, int n, float fill) {     // lanes < n of x, the rest `fill`
+    return _mm512_mask_mov_ps(_mm512_set1_ps(fill), __mmask16((1u << n) - 1), x);
+  }
+  static float reduce_max(V x) { return _mm512_reduce_max_ps(x); }
+  static float reduce_add(V x) { return _mm512_reduce_add_ps(x); }
+  static V load_half(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // 2W bf16 as W (even, odd) pairs: bf16 is the top half of a float, so the odd elements are the
+  // 32-bit words with their low halves masked and the even ones the words shifted left 16
+  static void load_bf16_pairs(const at::BFloat16* p, V* even, V* odd) {
+    const __m512i x = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xffff0000u))));
+  }
+  // out[i] = sum of the lanes of v[i], for W vectors: pairs, then quads, then 128-bit lanes
+  static V sum_lanes(const V* v) {
+    V pair[8], quad[4];
+    for (int i = 0; i < 8; ++i)   // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
+      pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) { // per 128-bit lane: the lane's sums of a, b, c, d
+      const __m512d a = _mm512_castps_pd(pair[2 * i]), b = _mm512_castps_pd(pair[2 * i + 1]);
+      quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    V half[2];                    // 128-bit lanes added pairwise, two quads per result
+    for (int i = 0; i < 2; ++i)
+      half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+};
+#else
+struct Simd {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static V zero_below(V x, V r, float bound) { return _mm256_and_ps(_mm256_cmp_ps(r, _mm256_set1_ps(bound), _CMP_GE_OQ), x); }
+  static V first_n(V x, int n, float fill) {
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), x, _mm256_castsi256_ps(live));
+  }
+  static float reduce_max(V x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static float reduce_add(V x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static V load_half(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void load_bf16_pairs(const at::BFloat16* p, V* even, V* odd) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xffff0000u))));
+  }
+  // out[i] = sum of the lanes of v[i], for 8 vectors: horizontal adds within 128-bit lanes,
+  // then the two lanes added
+  static V sum_lanes(const V* v) {
+    const V a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // [0123 low | 0123 high]
+    const V b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // [4567 low | 4567 high]
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+};
+#endif
 
-constexpr int kSpans = 4;   // 16-key spans per softmax step
+using Vec = Simd::V;
+constexpr int W = Simd::W;
+constexpr int kStepKeys = 64;            // keys per online-softmax step
+constexpr int kSpans = kStepKeys / W;    // spans per step
 
-// A K/V row of D = 16 * C elements as C float vectors, and where element d lands. float and
-// fp16 rows keep their order. bf16 is the top half of a float, so one 64-byte load of 32 bf16
-// gives the odd elements as floats by masking the low halves and the even ones by shifting
-// left 16: two ops per 32 elements, half the cost of widening them in order. q and the output
+// A K/V row of D = W * C elements as C float vectors, and where element d lands. float and
+// fp16 rows keep their order. bf16 rows come as (even, odd) pairs of vectors (see
+// Simd::load_bf16_pairs), half the cost of widening them in order. q and the output
 // accumulators are kept in the same lane order, so dot products and p @ V do not change; the
 // order is undone once per item when the output is written.
 template <typename KV, int C>
 struct Rows {
-  static int dim(int c, int l) { return 16 * c + l; }   // element of vector c, lane l
-  static void load(const KV* p, __m512* out) {
+  static int dim(int c, int l) { return W * c + l; }   // element of vector c, lane l
+  static void load(const KV* p, Vec* out) {
     for (int c = 0; c < C; ++c) {
-      if constexpr (std::is_same_v<KV, float>) out[c] = _mm512_loadu_ps(p + 16 * c);
-      else out[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c)));
+      if constexpr (std::is_same_v<KV, float>) out[c] = Simd::load(p + W * c);
+      else out[c] = Simd::load_half(p + W * c);
     }
   }
 };
 
 template <int C>
 struct Rows<at::BFloat16, C> {
-  static int dim(int c, int l) { return 32 * (c / 2) + 2 * l + c % 2; }
-  static void load(const at::BFloat16* p, __m512* out) {
-    const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
-    for (int j = 0; j < C / 2; ++j) {
-      const __m512i x = _mm512_loadu_si512(p + 32 * j);             // 32 bf16 = 16 pairs
-      out[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));   // even elements
-      out[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));  // odd elements
-    }
+  static int dim(int c, int l) { return 2 * W * (c / 2) + 2 * l + c % 2; }
+  static void load(const at::BFloat16* p, Vec* out) {
+    for (int j = 0; j < C / 2; ++j) Simd::load_bf16_pairs(p + 2 * W * j, &out[2 * j], &out[2 * j + 1]);
   }
 };
 
-// exp_nonpositive() on 16 lanes: same range reduction and polynomial.
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(two_n));
+// exp_nonpositive() on W lanes: same range reduction and polynomial.
+inline Vec exp_nonpositive_simd(Vec x) {
+  const Vec y = Simd::max(Simd::mul(x, Simd::set1(1.44269504f)), Simd::set1(-126.f));
+  const Vec n = Simd::round(y), f = Simd::sub(y, n);
+  Vec p = Simd::set1(1.5403530e-4f);
+  for (float coef : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
+    p = Simd::fmadd(p, f, Simd::set1(coef));
+  return Simd::zero_below(Simd::mul(p, Simd::pow2(n)), x, -87.f);
 }
 
-// out[i] = sum of the 16 lanes of v[i], for 16 vectors: pairs, then quads, then 128-bit lanes.
-inline __m512 sum16x16(const __m512* v) {
-  __m512 pair[8], quad[4];
-  for (int i = 0; i < 8; ++i)   // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
-    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) { // per 128-bit lane: the lane's sums of a, b, c, d
-    const __m512d a = _mm512_castps_pd(pair[2 * i]), b = _mm512_castps_pd(pair[2 * i + 1]);
-    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  __m512 half[2];               // 128-bit lanes added pairwise, two quads per result
-  for (int i = 0; i < 2; ++i)
-    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Up to 16 consecutive keys inside one block: K/V rows k[t * row_stride], v[...], t < n, at
+// Up to W consecutive keys inside one block: K/V rows k[t * row_stride], v[...], t < n, at
 // absolute positions pos + t.
 template <typename KV>
 struct Span {
@@ -348,77 +422,83 @@ struct Span {
 // would fill the core's few miss buffers and stall the math behind them. Into L2 (locality 1).
 template <typename KV, int C>
 inline void prefetch_row(const KV* row) {
-  for (int byte = 0; byte < 16 * C * (int)sizeof(KV); byte += 64)
+  for (int byte = 0; byte < W * C * (int)sizeof(KV); byte += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(row) + byte, 0, 1);
 }
 
-// p[i * 64 + 16 * s + t] = q_i . k_t for MB query vectors and the keys of spans [0, ns); key
-// slots past a span's n get 0, for the softmax to mask. While at it, for each row it reads,
+// p[i * kStepKeys + W * s + t] = q_i . k_t for MB query vectors and the keys of spans [0, ns);
+// key slots past a span's n get 0, for the softmax to mask. While at it, for each row it reads,
 // prefetches one row's worth of K at ahead[s].k + t * pf_stride (`ahead`: the next step's
 // spans, na of them, 0 for none).
 template <typename KV, int C, int MB>
 void span_scores(const float* q, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na, int64_t pf_stride,
                  int64_t row_stride, float* p) {
-  __m512 qr[MB][C];
+  Vec qr[MB][C];
   for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < C; ++c) qr[i][c] = _mm512_loadu_ps(q + i * 16 * C + 16 * c);
+    for (int c = 0; c < C; ++c) qr[i][c] = Simd::load(q + i * W * C + W * c);
   for (int s = 0; s < ns; ++s) {
-    __m512 dots[MB][16];
-    for (int t = 0; t < 16; ++t) {
+    Vec dots[MB][W];
+    for (int t = 0; t < W; ++t) {
       if (t >= spans[s].n) {
-        for (int i = 0; i < MB; ++i) dots[i][t] = _mm512_setzero_ps();
+        for (int i = 0; i < MB; ++i) dots[i][t] = Simd::zero();
         continue;
       }
       if (s < na && t < ahead[s].n) prefetch_row<KV, C>(ahead[s].k + t * pf_stride);
-      __m512 k[C];
+      Vec k[C];
       Rows<KV, C>::load(spans[s].k + t * row_stride, k);
       for (int i = 0; i < MB; ++i) {
-        __m512 a = _mm512_mul_ps(qr[i][0], k[0]);
-        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qr[i][c], k[c], a);
+        Vec a = Simd::mul(qr[i][0], k[0]);
+        for (int c = 1; c < C; ++c) a = Simd::fmadd(qr[i][c], k[c], a);
         dots[i][t] = a;
       }
     }
-    for (int i = 0; i < MB; ++i) _mm512_store_ps(p + i * 16 * kSpans + 16 * s, sum16x16(dots[i]));
+    for (int i = 0; i < MB; ++i) Simd::store(p + i * kStepKeys + W * s, Simd::sum_lanes(dots[i]));
   }
 }
 
-// acc_i += sum_t p[i * 64 + 16 * s + t] * v_t over the spans, MB accumulators in registers;
-// prefetches V from `ahead` as span_scores does K.
+// acc_i += sum_t p[i * kStepKeys + W * s + t] * v_t over the spans, MB accumulators in
+// registers; prefetches V from `ahead` as span_scores does K.
 template <typename KV, int C, int MB>
 void span_values(const float* p, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na, int64_t pf_stride,
                  int64_t row_stride, float* acc) {
-  __m512 a[MB][C];
+  Vec a[MB][C];
   for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < C; ++c) a[i][c] = _mm512_loadu_ps(acc + i * 16 * C + 16 * c);
+    for (int c = 0; c < C; ++c) a[i][c] = Simd::load(acc + i * W * C + W * c);
   for (int s = 0; s < ns; ++s)
     for (int t = 0; t < spans[s].n; ++t) {
       if (s < na && t < ahead[s].n) prefetch_row<KV, C>(ahead[s].v + t * pf_stride);
-      __m512 v[C];
+      Vec v[C];
       Rows<KV, C>::load(spans[s].v + t * row_stride, v);
       for (int i = 0; i < MB; ++i) {
-        const __m512 pt = _mm512_set1_ps(p[i * 16 * kSpans + 16 * s + t]);
-        for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(pt, v[c], a[i][c]);
+        const Vec pt = Simd::set1(p[i * kStepKeys + W * s + t]);
+        for (int c = 0; c < C; ++c) a[i][c] = Simd::fmadd(pt, v[c], a[i][c]);
       }
     }
   for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + i * 16 * C + 16 * c, a[i][c]);
+    for (int c = 0; c < C; ++c) Simd::store(acc + i * W * C + W * c, a[i][c]);
 }
 
-// M query vectors, kMB at a time (the last group smaller): q (or acc) of 4 vectors of
-// head_dim 64, or 2 of 128, fill 16 of the 32 registers.
+// Query vectors per pass: 4 of head_dim 64 or 2 of 128, so that each K/V row loaded serves
+// a whole GQA group (3 or 4 query vectors in most models). On AVX-512 their q (or accumulators)
+// fill half the registers; on AVX2 they spill to L1, which measured no slower than one pass per
+// query vector that reloads and reconverts every row (0.46-0.56 vs 0.35-0.51 of read bandwidth).
+template <int C>
+constexpr int kMB = W * C <= 64 ? 4 : 2;
+
+// All M query vectors, kMB at a time (the last group smaller).
 template <typename KV, int C>
 void scores_all(const float* q, int M, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na,
                 int64_t pf_stride, int64_t row_stride, float* p) {
-  constexpr int kMB = C <= 4 ? 4 : 2, D = 16 * C;
-  for (int m = 0; m < M; m += kMB) {
+  constexpr int MB = kMB<C>, D = W * C;
+  for (int m = 0; m < M; m += MB) {
     const float* qm = q + m * D;
-    float* pm = p + m * 16 * kSpans;
+    float* pm = p + m * kStepKeys;
     const int na_m = m == 0 ? na : 0;        // prefetch once, with the first group
-    switch (std::min(kMB, M - m)) {
+    switch (std::min(MB, M - m)) {
       case 1: span_scores<KV, C, 1>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
-      case 2: span_scores<KV, C, 2>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
-      case 3: if constexpr (kMB >= 3) span_scores<KV, C, 3>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
-      default: if constexpr (kMB >= 4) span_scores<KV, C, 4>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      case 2: if constexpr (MB >= 2) span_scores<KV, C, 2>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      case 3: if constexpr (MB >= 3) span_scores<KV, C, 3>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      default: if constexpr (MB >= 4) span_scores<KV, C, 4>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
     }
   }
 }
@@ -426,54 +506,52 @@ void scores_all(const float* q, int M, const Span<KV>* spans, int ns, const Span
 template <typename KV, int C>
 void values_all(const float* p, int M, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na,
                 int64_t pf_stride, int64_t row_stride, float* acc) {
-  constexpr int kMB = C <= 4 ? 4 : 2, D = 16 * C;
-  for (int m = 0; m < M; m += kMB) {
-    const float* pm = p + m * 16 * kSpans;
+  constexpr int MB = kMB<C>, D = W * C;
+  for (int m = 0; m < M; m += MB) {
+    const float* pm = p + m * kStepKeys;
     float* am = acc + m * D;
     const int na_m = m == 0 ? na : 0;
-    switch (std::min(kMB, M - m)) {
+    switch (std::min(MB, M - m)) {
       case 1: span_values<KV, C, 1>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
-      case 2: span_values<KV, C, 2>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
-      case 3: if constexpr (kMB >= 3) span_values<KV, C, 3>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
-      default: if constexpr (kMB >= 4) span_values<KV, C, 4>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
+      case 2: if constexpr (MB >= 2) span_values<KV, C, 2>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
+      case 3: if constexpr (MB >= 3) span_values<KV, C, 3>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
+      default: if constexpr (MB >= 4) span_values<KV, C, 4>(pm, spans, ns, ahead, na_m, pf_stride, row_stride, am); break;
     }
   }
 }
 
 // The online softmax step for one query vector over the keys just scored: p holds the scores
-// of ns spans (16 slots each), row position `row_pos` sees keys at positions <= row_pos.
+// of ns spans (W slots each), row position `row_pos` sees keys at positions <= row_pos.
 // Rewrites p as the weights exp(score - new max), zero where masked, and rescales acc.
 template <typename KV, int C>
 void softmax_step(float* p, const Span<KV>* spans, int ns, int row_pos, float* row_max, float* row_sum,
                   float* acc) {
-  __m512 sc[kSpans];
-  __m512 top = _mm512_set1_ps(kNegInf);
+  Vec sc[kSpans];
+  Vec top = Simd::set1(kNegInf);
   for (int s = 0; s < ns; ++s) {
     const int visible = std::clamp(row_pos - spans[s].pos + 1, 0, spans[s].n);   // causal, and the span's end
-    const __mmask16 live = __mmask16((1u << visible) - 1);
-    sc[s] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), live, _mm512_load_ps(p + 16 * s));
-    top = _mm512_max_ps(top, sc[s]);
+    sc[s] = Simd::first_n(Simd::load(p + W * s), visible, kNegInf);
+    top = Simd::max(top, sc[s]);
   }
-  const float new_max = std::max(*row_max, _mm512_reduce_max_ps(top));
+  const float new_max = std::max(*row_max, Simd::reduce_max(top));
   if (new_max == kNegInf) {                  // every key here is in this row's future
-    for (int s = 0; s < ns; ++s) _mm512_store_ps(p + 16 * s, _mm512_setzero_ps());
+    for (int s = 0; s < ns; ++s) Simd::store(p + W * s, Simd::zero());
     return;
   }
   const float correction = exp_nonpositive(*row_max - new_max);   // 0 on the first step
-  __m512 sum = _mm512_setzero_ps();
+  Vec sum = Simd::zero();
   for (int s = 0; s < ns; ++s) {
-    const __m512 e = exp_nonpositive16(_mm512_sub_ps(sc[s], _mm512_set1_ps(new_max)));
-    _mm512_store_ps(p + 16 * s, e);
-    sum = _mm512_add_ps(sum, e);
+    const Vec e = exp_nonpositive_simd(Simd::sub(sc[s], Simd::set1(new_max)));
+    Simd::store(p + W * s, e);
+    sum = Simd::add(sum, e);
   }
-  *row_sum = *row_sum * correction + _mm512_reduce_add_ps(sum);
+  *row_sum = *row_sum * correction + Simd::reduce_add(sum);
   *row_max = new_max;
   if (correction != 1.f)
-    for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(acc + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), _mm512_set1_ps(correction)));
+    for (int c = 0; c < C; ++c) Simd::store(acc + W * c, Simd::mul(Simd::load(acc + W * c), Simd::set1(correction)));
 }
 
-// A step's spans of item w: up to kSpans spans of up to 16 keys from position `start` on, never
+// A step's spans of item w: up to kSpans spans of up to W keys from position `start` on, never
 // crossing a block, at KV head w.kv_head. Returns how many (0 past the item's context).
 template <typename KV>
 int make_spans(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w, int start,
@@ -483,7 +561,7 @@ int make_spans(const Batch& b, const KV* key_cache, const KV* value_cache, const
   const int* block_table = b.block_tables + w.seq * b.max_blocks;
   int ns = 0;
   for (; ns < kSpans && start < kv_len; ++ns) {
-    const int n = std::min({16, bs - start % bs, kv_len - start});
+    const int n = std::min({W, bs - start % bs, kv_len - start});
     const int64_t at = ((int64_t)block_table[start / bs] * bs + start % bs) * row_stride + (int64_t)w.kv_head * b.head_dim;
     spans[ns] = {key_cache + at, value_cache + at, n, start};
     start += n;
@@ -498,10 +576,10 @@ int make_spans(const Batch& b, const KV* key_cache, const KV* value_cache, const
 // ones, so a new sequence does not start cold. State of (head h, query vector m) is at index
 // h * M + m, in Rows' lane order.
 template <typename KV, int C>
-void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w,
+void attend_small(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w,
                          const WorkItem* next, Scratch& s) {
   using R = Rows<KV, C>;
-  constexpr int D = 16 * C;
+  constexpr int D = W * C;
   const int G = b.group, H = w.num_heads;
   const int rows = w.row_end - w.row_begin, M = rows * G;    // query vectors per KV head, < 16
   auto query_row = [&](int h, int m) {                       // [D] of query vector (h, m)
@@ -511,7 +589,7 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
     for (int m = 0; m < M; ++m) {
       const float* src = b.query + query_row(h, m) * D;
       for (int c = 0; c < C; ++c)
-        for (int l = 0; l < 16; ++l) s.q[(h * M + m) * D + 16 * c + l] = src[R::dim(c, l)] * b.scale;
+        for (int l = 0; l < W; ++l) s.q[(h * M + m) * D + W * c + l] = src[R::dim(c, l)] * b.scale;
       s.row_max[h * M + m] = kNegInf;
       s.row_sum[h * M + m] = 0.f;
     }
@@ -531,7 +609,7 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
     if (pos < kv_len) return make_spans(b, key_cache, value_cache, w, pos, out);
     return next ? make_spans(b, key_cache, value_cache, *next, pos - kv_len, out) : 0;
   };
-  alignas(64) float p[16 * 16 * kSpans];     // [m][16 * kSpans keys]: scores, then weights
+  alignas(64) float p[16 * kStepKeys];       // [m][kStepKeys]: scores, then weights
   Span<KV> spans[kSpans], ahead[kSpans];     // this step's keys, the next step's (for prefetch)
   int ns = make_spans(b, key_cache, value_cache, w, 0, spans);
   while (ns > 0) {
@@ -548,7 +626,7 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
       float* acc_h = &s.acc[h * M * D];
       scores_all<KV, C>(q_h, M, head_spans, ns, head_ahead, na, pf_stride, row_stride, p);
       for (int m = 0; m < M; ++m)
-        softmax_step<KV, C>(p + m * 16 * kSpans, head_spans, ns, w.first_pos + m / G, &s.row_max[h * M + m],
+        softmax_step<KV, C>(p + m * kStepKeys, head_spans, ns, w.first_pos + m / G, &s.row_max[h * M + m],
                             &s.row_sum[h * M + m], acc_h + m * D);
       values_all<KV, C>(p, M, head_spans, ns, head_ahead, na, pf_stride, row_stride, acc_h);
     }
@@ -559,26 +637,26 @@ void attend_small_avx512(const Batch& b, const KV* key_cache, const KV* value_ca
       float* dst = b.out + query_row(h, m) * D;
       const float inv = 1.f / s.row_sum[h * M + m];   // row_sum >= 1: the row always sees itself
       for (int c = 0; c < C; ++c)
-        for (int l = 0; l < 16; ++l) dst[R::dim(c, l)] = s.acc[(h * M + m) * D + 16 * c + l] * inv;
+        for (int l = 0; l < W; ++l) dst[R::dim(c, l)] = s.acc[(h * M + m) * D + W * c + l] * inv;
     }
 }
 
-// Can decode tiles of this batch take the AVX-512 path with one item per sequence (all KV
+// Can decode tiles of this batch take the SIMD path with one item per sequence (all KV
 // heads)? Only with enough sequences to keep every thread busy, and state that fits Scratch.
 bool whole_sequence_items(const Batch& b, int num_seqs, int rows) {
   return (b.head_dim == 64 || b.head_dim == 128) && rows * b.group < kLanes && rows * b.num_kv_heads <= kTileRows &&
          num_seqs >= 4 * at::get_num_threads();
 }
-#endif  // __AVX512F__
+#endif  // NANOSERVE_SIMD_DECODE
 
-// The AVX-512 path for decode-sized tiles of the usual head sizes, else the generic one.
+// The SIMD path for decode-sized tiles of the usual head sizes, else the generic one.
 template <typename KV>
 void attend(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w, const WorkItem* next,
             Scratch& s) {
-#if defined(__AVX512F__)
+#if defined(NANOSERVE_SIMD_DECODE)
   if ((w.row_end - w.row_begin) * b.group < kLanes) {
-    if (b.head_dim == 64) return attend_small_avx512<KV, 4>(b, key_cache, value_cache, w, next, s);
-    if (b.head_dim == 128) return attend_small_avx512<KV, 8>(b, key_cache, value_cache, w, next, s);
+    if (b.head_dim == 64) return attend_small<KV, 64 / W>(b, key_cache, value_cache, w, next, s);
+    if (b.head_dim == 128) return attend_small<KV, 128 / W>(b, key_cache, value_cache, w, next, s);
   }
 #else
   (void)next;
@@ -668,7 +746,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
     for (int r = 0; r < q_len; r += kTileRows) {
       const int rows = std::min(kTileRows, q_len - r), first_pos = cl[i] - q_len + r;
       const int64_t cost = (int64_t)rows * (first_pos + rows);
-#if defined(__AVX512F__)
+#if defined(NANOSERVE_SIMD_DECODE)
       if (whole_sequence_items(b, num_seqs, rows)) {
         items.push_back({i, 0, num_kv_heads, qs[i] + r, qs[i] + r + rows, first_pos, cost * num_kv_heads});
         continue;
