@@ -195,7 +195,8 @@ def nanoserve_runs(sz, reqs, b1_prompt):
                                           enable_prefix_caching=False, dtype="bfloat16")
     for e in engines.values():
         warm_up(e, sz)
-    runs = run_interleaved([(e, reqs) for e in engines.values()], "nanoserve: default and bfloat16, in turn")
+    label = "nanoserve: " + " and ".join(engines) + (", in turn" if len(engines) > 1 else "")
+    runs = run_interleaved([(e, reqs) for e in engines.values()], label)
     out = {}
     for (name, e), r in zip(engines.items(), runs):
         walls = [run_timed(e, [b1_prompt], [greedy(n)], "b1")[1] for n in (sz.b1_tokens, 1)]
