@@ -1754,7 +1754,7 @@ def test_reshape_and_cache_rejects_out_of_range_slots(cpu_backend):
                              torch.tensor([8]), backend="cpu")
 
 
-# ---- the same C++ on a CPU without AVX-512 ---------------------------------------------------
+# ---- the same C++ for the other x86 SIMD widths ----------------------------------------------
 
 AVX2_FLAGS = ["-march=x86-64-v3"]     # AVX2 + FMA + F16C, no AVX-512: the oldest CPU the kernels target
 AVX512_FLAGS = ["-march=x86-64-v4"]   # AVX-512 F/BW/VL/DQ
