@@ -178,7 +178,8 @@ def machine_info():
     except (OSError, StopIteration):
         pass
     engine = make_engine(kv_cache_memory="16MiB")
-    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu, "cores": os.cpu_count(),
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
             "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": str(getattr(engine, "dtype", model_dtype(engine))).removeprefix("torch."),
             "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "vLLM": bench_peers.vllm_unavailable() or os.environ["VLLM_PYTHON"],

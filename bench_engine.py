@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 
@@ -45,14 +46,27 @@ def pct(values, q):
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
 
 
+def bench_device() -> torch.device:
+    """Where the engine's device "auto" runs, and so where the kernel and matmul measurements run."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync():
+    """GPU work is asynchronous: wait for it before reading the clock."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def time_fn(fn, repeats, warmup=1):
     """min and median seconds of fn() over repeats, after warm-up calls."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return min(times), statistics.median(times)
 

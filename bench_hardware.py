@@ -8,7 +8,7 @@ changes a kernel or the engine, and batching experiments live in bench_batching.
 """
 import torch
 
-from bench_engine import make_engine, md_table, model_dtype, section_header, steady_decode, time_fn, warm_up
+from bench_engine import bench_device, make_engine, md_table, model_dtype, section_header, steady_decode, time_fn, warm_up
 
 
 def model_linear_shapes(engine):
@@ -22,12 +22,13 @@ def model_linear_shapes(engine):
 
 
 def matmul_gflops(m, k, n, dtype, repeats):
-    a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)   # nn.Linear layout: y = a @ w.T
+    dev = bench_device()
+    a, w = torch.randn(m, k, dtype=dtype, device=dev), torch.randn(n, k, dtype=dtype, device=dev)   # y = a @ w.T
     return 2 * m * k * n / time_fn(lambda: a @ w.T, repeats, warmup=2)[0] / 1e9
 
 
 def memory_bandwidth(repeats, nbytes=512 * 2**20):
-    x = torch.ones(nbytes // 4)
+    x = torch.ones(nbytes // 4, device=bench_device())
     return nbytes / time_fn(lambda: x.sum(), repeats, warmup=1)[0] / 1e9
 
 
@@ -36,9 +37,10 @@ def matmul_forward_time(shapes, batch, dtype, repeats):
     the faster of torch.mm and the engine's own model.linear (with its prepacked weights) on the same
     shapes and dtype."""
     from model import linear, pack_weight
-    ws = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
+    dev = bench_device()
+    ws = [torch.randn(n, k, dtype=dtype, device=dev) for k, n in shapes]
     packed = [pack_weight(w) for w in ws]
-    xs = {k: torch.randn(batch, k, dtype=dtype) for k, _ in shapes}
+    xs = {k: torch.randn(batch, k, dtype=dtype, device=dev) for k, _ in shapes}
     def fwd(mm):
         for (k, _), w, p in zip(shapes, ws, packed):
             mm(xs[k], w, p)
@@ -54,7 +56,7 @@ def bench_roofline(sz, seed, results):
     mm = {f"[64,{h}]x[{h},{inter}]": matmul_gflops(64, h, inter, dtype, sz.repeats),
           f"[64,{h}]x[{h},{mc.vocab_size}] (lm head)": matmul_gflops(64, h, mc.vocab_size, dtype, sz.repeats),
           f"[1,{h}]x[{h},{inter}]": matmul_gflops(1, h, inter, dtype, sz.repeats),
-          f"[512,{h}]x[{h},{inter}] (cache-hot, near this CPU's peak)": matmul_gflops(512, h, inter, dtype, sz.repeats)}
+          f"[512,{h}]x[{h},{inter}] (near this device's peak)": matmul_gflops(512, h, inter, dtype, sz.repeats)}
     bw, params = memory_bandwidth(sz.repeats), sum(k * n for k, n in shapes)
     warm_up(engine, sz)
     per_batch = {}
@@ -80,6 +82,7 @@ def bench_roofline(sz, seed, results):
 
 
 def kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=16, seed=0):
+    """A decode batch over scattered blocks, drawn on the CPU (the same numbers on any device), then moved."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = (ctx + block - 1) // block
     num_blocks = batch * blocks_per_seq
@@ -89,20 +92,21 @@ def kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=
     tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(torch.int32)   # scattered blocks
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    return q, k, v, tables, lens, qsl
+    return [t.to(bench_device()) for t in (q, k, v, tables, lens, qsl)]
 
 
 def bench_kernel(sz, seed, results):
     """How fast does each paged-attention backend read the KV cache, against the bandwidth measured here?"""
     import paged_attention as pa
     bw, rows, rec, skipped = memory_bandwidth(sz.repeats), [], {}, []
+    kernel = bench_device().type          # the compiled backend for this device: "cpu" or "cuda"
     for ctx in sz.kernel_contexts:
         for kv_dtype in (torch.float32, torch.bfloat16):
             inp = kernel_inputs(sz.kernel_batch, ctx, kv_dtype)
             kv_bytes = 2 * inp[1].numel() * inp[1].element_size()
             ref = pa.paged_attention_reference(inp[0], inp[1].float(), inp[2].float(), *inp[3:], 1 / 8)
             base = None
-            for backend in ("torch", "cpu"):
+            for backend in ("torch", kernel):
                 name = f"ctx={ctx} {str(kv_dtype)[6:]} {backend}"
                 try:
                     call = lambda: pa.paged_attention(*inp, 1 / 8, backend=backend)   # noqa: E731
@@ -117,7 +121,7 @@ def bench_kernel(sz, seed, results):
                 rows.append([ctx, str(kv_dtype)[6:], backend, best * 1e3, base / best, kv_bytes / best / 1e9,
                              kv_bytes / best / 1e9 / bw, err])
     e2e = {}
-    for backend in ("torch", "cpu"):
+    for backend in ("torch", kernel):
         engine = make_engine(kv_cache_memory=sz.kv_cache_memory, attention_backend=backend, max_num_seqs=sz.kernel_e2e_batch)
         warm_up(engine, sz)
         d = steady_decode(engine, sz.kernel_e2e_batch, steps=3, prompt_len=sz.kernel_e2e_prompt)

@@ -19,13 +19,13 @@ import time
 import torch
 
 import model as M
-from bench_engine import random_prompt, time_fn
+from bench_engine import bench_device, random_prompt, time_fn
 import paged_attention as pa
 
 
 def read_bandwidth_gbs(nbytes=512 * 2**20, repeats=3) -> float:
     """Plain read bandwidth: best GB/s of summing a tensor far larger than the caches."""
-    x = torch.ones(nbytes // 4)
+    x = torch.ones(nbytes // 4, device=bench_device())
     x.sum()
     return nbytes / time_fn(x.sum, repeats, warmup=0)[0] / 1e9
 
@@ -41,15 +41,16 @@ def decode_kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64,
     tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    return q, k, v, tables, lens, qsl
+    return [t.to(bench_device()) for t in (q, k, v, tables, lens, qsl)]
 
 
 def bench_kernel_bandwidth(batch=64, contexts=(512, 1024, 2048), kv_dtype=torch.bfloat16, repeats=5,
-                           backend="cpu") -> dict:
+                           backend=None) -> dict:
     """KV bytes read per second by the paged-attention kernel at decode, against the plain read
     bandwidth measured between its runs. -> {"read_gbs", "contexts": {ctx: {"ms", "kv_gbs",
     "read_gbs", "ratio", "max_abs_diff"}}}; the diff is against the PyTorch reference on the
     first 4 sequences."""
+    backend = backend or bench_device().type     # the compiled kernel of the device the engine runs on
     out = {"batch": batch, "kv_dtype": str(kv_dtype).removeprefix("torch."), "backend": backend, "contexts": {}}
     reads = []
     for ctx in contexts:
@@ -126,7 +127,7 @@ def matmul_only_ms(engine, batch, repeats=3) -> float:
     model.linear on each layer's prepacked weight (the path the engine takes): the matmul roofline
     of a decode step."""
     layers = [m for m in engine.model.modules() if isinstance(m, M.Linear)]
-    xs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype) for m in layers}
+    xs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in layers}
     run = lambda: [M.linear(xs[m.in_features], m.weight, packed=m.packed_weight()) for m in layers]   # noqa: E731
     run()
     return time_fn(run, repeats, warmup=0)[0] * 1e3

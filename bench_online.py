@@ -230,7 +230,7 @@ def bench_http(sz, seed, results):
         f"--random-output-len {sz.http_len} --random-range-ratio 0.5 --request-rate {sz.http_rate} --ignore-eos "
         "--temperature 0`: streaming /v1/completions with stream_options.include_usage and repetition_penalty 1.0.",
         "the load generator runs in its own process; in process = the same prompts (our tokenizer's ids) all at once.",
-        f"every server runs {model_dtype(engine)} (nanoserve's dtype auto on this CPU).",
+        f"every server runs {model_dtype(engine)} (nanoserve's dtype auto on this machine).",
         "TPOT = (latency - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks; seconds."]
         + [f"{k}: {v['skipped'] if 'skipped' in v else v['first_error']}" for k, v in runs.items()
            if "skipped" in v or v.get("failed")])

@@ -8,6 +8,7 @@ brings its own loading and driving code that has nothing to do with nanoserve's 
 imports vLLM into this process (its torch build and threads are its own) and never changes nanoserve.
 Run as `$VLLM_PYTHON bench_peers.py vllm-worker SPEC.json` it is the vLLM side of that subprocess.
 """
+import inspect
 import json
 import math
 import os
@@ -114,10 +115,14 @@ def vllm_worker(spec_path):
 # ----------------------------------------------------------------------------- Hugging Face transformers
 
 def load_hf_model(model_dir):
-    """transformers' own Llama on our exported weights (fp32, sdpa)."""
+    """transformers' own Llama on our exported weights (sdpa): float32 on the CPU, bfloat16 on a GPU
+    (what our dtype "auto" picks on an AVX2 CPU and on CUDA)."""
     import torch
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(export_hf_layout(model_dir, tokenizer=False), dtype=torch.float32).eval()
+    from bench_engine import bench_device
+    dev = bench_device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return AutoModelForCausalLM.from_pretrained(export_hf_layout(model_dir, tokenizer=False), dtype=dtype).to(dev).eval()
 
 
 def hf_padded_generate(model, reqs, batch_size, pad_id):
@@ -133,6 +138,7 @@ def hf_padded_generate(model, reqs, batch_size, pad_id):
         for j, r in enumerate(batch):
             ids[j, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[j, width - len(r.prompt):] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
         n_new = max(r.max_tokens for r in batch)
         gcfg = GenerationConfig(do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
                                 eos_token_id=None, pad_token_id=pad_id)
@@ -153,8 +159,9 @@ def hf_continuous(model, reqs):
     pages = sum(math.ceil((len(r.prompt) + r.max_tokens) / page) + 1 for r in reqs)
     # explicit sizes like ours (512-token step budget); left to itself on CPU it sizes the cache from host RAM,
     # which costs ~20 s of allocation per manager and would be charged to no one
-    cbcfg = ContinuousBatchingConfig(max_requests_per_batch=len(reqs), page_size=page, num_blocks=pages + 8,
-                                     max_batch_tokens=512)
+    size = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    cbcfg = ContinuousBatchingConfig(max_requests_per_batch=len(reqs), num_blocks=pages + 8, max_batch_tokens=512,
+                                     **{size: page})       # older transformers name it block_size
     results = {}
     with model.continuous_batching_context_manager(generation_config=gcfg, continuous_batching_config=cbcfg,
                                                    block=True, timeout=60, warmup=False) as mgr:
@@ -237,8 +244,12 @@ def hf_runs(sz, reqs, model_dir):
     for b in sz.hf_batch_sizes:
         hf_padded_generate(model, warm, b, 0)
         out[f"HF generate, padded, batch {b}"] = hf_padded_generate(model, reqs, b, 0)
-    hf_continuous(model, warm)
-    out["HF continuous batching (paged)"] = hf_continuous(model, reqs)
+    try:
+        hf_continuous(model, warm)
+        out["HF continuous batching (paged)"] = hf_continuous(model, reqs)
+    except Exception as e:     # its API moves between transformers versions: say so, run the rest
+        import transformers
+        out["HF continuous batching (paged)"] = f"not run (transformers {transformers.__version__}): {str(e)[:160]}"
     return out
 
 
@@ -263,7 +274,7 @@ def bench_peers(sz, seed, results):
         f"{sz.peer_out_range[0]}-{sz.peer_out_range[1]} ({sum(r.max_tokens for r in reqs):,} output tokens), greedy, "
         f"EOS ignored, max_num_seqs={sz.peer_max_num_seqs}, prefix caching off; {torch.get_num_threads()} threads each.",
         f"batch 1: one {len(b1_prompt)}-token prompt, ({sz.b1_tokens} - 1) tokens / (time for {sz.b1_tokens} - time for 1).",
-        f"HF: transformers on the first {min(sz.hf_requests, len(reqs))} requests (fp32, sdpa)."
+        f"HF: transformers on the first {min(sz.hf_requests, len(reqs))} requests (sdpa; float32 on a CPU, bfloat16 on a GPU)."
         + (f" HF skipped: {hf['skipped']}" if "skipped" in hf else "")]
         + ([] if "bfloat16" in ours or ours["default"]["dtype"] == "bfloat16" else
            ["nanoserve bfloat16 not run: oneDNN has no bfloat16 path on this CPU (it would be emulated)."])

@@ -74,8 +74,8 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, conte
         k = k.repeat_interleave(group, dim=1)                # [ctx_len, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         # causal with an offset: query j (absolute position ctx_len - q_len + j) sees keys <= it
-        q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)   # [q_len, 1]
-        mask = torch.arange(ctx_len).unsqueeze(0) <= q_pos             # [q_len, ctx_len]
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)   # [q_len, 1]
+        mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= q_pos             # [q_len, ctx_len]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [heads, len, head_dim]
             attn_mask=mask, scale=scale)

@@ -153,15 +153,16 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
 def draw(x, states, generator):
     """x: [k, vocab] logits of rows that sample (overwritten). Temperature, filters, then inverse CDF."""
     params = [s.params for s in states]
-    inv_temp = 1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32)   # [k, 1]
+    inv_temp = 1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32, device=x.device)   # [k, 1]
+    scale_later = any(p.temperature != 1 for p in params)             # decided on the host: no device sync
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
         x = apply_top_k_top_p_min_p(x.mul_(inv_temp), params)         # [k, vocab]
-        inv_temp = torch.ones_like(inv_temp)
+        scale_later = False
     # exp((x - max) / T), in place (max(x / T) = max(x) / T); masked -> 0
     x = x.sub_(x.amax(dim=-1, keepdim=True))                           # [k, vocab]
-    if (inv_temp != 1).any():
+    if scale_later:
         x = x.mul_(inv_temp)
-    return inverse_cdf(x.exp_(), uniforms(states, generator))
+    return inverse_cdf(x.exp_(), uniforms(states, generator).to(x.device, non_blocking=True))
 
 
 def inverse_cdf(probs, u, block=128):
@@ -177,7 +178,7 @@ def inverse_cdf(probs, u, block=128):
     target = torch.minimum(u.unsqueeze(1) * total, total * (1 - 2**-20))   # strictly inside the mass
     b = torch.searchsorted(block_cdf, target, right=True)              # [k, 1] first block past target
     before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_(min=0)), 0.0)
-    rows = torch.arange(k) * blocks.shape[1] + b.squeeze(1)            # [k] row of the chosen block
+    rows = torch.arange(k, device=probs.device) * blocks.shape[1] + b.squeeze(1)   # [k] row of the chosen block
     inner_cdf = blocks.view(-1, block).index_select(0, rows).cumsum_(dim=-1)   # [k, block]
     rest = torch.minimum(target - before, inner_cdf[:, -1:] * (1 - 2**-20))
     j = torch.searchsorted(inner_cdf, rest, right=True)                # [k, 1] lands on a token with mass
@@ -185,7 +186,8 @@ def inverse_cdf(probs, u, block=128):
 
 
 def uniforms(states, generator):
-    """One U[0, 1) per row: a seeded row from its own stream, the rest in one call on the shared one."""
+    """One U[0, 1) per row: a seeded row from its own stream, the rest in one call on the shared one.
+    Drawn on the CPU whatever the device, so a seed gives the same numbers on a GPU."""
     u = torch.empty(len(states))
     shared = [i for i, s in enumerate(states) if s.generator is None]
     if shared:
@@ -201,20 +203,23 @@ def apply_top_k_top_p_min_p(x, params):
     top_k = torch.tensor([p.top_k if p.top_k > 0 else x.shape[1] for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    if (top_k < x.shape[1]).any() or (top_p < 1).any():
+    # decided on these host copies (no device sync); the math uses device copies
+    any_top_k_p, any_min_p = bool((top_k < x.shape[1]).any() or (top_p < 1).any()), bool((min_p > 0).any())
+    width = int(top_k.max())
+    top_k, top_p, min_p = (t.to(x.device, non_blocking=True) for t in (top_k, top_p, min_p))
+    if any_top_k_p:
         # every row has a top_k: its k best are all that can survive, so topk replaces the full sort
-        width = int(top_k.max())
         if width < x.shape[1]:
             sorted_x, order = x.topk(width, dim=-1)                   # [num_seqs, width] descending
         else:
             sorted_x, order = x.sort(dim=-1, descending=True)          # [num_seqs, vocab]
-        ranks = torch.arange(width).unsqueeze(0)
+        ranks = torch.arange(width, device=x.device).unsqueeze(0)
         sorted_x = sorted_x.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
         sorted_probs = sorted_x.softmax(dim=-1)                        # top-p over what top-k kept (vLLM's order)
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)  # keep the token that crosses p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
-    if (min_p > 0).any():
+    if any_min_p:
         # p >= min_p * p_max  <=>  logit >= max logit + log(min_p): no softmax needed
         floor = x.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)
         x = x.masked_fill(x < floor, float("-inf"))
@@ -240,8 +245,9 @@ def apply_logit_bias(logits, params):
             cols += list(p.logit_bias)
             biases += list(p.logit_bias.values())
     if rows:
-        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(biases, dtype=logits.dtype),
-                          accumulate=True)
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(biases, dtype=logits.dtype, device=dev), accumulate=True)
 
 
 def apply_penalties(logits, states):
@@ -251,10 +257,11 @@ def apply_penalties(logits, states):
     rows = [i for i, s in enumerate(states) if s.output_counts is not None]
     if not rows:
         return
-    counts = torch.stack([states[i].output_counts for i in rows])      # [r, vocab] int32
-    seen = torch.stack([states[i].in_prompt for i in rows]) | (counts > 0)  # [r, vocab]
+    dev = logits.device          # the counts live on the CPU (one scalar add per token): one copy per step
+    counts = torch.stack([states[i].output_counts for i in rows]).to(dev)   # [r, vocab] int32
+    seen = torch.stack([states[i].in_prompt for i in rows]).to(dev) | (counts > 0)  # [r, vocab]
     params = [states[i].params for i in rows]
-    rep, freq, pres = (torch.tensor([[getattr(p, name)] for p in params], dtype=torch.float32)   # [r, 1] each
+    rep, freq, pres = (torch.tensor([[getattr(p, name)] for p in params], dtype=torch.float32, device=dev)   # [r, 1] each
                        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
     x = logits[rows]                                                   # [r, vocab]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
@@ -266,7 +273,7 @@ def top_logprobs(logprobs, tokens: list[int], want: list[int | None]) -> list[di
     """logprobs: [num_rows, vocab]. For row i: its top want[i] entries plus tokens[i]'s own."""
     top_n = max(w or 0 for w in want if w is not None)
     top_vals, top_ids = logprobs.topk(max(top_n, 1), dim=-1)           # [num_rows, top_n]
-    chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
     out = []
     for i, w in enumerate(want):

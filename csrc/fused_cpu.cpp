@@ -15,18 +15,27 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
+// std::bit_cast is C++20, and torch before 2.13 builds extensions as C++17
+template <class To, class From>
+inline To bit_cast(const From& x) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs equal sizes");
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+
 inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return std::bit_cast<float>(uint32_t(x.x) << 16); }
+inline float to_float(at::BFloat16 x) { return bit_cast<float>(uint32_t(x.x) << 16); }
 inline void store(float* p, float x) { *p = x; }
 inline void store(at::BFloat16* p, float x) {   // round to nearest even, as torch does (no NaN here)
-  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint32_t u = bit_cast<uint32_t>(x);
   p->x = uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
@@ -41,7 +50,7 @@ inline float exp_nonpositive(float x) {
   p = p * f + 2.4022651e-1f;
   p = p * f + 6.9314718e-1f;
   p = p * f + 1.f;
-  return x < -87.f ? 0.f : p * std::bit_cast<float>((int32_t(n) + 127) << 23);
+  return x < -87.f ? 0.f : p * bit_cast<float>((int32_t(n) + 127) << 23);
 }
 
 void check_rows(const at::Tensor& x, const char* name) {

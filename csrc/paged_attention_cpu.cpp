@@ -28,7 +28,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,6 +40,15 @@ namespace {
 constexpr int kTileRows = 16;  // query rows per work item; a tile shares every K/V load
 constexpr int kLanes = 16;     // head_dim granule: one AVX-512 / two AVX2 registers of floats
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// std::bit_cast is C++20, and torch before 2.13 builds extensions as C++17
+template <class To, class From>
+inline To bit_cast(const From& x) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs equal sizes");
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
 
 // exp(x) for the softmax, where x <= 0: e^x = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2 and
 // 2^f a degree-6 Taylor polynomial (relative error ~1.2e-7). Unlike std::exp, a loop of it
@@ -55,7 +63,7 @@ inline float exp_nonpositive(float x) {
   p = p * f + 2.4022651e-1f;
   p = p * f + 6.9314718e-1f;
   p = p * f + 1.f;
-  const float two_n = std::bit_cast<float>((int32_t(n) + 127) << 23);
+  const float two_n = bit_cast<float>((int32_t(n) + 127) << 23);
   return x < -87.f ? 0.f : p * two_n;
 }
 
@@ -64,7 +72,7 @@ inline float exp_nonpositive(float x) {
 inline void load_row(const at::BFloat16* src, float* dst, int n) {
   const auto* bits = reinterpret_cast<const uint16_t*>(src);
 #pragma omp simd
-  for (int i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(bits[i]) << 16);  // bf16 = top half of fp32
+  for (int i = 0; i < n; ++i) dst[i] = bit_cast<float>(uint32_t(bits[i]) << 16);  // bf16 = top half of fp32
 }
 
 inline void load_row(const at::Half* src, float* dst, int n) {
@@ -74,9 +82,9 @@ inline void load_row(const at::Half* src, float* dst, int n) {
     // integer-only so it vectorizes: move exponent+mantissa to float's place, rebias by 2^112
     // (also right for subnormals); exponent 31 (inf/nan) maps to float's 255
     const uint32_t h = bits[i], magnitude = h & 0x7fff, sign = (h & 0x8000) << 16;
-    const float scaled = std::bit_cast<float>(magnitude << 13) * 0x1p112f;
-    const uint32_t f = magnitude >= 0x7c00 ? (magnitude << 13) | 0x7f800000 : std::bit_cast<uint32_t>(scaled);
-    dst[i] = std::bit_cast<float>(f | sign);
+    const float scaled = bit_cast<float>(magnitude << 13) * 0x1p112f;
+    const uint32_t f = magnitude >= 0x7c00 ? (magnitude << 13) | 0x7f800000 : bit_cast<uint32_t>(scaled);
+    dst[i] = bit_cast<float>(f | sign);
   }
 }
 
