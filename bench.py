@@ -85,6 +85,7 @@ class Sizes:
     pressure_out_range: tuple = (8, 32)
     pressure_prompt_median: int = 100
     api_rounds: int = 5                  # interleaved rounds per variant of the API-cost steps
+    fused_compile: bool = True           # time torch.compile beside csrc's fused ops (tens of seconds to compile)
 
 
 FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=100, static_max_requests=(),
@@ -99,7 +100,8 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               peer_max_num_seqs=8, peer_kv_cache_memory="128MiB", b1_tokens=8, hf_requests=2, hf_batch_sizes=(2,),
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
               kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
-              cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(32, 48), pressure_prompt_median=16)
+              cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(32, 48), pressure_prompt_median=16,
+              fused_compile=False)
 
 
 # ----------------------------------------------------------------------------- measurements from other files
@@ -136,6 +138,35 @@ def bench_hot_path(sz, seed, results):
     out = fn(batch=sz.kernel_batch, contexts=sz.kernel_contexts, repeats=sz.repeats)
     print_flat("Hot path: KV read speed of the paged-attention kernel (bench_hot.py)", out)
     results["hot"] = out
+    fused, why = optional("bench_hot", "fused_ops_vs_compile")
+    results["fused_ops"] = {"skipped": why} if why else fused(
+        rows=(sz.kernel_batch, 8 * sz.kernel_batch), batch=sz.kernel_batch, repeats=max(5, sz.repeats),
+        compile_ops=sz.fused_compile)
+    print_fused_ops(results["fused_ops"])
+
+
+def print_fused_ops(f):
+    """Residual add + RMSNorm, RoPE and SwiGLU: csrc/fused_cpu.cpp against torch.compile, and plain PyTorch."""
+    title = "Hot path: fused ops, csrc/fused_cpu.cpp vs torch.compile (bench_hot.py)"
+    if "skipped" in f:
+        section_header(title, [f"skipped: {f['skipped']}"])
+        return
+    compiled = f["torch_compile"] == "run"
+    section_header(title, [
+        f"{f['dtype']}; per call, best of {f['repeats']} runs of 20 calls; torch.compile = model.py's plain references compiled with "
+        f"dynamic shapes (as an engine option would: the row count changes every step)"
+        + (f", {f['compile_s']:.0f} s to compile" if compiled else f": {f['torch_compile']}"),
+        f"decode step at batch {f['batch']}: the engine with each set of ops, taking turns, best median of {f['rounds']} rounds"])
+    rows = [[op, r["plain_us"], r["csrc_us"], r.get("compiled_us", "-"), r["plain_us"] / r["csrc_us"],
+             r["compiled_us"] / r["csrc_us"] if compiled else "-"] for op, r in f["ops"].items()]
+    st = f["step"]
+    rows.append([f"decode step, batch {f['batch']} (ms)", st["plain_ms"], st["csrc_ms"], st.get("compiled_ms", "-"),
+                 st["plain_ms"] / st["csrc_ms"], st["compiled_ms"] / st["csrc_ms"] if compiled else "-"])
+    print(md_table(["op", "plain us", "csrc us", "torch.compile us", "plain / csrc", "torch.compile / csrc"], rows))
+    if compiled:
+        wins = sum(r["csrc_us"] < r["compiled_us"] for r in f["ops"].values())
+        print(f"\ncsrc faster than torch.compile per call in **{wins} of {len(f['ops'])}** op rows; "
+              f"fastest decode step: {f['fastest_step']}")
 
 
 def bench_api_costs(sz, seed, results):

@@ -8,6 +8,7 @@ ratio measured in one process, interleaved, because the machine is shared); none
 Owns only measuring. Does not change the engine or pick settings; bench.py owns the tables,
 the peers and the targets. `python bench_hot.py` prints every dict, for a quick look.
 """
+import contextlib
 import os
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")   # as bench.py: brief spin, then sleep
@@ -142,17 +143,129 @@ def decode_vs_roofline(batch=64, engine=None, steps=6) -> dict:
             "matmul_only_ms": mm, "of_matmul_roofline": mm / r["step_ms_median"], "phase_ms": r["phase_ms"]}
 
 
-def fused_ops_speedup(batch=64, engine=None, steps=6) -> dict:
-    """Decode step ms with csrc/fused_cpu.cpp's ops and with the plain PyTorch ops, interleaved."""
+def fused_op_cases(rows, dtype, hidden=576, inter=1536, heads=9, kv_heads=3, head_dim=64, eps=1e-5):
+    """SmolLM2's three fused per-layer ops at `rows` rows: name -> (plain fn, csrc fn), each
+    over its own inputs. The in-place ops rewrite their inputs every call, as in the engine."""
+    g = torch.Generator().manual_seed(rows)
+    x, res = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))           # [T, hidden]
+    w = torch.rand(hidden, generator=g).to(dtype) + 0.5
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)      # [T, 960]
+    ang = torch.rand(rows, head_dim // 2, generator=g) * 6.28
+    cos, sin = ang.cos(), ang.sin()                                                        # float32 [T, head_dim/2]
+    gate_up = torch.randn(rows, 2 * inter, generator=g).to(dtype)                           # [T, 2 * inter]
+    return {"residual add + RMSNorm": (lambda: M.rms_norm(x, w, eps, res), lambda: M.rms_norm(x, w, eps, res, True)),
+            "RoPE on q and k (in place)": (lambda: M.rope_(qkv, cos, sin, heads + kv_heads, head_dim),
+                                           lambda: M.rope_(qkv, cos, sin, heads + kv_heads, head_dim, True)),
+            "SwiGLU": (lambda: M.silu_and_mul(gate_up), lambda: M.silu_and_mul(gate_up, True))}
+
+
+def _compile_fused_ops(rows, dtype) -> tuple[dict, str | None, float | None]:
+    """model.py's three plain-PyTorch fused-op references under torch.compile with dynamic shapes
+    (the engine's row count changes every step), compiled here at each row count, not inside a
+    timing. -> (name -> compiled fn, why not run, seconds to compile)."""
+    try:
+        t = time.perf_counter()
+        compiled = {name: torch.compile(getattr(M, name), dynamic=True) for name in ("rms_norm", "rope_", "silu_and_mul")}
+        with torch.inference_mode(), _swapped(compiled):
+            for r in rows:
+                for plain, _ in fused_op_cases(r, dtype).values():
+                    plain()
+        return compiled, None, time.perf_counter() - t
+    except Exception as e:                                  # e.g. no C++ compiler for inductor's CPU code
+        return {}, f"not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})", None
+
+
+def fused_ops_vs_compile(rows=(64, 512), batch=64, engine=None, steps=6, calls=20, repeats=5, rounds=3,
+                         compile_ops=True) -> dict:
+    """The fused ops three ways: plain PyTorch, csrc/fused_cpu.cpp, and torch.compile of the plain
+    ones. Per call (us, best of `repeats` runs of `calls` calls) at each row count, then a whole
+    decode step at `batch` with each, `rounds` times taking turns (the best median of each).
+    compile_ops=False, or a compile that fails, leaves torch.compile out and says why."""
     engine = engine or _engine()
-    times = {True: [], False: []}
-    for _ in range(2):
-        for fused in (True, False):
+    dtype = engine.dtype
+    if not M.fused_ops_available(engine.device, dtype):
+        return {"skipped": f"csrc/fused_cpu.cpp does not run here ({engine.device.type}, {dtype}, or its build failed)"}
+    compiled, why_not, compile_s = ({}, "not run (--quick: compiling takes tens of seconds)", None) if not compile_ops \
+        else _compile_fused_ops(rows, dtype)
+    per_op = {}
+    with torch.inference_mode():
+        for r in rows:
+            for name, (plain, fused) in fused_op_cases(r, dtype).items():
+                loop = lambda fn: lambda: [fn() for _ in range(calls)]            # noqa: E731
+                row = {"plain_us": time_fn(loop(plain), repeats)[0] / calls * 1e6,
+                       "csrc_us": time_fn(loop(fused), repeats)[0] / calls * 1e6}
+                if compiled:
+                    with _swapped(compiled):
+                        row["compiled_us"] = time_fn(loop(plain), repeats)[0] / calls * 1e6
+                per_op[f"{name}, {r} rows"] = row
+    modes = {"csrc": (True, {}), "plain": (False, {})} | ({"compiled": (False, compiled)} if compiled else {})
+    times = {m: [] for m in modes}
+    for _ in range(rounds):                                 # interleaved: the same load on each
+        for m, (fused, swap) in modes.items():
             engine.model.use_fused_ops = fused
-            times[fused].append(decode_steps(engine, batch, steps=steps)["step_ms_median"])
+            with _swapped(swap):
+                times[m].append(decode_steps(engine, batch, steps=steps)["step_ms_median"])
     engine.model.use_fused_ops = True
-    return {"batch": batch, "fused_ms": min(times[True]), "plain_ms": min(times[False]),
-            "speedup": min(times[False]) / min(times[True])}
+    step = {f"{m}_ms": min(t) for m, t in times.items()}
+    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "repeats": repeats, "rounds": rounds, "compile_s": compile_s,
+            "torch_compile": why_not or "run", "ops": per_op, "step": step,
+            "fastest_step": min(times, key=lambda m: min(times[m]))}
+
+
+def compiled_forward_step(batch=64, steps=6, rounds=2, freeze=True) -> dict:
+    """torch.compile of the whole model forward, the engine option the alternative would be,
+    against the eager engine with csrc's fused ops: decode step ms at `batch`, two engines taking
+    turns. Inductor cannot lower the oneDNN-packed weights model.linear keeps (it wants them as
+    graph constants), so the compiled model's layers are plain nn.Linear; with freeze, inductor
+    packs their weights itself. Not in bench.py: compiling takes minutes on 2 cores."""
+    import torch._inductor.config as inductor_config
+    eager, compiled = _engine(), _engine()
+    _register_fake_attention_ops(eager.attention_backend)
+    model = compiled.model
+    model.use_fused_ops = False                  # inductor fuses the plain references itself
+    for mod in model.modules():
+        if isinstance(mod, M.Linear):
+            mod.__class__ = torch.nn.Linear      # same parameters, F.linear forward
+    inductor_config.freezing = freeze
+    inner = torch.compile(M.Llama.forward.__wrapped__, dynamic=True)   # inference_mode tensors trip dynamo
+
+    def forward(*args):
+        with torch.no_grad():
+            return inner(model, *args)
+    model.forward = forward
+    t = time.perf_counter()
+    decode_steps(compiled, batch, steps=1)       # compiles (a prefill and a decode shape)
+    compile_s = time.perf_counter() - t
+    times = {"eager_csrc_ms": [], "compiled_ms": []}
+    for _ in range(rounds):
+        for key, engine in (("eager_csrc_ms", eager), ("compiled_ms", compiled)):
+            times[key].append(decode_steps(engine, batch, steps=steps)["step_ms_median"])
+    return {"batch": batch, "dtype": str(eager.dtype).removeprefix("torch."), "freeze": freeze,
+            "compile_s": compile_s, **times, "compiled_over_eager": min(times["compiled_ms"]) / min(times["eager_csrc_ms"])}
+
+
+def _register_fake_attention_ops(backend):
+    """Shapes of the attention ops' outputs for torch.compile's tracing (the C++ ops have none)."""
+    if backend != "cpu" or getattr(_register_fake_attention_ops, "done", False):
+        return
+    torch.library.register_fake("nanoserve_cpu::paged_attention")(
+        lambda query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale: torch.empty_like(query))
+    torch.library.register_fake("nanoserve_cpu::reshape_and_cache")(
+        lambda key, value, key_cache, value_cache, slot_mapping: None)
+    _register_fake_attention_ops.done = True
+
+
+@contextlib.contextmanager
+def _swapped(replacements):
+    """model.py's functions replaced by `replacements` (name -> fn) for the duration."""
+    saved = {name: getattr(M, name) for name in replacements}
+    for name, fn in replacements.items():
+        setattr(M, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(M, name, fn)
 
 
 # ---------------------------------------------------------------------------- the offline peer workload
@@ -212,9 +325,9 @@ if __name__ == "__main__":
     import json
     torch.set_num_threads(os.cpu_count())
     import sys
-    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "linear", "offline"]
+    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "linear", "offline"]   # and compile_forward
     calls = {"kernel": bench_kernel_bandwidth, "phases": phase_breakdown, "roofline": decode_vs_roofline,
-             "fused": fused_ops_speedup, "linear": bf16_linear_table,
+             "fused": fused_ops_vs_compile, "compile_forward": compiled_forward_step, "linear": bf16_linear_table,
              "offline": lambda: [offline_throughput(), offline_throughput(dtype="float32")]}
     for part in parts:
         print(part, json.dumps(calls[part](), indent=1), flush=True)

@@ -3145,6 +3145,10 @@ def test_bench_quick_reports_every_section(tmp_path):
     for name, k in kernel.items():           # the same inputs as the float32 reference, rounded alike
         assert k["max_abs_diff_vs_fp32_reference"] < 1e-3, name
         assert k["speedup_vs_torch"] > 0 and k["kv_gbs"] > 0, name
+    fused = r["fused_ops"]                   # csrc's ops timed beside plain PyTorch (compile left out, and said why)
+    assert "skipped" in fused or (fused["torch_compile"].startswith("not run (--quick")
+                                  and all(op["plain_us"] > 0 and op["csrc_us"] > 0 for op in fused["ops"].values())
+                                  and fused["fastest_step"] in ("csrc", "plain"))
     cow = r["copy_on_write"]                 # blocks held, against the closed form
     assert cow["cow_peak_blocks"] == cow["one_prompt_plus_4_tails"] < cow["separate_peak_blocks"] == cow["four_copies"]
     assert r["prefix"]["shared_prefix_caching_off"]["hit_rate"] == 0 < r["prefix"]["shared_prefix_caching_on"]["hit_rate"]
