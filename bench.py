@@ -86,6 +86,7 @@ class Sizes:
     pressure_prompt_median: int = 100
     api_rounds: int = 5                  # interleaved rounds per variant of the API-cost steps
     fused_compile: bool = True           # time torch.compile beside csrc's fused ops (tens of seconds to compile)
+    fused_rounds: int = 3                # decode steps with each set of fused ops, taking turns
 
 
 FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=100, static_max_requests=(),
@@ -101,7 +102,7 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
               kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
               cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(32, 48), pressure_prompt_median=16,
-              fused_compile=False)
+              fused_compile=False, fused_rounds=1)
 
 
 # ----------------------------------------------------------------------------- measurements from other files
@@ -140,8 +141,8 @@ def bench_hot_path(sz, seed, results):
     results["hot"] = out
     fused, why = optional("bench_hot", "fused_ops_vs_compile")
     results["fused_ops"] = {"skipped": why} if why else fused(
-        rows=(sz.kernel_batch, 8 * sz.kernel_batch), batch=sz.kernel_batch, repeats=max(5, sz.repeats),
-        compile_ops=sz.fused_compile)
+        rows=(sz.kernel_batch, 8 * sz.kernel_batch), batch=sz.kernel_batch, repeats=sz.repeats + 2,
+        rounds=sz.fused_rounds, compile_ops=sz.fused_compile)
     print_fused_ops(results["fused_ops"])
 
 
