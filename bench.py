@@ -154,7 +154,7 @@ def print_fused_ops(f):
         return
     compiled = f["torch_compile"] == "run"
     section_header(title, [
-        f"{f['dtype']}; per call, best of {f['repeats']} runs of 20 calls; torch.compile = model.py's plain references compiled with "
+        f"{f['dtype']}; per call, best of {f['repeats']} runs of {f['calls']} calls; torch.compile = model.py's plain references compiled with "
         f"dynamic shapes (as an engine option would: the row count changes every step)"
         + (f", {f['compile_s']:.0f} s to compile" if compiled else f": {f['torch_compile']}"),
         f"decode step at batch {f['batch']}: the engine with each set of ops, taking turns, best median of {f['rounds']} rounds"])

@@ -207,8 +207,8 @@ def fused_ops_vs_compile(rows=(64, 512), batch=64, engine=None, steps=6, calls=2
                 times[m].append(decode_steps(engine, batch, steps=steps)["step_ms_median"])
     engine.model.use_fused_ops = True
     step = {f"{m}_ms": min(t) for m, t in times.items()}
-    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "repeats": repeats, "rounds": rounds, "compile_s": compile_s,
-            "torch_compile": why_not or "run", "ops": per_op, "step": step,
+    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "calls": calls, "repeats": repeats, "rounds": rounds,
+            "compile_s": compile_s, "torch_compile": why_not or "run", "ops": per_op, "step": step,
             "fastest_step": min(times, key=lambda m: min(times[m]))}
 
 
