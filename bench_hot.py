@@ -232,14 +232,14 @@ def compiled_forward_step(batch=64, steps=6, rounds=2, freeze=True) -> dict:
         with torch.no_grad():
             return inner(model, *args)
     model.forward = forward
-    t = time.perf_counter()
-    with inductor_config.patch(freezing=freeze):  # the process-wide setting stays as it was
-        decode_steps(compiled, batch, steps=1)    # compiles (a prefill and a decode shape)
-    compile_s = time.perf_counter() - t
     times = {"eager_csrc_ms": [], "compiled_ms": []}
-    for _ in range(rounds):
-        for key, engine in (("eager_csrc_ms", eager), ("compiled_ms", compiled)):
-            times[key].append(decode_steps(engine, batch, steps=steps)["step_ms_median"])
+    with inductor_config.patch(freezing=freeze):  # any recompile freezes too; the process setting is restored
+        t = time.perf_counter()
+        decode_steps(compiled, batch, steps=1)    # compiles (a prefill and a decode shape)
+        compile_s = time.perf_counter() - t
+        for _ in range(rounds):
+            for key, engine in (("eager_csrc_ms", eager), ("compiled_ms", compiled)):
+                times[key].append(decode_steps(engine, batch, steps=steps)["step_ms_median"])
     return {"batch": batch, "dtype": str(eager.dtype).removeprefix("torch."), "freeze": freeze,
             "compile_s": compile_s, **times, "compiled_over_eager": min(times["compiled_ms"]) / min(times["eager_csrc_ms"])}
 
