@@ -87,6 +87,8 @@ class Sizes:
     api_rounds: int = 5                  # interleaved rounds per variant of the API-cost steps
     fused_compile: bool = True           # time torch.compile beside csrc's fused ops (tens of seconds to compile)
     fused_rounds: int = 3                # decode steps with each set of fused ops, taking turns
+    gguf_rows: tuple = (1, 2, 4, 8, 16)  # rows per pass over the linear layers, GGUF blocks vs float32
+    gguf_batches: tuple = (1, 4)         # decode steps with and without the blocks, taking turns
 
 
 FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=100, static_max_requests=(),
@@ -102,7 +104,7 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
               kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
               cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(32, 48), pressure_prompt_median=16,
-              fused_compile=False, fused_rounds=1)
+              fused_compile=False, fused_rounds=1, gguf_rows=(1, 4), gguf_batches=(1,))
 
 
 # ----------------------------------------------------------------------------- measurements from other files
@@ -144,6 +146,10 @@ def bench_hot_path(sz, seed, results):
         rows=(sz.kernel_batch, 8 * sz.kernel_batch), batch=sz.kernel_batch, repeats=sz.repeats + 2,
         rounds=sz.fused_rounds, compile_ops=sz.fused_compile)
     print_fused_ops(results["fused_ops"])
+    gguf, why = optional("bench_hot", "gguf_blocks_vs_float32")
+    results["gguf_blocks"] = {"skipped": why} if why else gguf(
+        rows=sz.gguf_rows, batches=sz.gguf_batches, repeats=sz.repeats, rounds=sz.fused_rounds)
+    print_gguf_blocks(results["gguf_blocks"])
 
 
 def print_fused_ops(f):
@@ -168,6 +174,23 @@ def print_fused_ops(f):
         wins = sum(r["csrc_us"] < r["compiled_us"] for r in f["ops"].values())
         print(f"\ncsrc faster than torch.compile per call in **{wins} of {len(f['ops'])}** op rows; "
               f"fastest decode step: {f['fastest_step']}")
+
+
+def print_gguf_blocks(g):
+    """Few-row linear layers on the GGUF's own Q4_1/Q8_0 blocks (csrc/linear_cpu.cpp) vs the float32 weights."""
+    title = "Hot path: linear layers on the GGUF's Q4_1/Q8_0 blocks vs float32 weights (bench_hot.py)"
+    if "skipped" in g:
+        section_header(title, [f"skipped: {g['skipped']}"])
+        return
+    section_header(title, [
+        f"{g['log']}; the same float32 values either way (checked bit for bit when the blocks were written)",
+        f"one pass over every linear layer: best of {g['repeats']}; decode step: the engine with and without "
+        f"the blocks, taking turns, best median of {g['rounds']} rounds"])
+    rows = [[f"{r} rows, one pass over all linear layers (ms)", v["gguf_ms"], v["float32_ms"], v["float32_ms"] / v["gguf_ms"]]
+            for r, v in g["per_pass"].items()]
+    rows += [[f"decode step, batch {b} (ms)", v["gguf_ms"], v["float32_ms"], v["float32_ms"] / v["gguf_ms"]]
+             for b, v in g["step"].items()]
+    print(md_table(["measurement", "GGUF blocks", "float32 weights", "float32 / blocks"], rows))
 
 
 def bench_api_costs(sz, seed, results):
@@ -213,7 +236,7 @@ def machine_info():
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
             "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": str(getattr(engine, "dtype", model_dtype(engine))).removeprefix("torch."),
-            "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
+            "linear layers": engine.model.gguf_log, "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "vLLM": bench_peers.vllm_unavailable() or os.environ["VLLM_PYTHON"],
             "load avg at start": os.getloadavg()[0]}
     return info

@@ -212,6 +212,39 @@ def fused_ops_vs_compile(rows=(64, 512), batch=64, engine=None, steps=6, calls=2
             "fastest_step": min(times, key=lambda m: min(times[m]))}
 
 
+def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, steps=6, repeats=3, rounds=2) -> dict:
+    """Linear layers reading the GGUF's Q4_1/Q8_0 blocks (csrc/linear_cpu.cpp) against the
+    float32 path model.linear takes without them (the small-M float32 kernel, or oneDNN on the
+    prepacked weight): ms of one pass over every Linear of the model at each row count, then a
+    decode step at each batch, the engine with and without blocks taking turns `rounds` times."""
+    engine = engine or _engine()
+    layers = [m for m in engine.model.modules() if isinstance(m, M.Linear)]
+    if not any(m.gguf_blocks() is not None for m in layers):
+        return {"skipped": engine.model.gguf_log or "no layer has GGUF blocks"}
+    off = {"GGUF_ROWS": 0}                                    # linear() never takes the blocks
+    per_pass = {}
+    for r in rows:
+        xs = {m.in_features: torch.randn(r, m.in_features) for m in layers}
+        run = lambda: [M.linear(xs[m.in_features], m.weight, m.bias, m.packed_weight(), m.gguf_blocks())   # noqa: E731
+                       for m in layers]
+        with _swapped({"GGUF_ROWS": max(r + 1, M.GGUF_ROWS)}):   # the blocks at every row count here
+            run()
+            blocks_ms = time_fn(run, repeats, warmup=0)[0] * 1e3
+        with _swapped(off):
+            run()
+            float32_ms = time_fn(run, repeats, warmup=0)[0] * 1e3
+        per_pass[r] = {"gguf_ms": blocks_ms, "float32_ms": float32_ms}
+    times = {(b, mode): [] for b in batches for mode in ("gguf", "float32")}
+    for _ in range(rounds):                                   # interleaved: the same load on each
+        for b in batches:
+            for mode in ("gguf", "float32"):
+                with _swapped({} if mode == "gguf" else off):
+                    times[b, mode].append(decode_steps(engine, b, steps=steps)["step_ms_median"])
+    step = {b: {f"{mode}_ms": min(times[b, mode]) for mode in ("gguf", "float32")} for b in batches}
+    return {"log": engine.model.gguf_log, "gguf_rows": M.GGUF_ROWS, "repeats": repeats, "rounds": rounds,
+            "per_pass": per_pass, "step": step}
+
+
 def compiled_forward_step(batch=64, steps=6, rounds=2, freeze=True) -> dict:
     """torch.compile of the whole model forward, the engine option the alternative would be,
     against the eager engine with csrc's fused ops: decode step ms at `batch`, two engines taking
@@ -325,9 +358,9 @@ if __name__ == "__main__":
     import json
     torch.set_num_threads(os.cpu_count())
     import sys
-    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "linear", "offline"]   # and compile_forward
+    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "gguf", "linear", "offline"]   # and compile_forward
     calls = {"kernel": bench_kernel_bandwidth, "phases": phase_breakdown, "roofline": decode_vs_roofline,
-             "fused": fused_ops_vs_compile, "compile_forward": compiled_forward_step, "linear": bf16_linear_table,
+             "fused": fused_ops_vs_compile, "gguf": gguf_blocks_vs_float32, "compile_forward": compiled_forward_step, "linear": bf16_linear_table,
              "offline": lambda: [offline_throughput(), offline_throughput(dtype="float32")]}
     for part in parts:
         print(part, json.dumps(calls[part](), indent=1), flush=True)

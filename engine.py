@@ -224,6 +224,7 @@ class Engine:
         self.dtype = dtype                                  # what ran; bench.py prints it
         _log_once(f"nanoserve: dtype {str(dtype).removeprefix('torch.')} ({why})")
         self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device)
+        _log_once(f"nanoserve: {self.model.gguf_log}")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
         config.max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -13,7 +13,10 @@ sampling: the engine hands it flat tensors (input ids, positions, an AttentionMe
 
 Loading: a Hugging Face checkpoint directory (config.json + *.safetensors, sharded or
 not), or a GGUF file (the embedded default SmolLM2-135M-Instruct), dequantized once into
-a cached safetensors directory so later starts take about a second.
+a cached safetensors directory so later starts take about a second. Beside the float32
+weights that directory keeps the file's own Q4_1/Q8_0 blocks: at a few rows (decode at
+small batch) a linear layer is a stream over its weight, and the blocks are a sixth of the
+bytes for the same values.
 """
 import functools
 import importlib.util
@@ -269,17 +272,38 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
+@dataclass
+class GGUFBlocks:
+    """A linear weight [N, K] from a GGUF file's Q4_1 or Q8_0 blocks (32 values along K each),
+    in the lane layout csrc/linear_cpu.cpp reads (described there; attach_gguf_blocks makes it):
+    Q4_1: qs uint8 [N, K/2], scales and mins float32 [N, K/32];  Q8_0: qs int8 [N, K], scales."""
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+
+# Below this many rows a float32 layer with GGUF blocks reads them instead of its float32 weight
+# (a sixth of the bytes, more arithmetic to unpack them). ms per pass over all 121 of
+# SmolLM2-135M's linear layers, 2 AVX2 Zen 3 cores, 2026-11-24 (bench_hot.py gguf), at
+# M = 1 / 2 / 4 / 8 / 16: blocks 12.4 / 21.1 / 26.7 / 43.1 / 78.5, the float32 path (small-M
+# kernel below 5 rows, packed oneDNN from 5) 27.3 / 30.3 / 37.7 / 47.9 / 58.4.
+GGUF_ROWS = 9
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, gguf: GGUFBlocks | None = None) -> torch.Tensor:
     """F.linear, with faster kernels on CPU: our own for few rows (oneDNN and MKL are slow
-    there), oneDNN on the prepacked weight (pack_weight) above, or on the plain one without it."""
+    there), reading the GGUF's blocks where the layer has them, oneDNN on the prepacked weight
+    (pack_weight) above, or on the plain one without it."""
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # [M, K]
     (M, K), N = x2.shape, weight.shape[0]
     small_m, onednn = _cpu_linear_kernels()
     bf16 = x.dtype == torch.bfloat16
-    if small_m and bf16 and M < SMALL_M_ROWS_BF16 and K % 32 == 0 and N % 4 == 0:
+    if small_m and gguf is not None and not bf16 and M < GGUF_ROWS:
+        out = torch.ops.nanoserve_linear.linear_small_m_gguf(x2, gguf.qs, gguf.scales, gguf.mins, bias)
+    elif small_m and bf16 and M < SMALL_M_ROWS_BF16 and K % 32 == 0 and N % 4 == 0:
         out = torch.ops.nanoserve_linear.linear_small_m_bf16(x2, weight.contiguous(), bias)
     elif small_m and not bf16 and M < SMALL_M_ROWS and K % 8 == 0 and N % 4 == 0:
         out = torch.ops.nanoserve_linear.linear_small_m(x2, weight.contiguous(), bias)
@@ -294,19 +318,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) whose forward is linear() above, with the
-    weight's oneDNN copy made at the first call and remade if the weight is replaced or changed."""
+    weight's oneDNN copy made at the first call and remade if the weight is replaced or changed,
+    and the GGUF blocks attach_gguf_blocks gave it (dropped if the weight changes)."""
     _packed = (None, None)                    # (which weight it was made from, packed copy)
+    _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): attach_gguf_blocks
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias, self.packed_weight())
+        return linear(x, self.weight, self.bias, self.packed_weight(), self.gguf_blocks())
 
-    def packed_weight(self) -> torch.Tensor | None:
+    def weight_key(self):
         w = self.weight
         # inference tensors keep no version counter: for them only a new weight is noticed
-        key = (w.data_ptr(), w.dtype, w.device, None if w.is_inference() else w._version)
-        if self._packed[0] != key:
-            self._packed = (key, pack_weight(w))
+        return (w.data_ptr(), w.dtype, w.device, None if w.is_inference() else w._version)
+
+    def packed_weight(self) -> torch.Tensor | None:
+        if self._packed[0] != self.weight_key():
+            self._packed = (self.weight_key(), pack_weight(self.weight))
         return self._packed[1]
+
+    def gguf_blocks(self) -> GGUFBlocks | None:
+        """The blocks attached for this weight; none once the weight is replaced or changed."""
+        key, blocks = self._gguf
+        return blocks if blocks is not None and key == self.weight_key() else None
 
 
 class RMSNorm(nn.Module):
@@ -386,6 +419,7 @@ class Llama(nn.Module):
         # a plain attribute, not a buffer: module.to(dtype) would round the RoPE angles to bf16
         self.inv_freq = rope_inv_freq(cfg)
         self.use_fused_ops = True     # csrc/fused_cpu.cpp where it applies (bench turns it off to compare)
+        self.gguf_log = ""            # which layers read GGUF blocks: load_model fills it in
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
@@ -458,20 +492,119 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     tensors = {}
     for t in reader.tensors:
         w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy()).float()
-        parts = t.name.split(".")                                  # blk.N.attn_q.weight
-        if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
-        else:
-            name = f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
-        if parts[-2] in ("attn_q", "attn_k"):
-            w = _unpermute_rope_rows(w, n_heads if parts[-2] == "attn_q" else n_kv)
-        tensors[name] = w.contiguous()
+        kind = t.name.split(".")[-2]                               # blk.N.attn_q.weight
+        if kind in ("attn_q", "attn_k"):
+            w = _unpermute_rope_rows(w, n_heads if kind == "attn_q" else n_kv)
+        tensors[gguf_name(t.name)] = w.contiguous()
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    write_gguf_blocks(reader, out_dir)
     tok.write_gguf_tokenizer(reader, out_dir)
     # config.json last: its presence marks a complete conversion
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+
+
+def read_gguf_blocks(t, n_heads: int | None = None):
+    """One GGUF tensor's Q4_1 or Q8_0 blocks -> (q [N, K] uint8 0..15 or int8, d [N, K/32],
+    m [N, K/32] or None), rows un-permuted like convert_gguf's for Q/K (n_heads given);
+    None for other types."""
+    kind = t.tensor_type.name
+    if kind not in ("Q4_1", "Q8_0"):
+        return None
+    raw = torch.from_numpy(t.data.copy())                             # [N, K/32 * block bytes] uint8
+    if n_heads:
+        raw = _unpermute_rope_rows(raw, n_heads)
+    N, header = raw.shape[0], 4 if kind == "Q4_1" else 2              # float16 d (and m), then qs
+    blocks = raw.reshape(N, -1, header + (16 if kind == "Q4_1" else 32))   # [N, K/32, block bytes]
+    f16 = lambda lo: blocks[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0].float()   # [N, K/32]
+    qs = blocks[..., header:]
+    if kind == "Q8_0":
+        return qs.reshape(N, -1).view(torch.int8), f16(0), None
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)                         # byte j: values j and j + 16
+    return q.reshape(N, -1), f16(0), f16(2)
+
+
+def dequantize_blocks(q, d, m=None) -> torch.Tensor:
+    """The float32 weight [N, K], computed as gguf-py does it: d * q (+ m)."""
+    N = q.shape[0]
+    w = d[..., None] * q.view(N, d.shape[1], 32).float()
+    return (w if m is None else w + m[..., None]).view(N, -1)
+
+
+def to_lanes(q: torch.Tensor, q4: bool) -> torch.Tensor:
+    """Values q [N, K] -> csrc/linear_cpu.cpp's lane layout: value 8i + L of each group (64
+    values for Q4_1, 32 for Q8_0) goes to 32-bit lane L, at nibble i (Q4_1) or byte i (Q8_0)."""
+    N, K = q.shape
+    if not q4:
+        return q.view(N, K // 32, 4, 8).transpose(-1, -2).reshape(N, K)
+    q = q.view(N, K // 64, 4, 2, 8)                                   # value 8 * (2 * byte + half) + lane
+    return (q[:, :, :, 0] | q[:, :, :, 1] << 4).transpose(-1, -2).reshape(N, K // 2)
+
+
+GGUF_BLOCKS = os.path.join("gguf_blocks", "blocks.safetensors")   # inside a converted directory
+
+
+def gguf_name(name: str) -> str:
+    """GGUF tensor name -> Hugging Face name (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weight)."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
+
+
+def write_gguf_blocks(reader, out_dir: str) -> None:
+    """Beside the float32 weights, the Q4_1/Q8_0 tensors in csrc/linear_cpu.cpp's lane layout:
+    {hf_name}.qs, .scales and (Q4_1) .mins. A tensor is kept only if its blocks rebuild, bit for
+    bit, the float32 weight that convert_gguf writes from it."""
+    from gguf import quants
+    n_heads = reader.fields["llama.attention.head_count"].contents()
+    n_kv = reader.fields["llama.attention.head_count_kv"].contents()
+    out = {}
+    for t in reader.tensors:
+        kind = t.name.split(".")[-2]
+        heads = {"attn_q": n_heads, "attn_k": n_kv}.get(kind)
+        blocks = read_gguf_blocks(t, heads)
+        if blocks is None or blocks[0].shape[1] % 64:
+            continue
+        w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy())
+        if heads:
+            w = _unpermute_rope_rows(w, heads)
+        q, d, m = blocks
+        if not torch.equal(dequantize_blocks(q, d, m), w):
+            continue
+        name = gguf_name(t.name)
+        out.update({f"{name}.qs": to_lanes(q, m is not None), f"{name}.scales": d.contiguous()})
+        if m is not None:
+            out[f"{name}.mins"] = m.contiguous()
+    path = os.path.join(out_dir, GGUF_BLOCKS)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(out, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def attach_gguf_blocks(net: "Llama", model_dir: str) -> str:
+    """Hand each float32 CPU Linear whose weight came from Q4_1/Q8_0 blocks (write_gguf_blocks)
+    those blocks, for linear() to read at few rows, concatenated like fuse_weights does the
+    weights. -> a line for the log."""
+    path = os.path.join(model_dir, GGUF_BLOCKS)
+    if not os.path.exists(path):
+        return "GGUF blocks unused: the checkpoint is not a GGUF file"
+    if net.lm_head.weight.dtype != torch.float32 or net.lm_head.weight.device.type != "cpu":
+        return "GGUF blocks unused: they serve float32 on CPU"
+    if not _cpu_linear_kernels()[0]:
+        return "GGUF blocks unused: csrc/linear_cpu.cpp did not build"
+    flat = load_file(path)
+    part = {p: fuse_weights({k.removesuffix("." + p): v for k, v in flat.items() if k.endswith("." + p)},
+                            net.config, partial=True) for p in ("qs", "scales", "mins")}
+    linears = [(n, m) for n, m in net.named_modules() if isinstance(m, Linear)]
+    attached = 0
+    for name, lin in linears:
+        qs, scales = part["qs"].get(name + ".weight"), part["scales"].get(name + ".weight")
+        if qs is not None and scales is not None and qs.shape[0] == lin.weight.shape[0]:
+            lin._gguf = (lin.weight_key(), GGUFBlocks(qs, scales, part["mins"].get(name + ".weight")))
+            attached += 1
+    return f"{attached} of {len(linears)} linear layers read the GGUF's Q4_1/Q8_0 blocks below {GGUF_ROWS} rows"
 
 
 def resolve_model_dir(model: str | None) -> str:
@@ -487,6 +620,10 @@ def resolve_model_dir(model: str | None) -> str:
         if not os.path.exists(os.path.join(out_dir, "config.json")):
             print(f"nanoserve: converting {os.path.basename(model)} to safetensors in {out_dir} (once)")
             convert_gguf(model, out_dir)
+        elif not os.path.exists(os.path.join(out_dir, GGUF_BLOCKS)):   # converted before the blocks were kept
+            from gguf import GGUFReader
+            print(f"nanoserve: keeping {os.path.basename(model)}'s quantized blocks in {out_dir} (once)")
+            write_gguf_blocks(GGUFReader(model), out_dir)
         return out_dir
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model: {model!r} is not a checkpoint directory with config.json, nor a .gguf file")
@@ -508,23 +645,27 @@ def load_state_dict(model_dir: str) -> dict:
     return sd
 
 
-def fuse_weights(sd: dict, cfg: ModelConfig) -> dict:
-    """Hugging Face names -> ours: q/k/v and gate/up are concatenated into one matrix each."""
+def fuse_weights(sd: dict, cfg: ModelConfig, partial: bool = False) -> dict:
+    """Hugging Face names -> ours: q/k/v and gate/up are concatenated into one matrix each.
+    partial: sd may lack some tensors (attach_gguf_blocks' per-part dicts); groups with a
+    missing member are left out."""
     out = {}
     for k, v in sd.items():
         k = k.removeprefix("model.")
         if ".rotary_emb." in k:
             continue
         out[k] = v
+    def fuse(names, into):
+        if partial and not all(n in out for n in names):
+            return
+        out[into] = torch.cat([out.pop(n) for n in names])
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         for kind in ("weight", "bias"):
-            qkv = [p + f"self_attn.{n}_proj.{kind}" for n in "qkv"]
-            if qkv[0] in out:
-                out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in qkv])
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [out.pop(p + "mlp.gate_proj.weight"), out.pop(p + "mlp.up_proj.weight")])
-    if cfg.tie_word_embeddings:
+            if p + f"self_attn.q_proj.{kind}" in out:
+                fuse([p + f"self_attn.{n}_proj.{kind}" for n in "qkv"], p + f"self_attn.qkv_proj.{kind}")
+        fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up_proj.weight")
+    if cfg.tie_word_embeddings and "embed_tokens.weight" in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
 
@@ -542,4 +683,5 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
         net.lm_head.weight = net.embed_tokens.weight
     net = net.to(device=device, dtype=dtype).eval()
     net.inv_freq = net.inv_freq.to(device)
+    net.gguf_log = attach_gguf_blocks(net, model_dir)
     return net, cfg, model_dir

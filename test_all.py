@@ -399,20 +399,57 @@ def ragged_forward(net, seqs, block_size=16, kv_dtype=torch.float32, backend="to
     return net(ids, torch.tensor(positions), kv, meta, torch.arange(total))
 
 
+def assert_logits_match(ours, seqs, ref_model, atol=1e-3):
+    """ours: ragged_forward's logits of `seqs`; each sequence run alone through ref_model (the oracle)."""
+    start = 0
+    for s in seqs:
+        with torch.no_grad():
+            ref = ref_model(torch.tensor([s])).logits[0]
+        diff = (ours[start:start + len(s)] - ref).abs().max().item()
+        assert diff <= atol, f"max abs logit diff {diff} for a sequence of {len(s)} tokens"
+        start += len(s)
+
+
 # ============================================================================ model.py
 
 def test_logits_match_transformers_on_embedded_smollm2(hf_smollm):
     net, cfg, _ = M.load_model(None)
     seqs = [[1, 504, 3458, 282, 4649, 314], [28, 9, 4433, 18, 19, 20, 21, 22, 23, 24, 25, 1001, 3],
             [7], list(range(100, 140))]
-    ours = ragged_forward(net, seqs)
-    start = 0
-    for s in seqs:
-        with torch.no_grad():
-            ref = hf_smollm(torch.tensor([s])).logits[0]
-        diff = (ours[start:start + len(s)] - ref).abs().max().item()
-        assert diff <= 1e-3, f"max abs logit diff {diff} for a sequence of {len(s)} tokens"
-        start += len(s)
+    assert_logits_match(ragged_forward(net, seqs), seqs, hf_smollm)
+
+
+def test_gguf_blocks_match_gguf_dequantize_and_transformers(hf_smollm, gguf_reader):
+    # the default model's linear layers read the GGUF's own Q4_1/Q8_0 blocks at few rows
+    # (csrc/linear_cpu.cpp); oracles: gguf-py's dequantize times x in float64, and transformers' logits
+    from gguf import quants
+    net, cfg, _ = M.load_model(None)
+    linears = [m for m in net.modules() if isinstance(m, M.Linear)]
+    assert net.gguf_log.startswith(f"{len(linears)} of {len(linears)} linear layers")
+    assert all(m.gguf_blocks() is not None for m in linears)
+    tensors = {t.name: t for t in gguf_reader.tensors}
+    g = torch.Generator().manual_seed(0)
+    cases = [("blk.3.ffn_down.weight", net.layers[3].mlp.down_proj, 0, 576),         # Q4_1, K = 1536
+             ("blk.0.attn_output.weight", net.layers[0].self_attn.o_proj, 0, 576),    # Q4_1, K = 576
+             ("token_embd.weight", net.lm_head, 0, 49152),                            # Q8_0 (tied lm_head)
+             ("blk.5.attn_k.weight", net.layers[5].self_attn.qkv_proj, 576, 768)]     # rows un-permuted
+    for name, lin, lo, hi in cases:
+        t = tensors[name]
+        w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy()).double()
+        if "attn_k" in name:
+            w = M._unpermute_rope_rows(w, cfg.num_key_value_heads)
+        for rows in (1, 3, M.GGUF_ROWS - 1):
+            x = torch.randn(rows, w.shape[1], generator=g)
+            bias = torch.randn(lin.out_features, generator=g) if rows == 3 else None
+            got = M.linear(x, lin.weight, bias, None, lin.gguf_blocks())[:, lo:hi].double()
+            ref = x.double() @ w.T + (0 if bias is None else bias[lo:hi].double())
+            assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), f"{name} x {rows} rows"
+    # end to end at few rows (8 rows: every linear reads the blocks) against transformers
+    seqs = [[1, 504, 3458], [7], [28, 9, 4433, 18]]
+    assert_logits_match(ragged_forward(net, seqs), seqs, hf_smollm)
+    with torch.no_grad():                                        # blocks are a copy of the weight:
+        net.layers[0].mlp.down_proj.weight.mul_(2)               # once it changes, they are not used
+    assert net.layers[0].mlp.down_proj.gguf_blocks() is None
 
 
 # bfloat16 against transformers in bfloat16: both round every op's output to 8 mantissa bits,
@@ -428,6 +465,7 @@ def test_bfloat16_logits_match_transformers_in_bfloat16(hf_smollm):
         print(f"note: {M.cpu_bf16_native()[1]}: bfloat16 runs emulated here (slow, still checked)")
     hf_bf16 = copy.deepcopy(hf_smollm).to(torch.bfloat16)
     net, _, _ = M.load_model(None, dtype=torch.bfloat16)
+    assert net.gguf_log == "GGUF blocks unused: they serve float32 on CPU"
     tok = Tokenizer.from_dir(M.resolve_model_dir(None))
     seqs = [tok.encode(p) for p in PROMPTS[:3]] + [tok.encode(" ".join(CORPUS[:2]))]
     ours = ragged_forward(net, seqs, kv_dtype=torch.bfloat16, backend="cpu")
@@ -461,13 +499,7 @@ def test_logits_match_transformers_on_tiny_random_configs(tmp_path, arch):
     ref_model.eval().save_pretrained(tmp_path, safe_serialization=True)
     net, _, _ = M.load_model(str(tmp_path))
     seqs = [list(range(3, 40)), [5, 6, 7], list(range(200, 290))]   # positions past original_max (32)
-    ours = ragged_forward(net, seqs, block_size=8)
-    start = 0
-    for s in seqs:
-        with torch.no_grad():
-            ref = ref_model(torch.tensor([s])).logits[0]
-        assert (ours[start:start + len(s)] - ref).abs().max().item() <= 1e-3
-        start += len(s)
+    assert_logits_match(ragged_forward(net, seqs, block_size=8), seqs, ref_model)
 
 
 # ---- fused per-layer ops (csrc/fused_cpu.cpp) against their plain-PyTorch references
@@ -3149,6 +3181,8 @@ def test_bench_quick_reports_every_section(tmp_path):
     assert "skipped" in fused or (fused["torch_compile"].startswith("not run (--quick")
                                   and all(op["plain_us"] > 0 and op["csrc_us"] > 0 for op in fused["ops"].values())
                                   and fused["fastest_step"] in ("csrc", "plain"))
+    gguf = r["gguf_blocks"]                  # the default model's layers on its GGUF blocks, and without
+    assert all(v["gguf_ms"] > 0 and v["float32_ms"] > 0 for part in ("per_pass", "step") for v in gguf[part].values())
     cow = r["copy_on_write"]                 # blocks held, against the closed form
     assert cow["cow_peak_blocks"] == cow["one_prompt_plus_4_tails"] < cow["separate_peak_blocks"] == cow["four_copies"]
     assert r["prefix"]["shared_prefix_caching_off"]["hit_rate"] == 0 < r["prefix"]["shared_prefix_caching_on"]["hit_rate"]

@@ -8,11 +8,15 @@
 // products along K. Threads split the output columns (torch's thread count).
 //
 // Registered as torch.ops.nanoserve_linear.linear_small_m (float32; needs K % 8 == 0 and
-// N % 4 == 0) and linear_small_m_bf16 (bfloat16; K % 32 == 0), contiguous inputs (model.linear
-// checks). Built with -O3 -march=native: AVX2+FMA at least, AVX512_BF16 used where present.
+// N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0) and linear_small_m_gguf (float32
+// activations against a GGUF file's Q4_1 / Q8_0 blocks, a sixth / a quarter of the float32
+// bytes; K % 64 == 0), contiguous inputs (model.linear checks). Built with -O3 -march=native:
+// AVX2+FMA at least, AVX512_BF16 used where present.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -20,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
 namespace {
 
@@ -33,6 +38,7 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 // out[m, n0:n0+4] for m in [m0, m0 + MR): dot products of MR activation rows with 4 weight rows.
+// w: the tile's kRows weight rows, K floats apart.
 template <int MR>
 void tile(const float* x, const float* w, const float* bias, float* out,
           int64_t m0, int64_t n0, int64_t K, int64_t N, const float* prefetch) {
@@ -45,7 +51,7 @@ void tile(const float* x, const float* w, const float* bias, float* out,
       _mm_prefetch(reinterpret_cast<const char*>(prefetch + 4 * k + 16), _MM_HINT_T0);
     }
     __m256 wv[kRows];
-    for (int j = 0; j < kRows; ++j) wv[j] = _mm256_loadu_ps(w + (n0 + j) * K + k);
+    for (int j = 0; j < kRows; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
       __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
       for (int j = 0; j < kRows; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -80,8 +86,9 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
       // the first pass over this tile prefetches the next one; later passes hit L1
       const float* next = t + 1 < end ? wp + (t + 1) * kRows * K : nullptr;
       int64_t m = 0;
-      for (; m + kTileM <= M; m += kTileM, next = nullptr) tile<kTileM>(xp, wp, b, op, m, t * kRows, K, N, next);
-      for (; m < M; ++m, next = nullptr) tile<1>(xp, wp, b, op, m, t * kRows, K, N, next);
+      const float* w = wp + t * kRows * K;
+      for (; m + kTileM <= M; m += kTileM, next = nullptr) tile<kTileM>(xp, w, b, op, m, t * kRows, K, N, next);
+      for (; m < M; ++m, next = nullptr) tile<1>(xp, w, b, op, m, t * kRows, K, N, next);
     }
   });
   return out;
@@ -178,6 +185,120 @@ at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// ---- GGUF blocks: the weight as the file stores it, 5 or 8.5 bits per value -----------------
+// At a few rows the float32 stream above is bound by memory: 4 bytes per weight per step. The
+// default model's GGUF stores its layers as Q4_1 and its embedding (tied to lm_head) as Q8_0,
+// blocks of 32 values along K:
+//   Q4_1: value = d * q + m, q in 0..15;   Q8_0: value = d * q, q int8
+// d and m are float16 in the file, held here as float32 [N, K / 32]; d * q + m in float32 is
+// exactly the weight that model.convert_gguf wrote. Unpacking a block to floats costs more than
+// the multiply-adds, so the scale comes out of the block sum, as llama.cpp does it:
+//   sum_k x_k (d q_k + m) = d * sum_k x_k q_k + m * sum_k x_k
+// q_k are small integers, exact as floats; sum_k x_k per block (xsum) is taken once per call.
+// Same weights as the float32 path; only the rounding of the sums differs.
+//
+// model.attach_gguf_blocks lays q out in 32-bit lanes, so that 8 consecutive values come out
+// of one 256-bit load with a shift and a mask (no byte shuffles, which are the scarce unit):
+//   Q4_1: 8 uint32 per pair of blocks (64 values); lane L holds value 8i + L in bits 4i..4i+3
+//   Q8_0: 8 int32 per block; lane L holds value 8i + L in bits 8i..8i+7
+inline __m256i load8x32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// block b of a Q4_1 row (32 bytes per pair of blocks) -> its 32 q values as floats in q[0..3]
+template <int Half>   // b % 2: the low or high 16 bits of each lane
+inline void unpack_q4_1(const uint8_t* qs, int64_t b, __m256 q[4]) {
+  const __m256i v = load8x32(qs + 16 * (b - Half)), nibble = _mm256_set1_epi32(0xF);
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16 * Half), nibble));
+  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16 * Half + 4), nibble));
+  q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16 * Half + 8), nibble));
+  q[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16 * Half + 12), nibble));
+}
+
+// block b of a Q8_0 row (32 bytes per block) -> q[0..3]: each byte moved to the top, then
+// shifted down with its sign
+template <int Half>
+inline void unpack_q8_0(const uint8_t* qs, int64_t b, __m256 q[4]) {
+  const __m256i v = load8x32(qs + 32 * b);
+  q[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
+  q[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
+  q[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
+  q[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_hadd_ps(h, h));
+}
+
+// out[m, n] += sum_b d_b * sum_k x_k q_k for m in [m0, m0 + MR): MR activation rows against
+// weight row n (its qs and d); out already holds the mins term and the bias.
+// Two accumulators per activation row, for even and odd blocks, so a block's d * sum does not
+// wait for the previous block's.
+template <bool Q4, int MR>
+void tile_gguf(const float* x, const uint8_t* qs, const float* d, float* out, int64_t m0, int64_t n,
+               int64_t K, int64_t N) {
+  const int64_t nb = K / 32;
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, auto half) {   // half: b % 2, as a compile-time constant
+    __m256 q[4];
+    if constexpr (Q4) unpack_q4_1<decltype(half)::value>(qs, b, q);
+    else unpack_q8_0<decltype(half)::value>(qs, b, q);
+    const __m256 vd = _mm256_broadcast_ss(d + b);
+    for (int i = 0; i < MR; ++i) {
+      const float* xb = x + (m0 + i) * K + 32 * b;
+      __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
+      for (int j = 1; j < 4; ++j) t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * j), q[j], t);
+      acc[i][half] = _mm256_fmadd_ps(vd, t, acc[i][half]);
+    }
+  };
+  for (int64_t b = 0; b < nb; b += 2) {      // nb is even (checked)
+    block(b, std::integral_constant<int, 0>{});
+    block(b + 1, std::integral_constant<int, 1>{});
+  }
+  for (int i = 0; i < MR; ++i) out[(m0 + i) * N + n] += hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+template <bool Q4>
+void rows_gguf(const float* x, const uint8_t* qs, const float* d, float* out, int64_t M, int64_t n,
+               int64_t K, int64_t N) {
+  const uint8_t* q = qs + n * (Q4 ? K / 2 : K);
+  const float* dn = d + n * (K / 32);
+  int64_t m = 0;
+  for (; m + kTileM <= M; m += kTileM) tile_gguf<Q4, kTileM>(x, q, dn, out, m, n, K, N);
+  for (; m < M; ++m) tile_gguf<Q4, 1>(x, q, dn, out, m, n, K, N);
+}
+
+// x [M, K] float32; qs uint8 [N, K / 2] with mins (Q4_1) or int8 [N, K] without (Q8_0);
+// scales and mins float32 [N, K / 32]; bias [N] or None -> [M, N] float32
+at::Tensor linear_small_m_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  const bool q4 = mins.has_value();
+  TORCH_CHECK(K % 64 == 0, "need K % 64 == 0");
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (q4 ? K / 2 : K) &&
+              qs.scalar_type() == (q4 ? at::kByte : at::kChar), "qs must be uint8 [N, K/2] (Q4_1) or int8 [N, K] (Q8_0), in lanes");
+  for (const at::Tensor* t : {&scales, q4 ? &*mins : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * (K / 32),
+                "scales and mins must be float32 [N, K/32]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias must be float32 [N]");
+  // the terms outside the blocks' sums: sum_b m_b * xsum_b (one small matmul) and the bias
+  at::Tensor out = q4 ? at::matmul(x.view({M, K / 32, 32}).sum(-1), mins->t()) : at::zeros({M, N}, x.options());
+  if (bias.has_value()) out.add_(*bias);
+  const float *xp = x.data_ptr<float>(), *dp = scales.data_ptr<float>();
+  const auto* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  float* op = out.data_ptr<float>();
+  // grain: 64 weight rows per chunk, as in linear_small_m
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      if (q4) rows_gguf<true>(xp, qp, dp, op, M, n, K, N);
+      else rows_gguf<false>(xp, qp, dp, op, M, n, K, N);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nanoserve_linear, m) {
@@ -185,4 +306,6 @@ TORCH_LIBRARY(nanoserve_linear, m) {
   m.impl("linear_small_m", c10::DispatchKey::CPU, TORCH_FN(linear_small_m));
   m.def("linear_small_m_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("linear_small_m_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_bf16));
+  m.def("linear_small_m_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? mins, Tensor? bias) -> Tensor");
+  m.impl("linear_small_m_gguf", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_gguf));
 }
