@@ -324,22 +324,27 @@ class Linear(nn.Linear):
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): attach_gguf_blocks
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias, self.packed_weight(), self.gguf_blocks())
+        return linear(x, self.weight, self.bias, *self.prepared())
 
     def weight_key(self):
         w = self.weight
         # inference tensors keep no version counter: for them only a new weight is noticed
         return (w.data_ptr(), w.dtype, w.device, None if w.is_inference() else w._version)
 
+    def prepared(self) -> tuple[torch.Tensor | None, GGUFBlocks | None]:
+        """(oneDNN's packed copy, GGUF blocks) for the current weight, checked with one key per
+        call (at batch 1 a step makes 121 of these calls): the copy is remade and the blocks
+        dropped once the weight is replaced or changed."""
+        key = self.weight_key()
+        if self._packed[0] != key:
+            self._packed = (key, pack_weight(self.weight))
+        return self._packed[1], (self._gguf[1] if self._gguf[0] == key else None)
+
     def packed_weight(self) -> torch.Tensor | None:
-        if self._packed[0] != self.weight_key():
-            self._packed = (self.weight_key(), pack_weight(self.weight))
-        return self._packed[1]
+        return self.prepared()[0]
 
     def gguf_blocks(self) -> GGUFBlocks | None:
-        """The blocks attached for this weight; none once the weight is replaced or changed."""
-        key, blocks = self._gguf
-        return blocks if blocks is not None and key == self.weight_key() else None
+        return self.prepared()[1]
 
 
 class RMSNorm(nn.Module):
