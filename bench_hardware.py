@@ -32,20 +32,22 @@ def memory_bandwidth(repeats, nbytes=512 * 2**20):
     return nbytes / time_fn(lambda: x.sum(), repeats, warmup=1)[0] / 1e9
 
 
-def matmul_forward_time(shapes, batch, dtype, repeats):
+def matmul_forward_time(engine, shapes, batch, dtype, repeats):
     """Seconds for only the linear layers of one forward at `batch` tokens: the attainable floor, taken as
-    the faster of torch.mm and the engine's own model.linear (with its prepacked weights) on the same
-    shapes and dtype."""
-    from model import linear, pack_weight
+    the faster of torch.mm on the same shapes and dtype and the engine's own layers (model.Linear: its
+    prepacked weights, and the GGUF blocks below model.GGUF_ROWS rows where it has them)."""
+    from model import Linear
     dev = bench_device()
     ws = [torch.randn(n, k, dtype=dtype, device=dev) for k, n in shapes]
-    packed = [pack_weight(w) for w in ws]
+    layers = [m for m in engine.model.modules() if isinstance(m, Linear)]
     xs = {k: torch.randn(batch, k, dtype=dtype, device=dev) for k, _ in shapes}
-    def fwd(mm):
-        for (k, _), w, p in zip(shapes, ws, packed):
-            mm(xs[k], w, p)
-    return min(time_fn(lambda: fwd(lambda x, w, p: torch.mm(x, w.T)), repeats)[0],
-               time_fn(lambda: fwd(lambda x, w, p: linear(x, w, packed=p)), repeats)[0])
+
+    def own_layers():
+        with torch.inference_mode():
+            for layer in layers:
+                layer(xs[layer.in_features])
+    return min(time_fn(lambda: [torch.mm(xs[k], w.T) for (k, _), w in zip(shapes, ws)], repeats)[0],
+               time_fn(own_layers, repeats)[0])
 
 
 def bench_roofline(sz, seed, results):
@@ -62,7 +64,7 @@ def bench_roofline(sz, seed, results):
     per_batch = {}
     for b in sz.decode_batches:
         d = steady_decode(engine, b, steps=max(4, 2 * sz.repeats), prompt_len=sz.decode_prompt)
-        t_mm = matmul_forward_time(shapes, b, dtype, sz.repeats)
+        t_mm = matmul_forward_time(engine, shapes, b, dtype, sz.repeats)
         per_batch[b] = d | {"decode_tok_s": b / d["step_s_median"], "matmul_floor_s": t_mm,
                             "frac_of_matmul_roofline": t_mm / d["step_s_median"],
                             "gflops": 2 * params * b / d["step_s_median"] / 1e9}
@@ -70,8 +72,9 @@ def bench_roofline(sz, seed, results):
         f"model dtype {model_dtype(engine)}; matmuls in nn.Linear layout at that dtype, best of {sz.repeats}: "
         + "; ".join(f"{k} {g:.1f} GFLOP/s" for k, g in mm.items()),
         f"memory read bandwidth (sum of a 512 MiB tensor): {bw:.1f} GB/s; {params / 1e6:.1f} M matmul params per token.",
-        "matmul roofline = time of only the model's linear layers at that batch (same shapes and dtype, the faster of "
-        "torch.mm and model.linear) / engine step time; phases from engine.phase_times, ms per step."])
+        "matmul roofline = time of only the model's linear layers at that batch (the faster of torch.mm on the same "
+        "shapes and dtype and the engine's own layers, GGUF blocks included) / engine step time; phases from "
+        "engine.phase_times, ms per step."])
     phases = list(next(iter(per_batch.values()))["phases_s"])
     print(md_table(["batch", "step ms (median)", "decode tok/s", "matmul GFLOP/s", "matmul-only ms", "of matmul roofline"]
                    + [f"{p} ms" for p in phases],

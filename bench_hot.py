@@ -125,11 +125,11 @@ def phase_breakdown(batches=(1, 8, 64), engine=None, steps=6) -> dict:
 
 def matmul_only_ms(engine, batch, repeats=3) -> float:
     """Time of only the model's linear layers at `batch` rows, in the engine's dtype, through
-    model.linear on each layer's prepacked weight (the path the engine takes): the matmul roofline
-    of a decode step."""
+    model.linear on each layer's prepacked weight and GGUF blocks (the path the engine takes): the
+    matmul roofline of a decode step."""
     layers = [m for m in engine.model.modules() if isinstance(m, M.Linear)]
     xs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in layers}
-    run = lambda: [M.linear(xs[m.in_features], m.weight, packed=m.packed_weight()) for m in layers]   # noqa: E731
+    run = lambda: [M.linear(xs[m.in_features], m.weight, m.bias, *m.prepared()) for m in layers]   # noqa: E731
     run()
     return time_fn(run, repeats, warmup=0)[0] * 1e3
 
