@@ -38,7 +38,7 @@ def export_hf_layout(model_dir, tokenizer=True):
             os.symlink(os.path.join(model_dir, f), os.path.join(out, f))
     if tokenizer and not os.path.exists(os.path.join(out, "tokenizer.json")):
         from transformers import AutoTokenizer
-        from model import embedded_gguf_path
+        from weights import embedded_gguf_path
         gguf = embedded_gguf_path()
         AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(out)
     return out

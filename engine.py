@@ -28,12 +28,13 @@ import torch
 import paged_attention
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
-from model import AttentionMetadata, load_model, resolve_dtype
+from model import AttentionMetadata, resolve_dtype
 from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence, Status
 from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
+from weights import load_model
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "PromptLimits", "SamplingParams",
            "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
@@ -208,7 +209,7 @@ class Request:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, loaded_model=None, **overrides):
-        """loaded_model: a (model, model_config, model_dir) from model.load_model to share instead of
+        """loaded_model: a (model, model_config, model_dir) from weights.load_model to share instead of
         loading again (bench.py runs many engines on one set of read-only weights)."""
         config = config or EngineConfig()
         for k, v in overrides.items():

@@ -5,7 +5,7 @@ torch.utils.cpp_extension on first use and cached on disk.
 Owns the build recipes (sources and flags per library), the cache directory, loading a
 library so its ops appear under torch.ops, and the warn-once record of builds that failed.
 Does not decide which backend runs (paged_attention.resolve_backend and model.linear do)
-and holds no math. cache_root() is also where model.py keeps converted weights.
+and holds no math. cache_root() is also where weights.py keeps converted weights.
 """
 import hashlib
 import os

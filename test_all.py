@@ -49,6 +49,7 @@ import extensions
 import kv_cache
 from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer, write_gguf_tokenizer
 import model as M
+import weights as W
 from engine import Engine, SamplingParams
 from llm import LLM
 from sampler import SamplingState, make_generator, sample
@@ -367,7 +368,7 @@ def hf_smollm(gguf_reader):
     and a memoized name map: the same objects, sooner."""
     transformers = pytest.importorskip("transformers", reason="transformers is the logit oracle")
     import gguf
-    path = M.embedded_gguf_path()
+    path = W.embedded_gguf_path()
     def reader(p, *args, **kwargs):
         return gguf_reader if os.path.samefile(p, GGUF_PATH) else GGUFReader(p, *args, **kwargs)
     with pytest.MonkeyPatch.context() as mp:
@@ -413,7 +414,7 @@ def assert_logits_match(ours, seqs, ref_model, atol=1e-3):
 # ============================================================================ model.py
 
 def test_logits_match_transformers_on_embedded_smollm2(hf_smollm):
-    net, cfg, _ = M.load_model(None)
+    net, cfg, _ = W.load_model(None)
     seqs = [[1, 504, 3458, 282, 4649, 314], [28, 9, 4433, 18, 19, 20, 21, 22, 23, 24, 25, 1001, 3],
             [7], list(range(100, 140))]
     assert_logits_match(ragged_forward(net, seqs), seqs, hf_smollm)
@@ -423,7 +424,7 @@ def test_gguf_blocks_match_gguf_dequantize_and_transformers(hf_smollm, gguf_read
     # the default model's linear layers read the GGUF's own Q4_1/Q8_0 blocks at few rows
     # (csrc/linear_cpu.cpp); oracles: gguf-py's dequantize times x in float64, and transformers' logits
     from gguf import quants
-    net, cfg, _ = M.load_model(None)
+    net, cfg, _ = W.load_model(None)
     linears = [m for m in net.modules() if isinstance(m, M.Linear)]
     assert net.gguf_log.startswith(f"{len(linears)} of {len(linears)} linear layers")
     assert all(m.gguf_blocks() is not None for m in linears)
@@ -437,7 +438,7 @@ def test_gguf_blocks_match_gguf_dequantize_and_transformers(hf_smollm, gguf_read
         t = tensors[name]
         w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy()).double()
         if "attn_k" in name:
-            w = M._unpermute_rope_rows(w, cfg.num_key_value_heads)
+            w = W._unpermute_rope_rows(w, cfg.num_key_value_heads)
         for rows in (1, 3, M.GGUF_ROWS - 1):
             x = torch.randn(rows, w.shape[1], generator=g)
             bias = torch.randn(lin.out_features, generator=g) if rows == 3 else None
@@ -464,9 +465,9 @@ def test_bfloat16_logits_match_transformers_in_bfloat16(hf_smollm):
     if not M.cpu_bf16_native()[0]:
         print(f"note: {M.cpu_bf16_native()[1]}: bfloat16 runs emulated here (slow, still checked)")
     hf_bf16 = copy.deepcopy(hf_smollm).to(torch.bfloat16)
-    net, _, _ = M.load_model(None, dtype=torch.bfloat16)
+    net, _, _ = W.load_model(None, dtype=torch.bfloat16)
     assert net.gguf_log == "GGUF blocks unused: they serve float32 on CPU"
-    tok = Tokenizer.from_dir(M.resolve_model_dir(None))
+    tok = Tokenizer.from_dir(W.resolve_model_dir(None))
     seqs = [tok.encode(p) for p in PROMPTS[:3]] + [tok.encode(" ".join(CORPUS[:2]))]
     ours = ragged_forward(net, seqs, kv_dtype=torch.bfloat16, backend="cpu")
     ref = torch.cat([hf_bf16(torch.tensor([s])).logits[0].float() for s in seqs])
@@ -497,7 +498,7 @@ def test_logits_match_transformers_on_tiny_random_configs(tmp_path, arch):
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         ref_model = transformers.Qwen2ForCausalLM(cfg)
     ref_model.eval().save_pretrained(tmp_path, safe_serialization=True)
-    net, _, _ = M.load_model(str(tmp_path))
+    net, _, _ = W.load_model(str(tmp_path))
     seqs = [list(range(3, 40)), [5, 6, 7], list(range(200, 290))]   # positions past original_max (32)
     assert_logits_match(ragged_forward(net, seqs, block_size=8), seqs, ref_model)
 
@@ -558,7 +559,7 @@ def test_fused_silu_and_mul_matches_reference(fused_ops, dtype):
 
 
 def test_model_fused_and_plain_ops_give_the_same_logits(fused_ops):
-    net, _, _ = M.load_model(None)
+    net, _, _ = W.load_model(None)
     seqs = [[1, 504, 3458, 282, 4649, 314], list(range(100, 140))]
     fused = ragged_forward(net, seqs)
     net.use_fused_ops = False

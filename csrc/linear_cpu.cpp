@@ -191,13 +191,13 @@ at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight,
 // blocks of 32 values along K:
 //   Q4_1: value = d * q + m, q in 0..15;   Q8_0: value = d * q, q int8
 // d and m are float16 in the file, held here as float32 [N, K / 32]; d * q + m in float32 is
-// exactly the weight that model.convert_gguf wrote. Unpacking a block to floats costs more than
+// exactly the weight that weights.convert_gguf wrote. Unpacking a block to floats costs more than
 // the multiply-adds, so the scale comes out of the block sum, as llama.cpp does it:
 //   sum_k x_k (d q_k + m) = d * sum_k x_k q_k + m * sum_k x_k
 // q_k are small integers, exact as floats; sum_k x_k per block (xsum) is taken once per call.
 // Same weights as the float32 path; only the rounding of the sums differs.
 //
-// model.attach_gguf_blocks lays q out in 32-bit lanes, so that 8 consecutive values come out
+// weights.write_gguf_blocks lays q out in 32-bit lanes, so that 8 consecutive values come out
 // of one 256-bit load with a shift and a mask (no byte shuffles, which are the scarce unit):
 //   Q4_1: 8 uint32 per pair of blocks (64 values); lane L holds value 8i + L in bits 4i..4i+3
 //   Q8_0: 8 int32 per block; lane L holds value 8i + L in bits 8i..8i+7

