@@ -198,7 +198,7 @@ at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight,
 // Same weights as the float32 path; only the rounding of the sums differs.
 //
 // weights.write_gguf_blocks lays q out in 32-bit lanes, so that 8 consecutive values come out
-// of one 256-bit load with a shift and a mask (no byte shuffles, which are the scarce unit):
+// of one 256-bit load with a shift and a mask, with no byte shuffles:
 //   Q4_1: 8 uint32 per pair of blocks (64 values); lane L holds value 8i + L in bits 4i..4i+3
 //   Q8_0: 8 int32 per block; lane L holds value 8i + L in bits 8i..8i+7
 inline __m256i load8x32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -215,7 +215,6 @@ inline void unpack_q4_1(const uint8_t* qs, int64_t b, __m256 q[4]) {
 
 // block b of a Q8_0 row (32 bytes per block) -> q[0..3]: each byte moved to the top, then
 // shifted down with its sign
-template <int Half>
 inline void unpack_q8_0(const uint8_t* qs, int64_t b, __m256 q[4]) {
   const __m256i v = load8x32(qs + 32 * b);
   q[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
@@ -243,7 +242,7 @@ void tile_gguf(const float* x, const uint8_t* qs, const float* d, float* out, in
   auto block = [&](int64_t b, auto half) {   // half: b % 2, as a compile-time constant
     __m256 q[4];
     if constexpr (Q4) unpack_q4_1<decltype(half)::value>(qs, b, q);
-    else unpack_q8_0<decltype(half)::value>(qs, b, q);
+    else unpack_q8_0(qs, b, q);
     const __m256 vd = _mm256_broadcast_ss(d + b);
     for (int i = 0; i < MR; ++i) {
       const float* xb = x + (m0 + i) * K + 32 * b;
