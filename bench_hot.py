@@ -225,8 +225,7 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, s
     per_pass = {}
     for r in rows:
         xs = {m.in_features: torch.randn(r, m.in_features) for m in layers}
-        run = lambda: [M.linear(xs[m.in_features], m.weight, m.bias, m.packed_weight(), m.gguf_blocks())   # noqa: E731
-                       for m in layers]
+        run = lambda: [M.linear(xs[m.in_features], m.weight, m.bias, *m.prepared()) for m in layers]   # noqa: E731
         with _swapped({"GGUF_ROWS": max(r + 1, M.GGUF_ROWS)}):   # the blocks at every row count here
             run()
             blocks_ms = time_fn(run, repeats, warmup=0)[0] * 1e3

@@ -137,8 +137,8 @@ def gguf_name(name: str) -> str:
 def write_gguf_blocks(reader, out_dir: str) -> None:
     """Beside the float32 weights, the Q4_1/Q8_0 tensors in csrc/linear_cpu.cpp's lane layout:
     {hf_name}.qs, .scales and (Q4_1) .mins. A tensor is kept only if its blocks rebuild, bit for
-    bit, the float32 weight that convert_gguf writes from it."""
-    from gguf import quants
+    bit, the float32 weight that convert_gguf wrote from it (read back from out_dir)."""
+    written = load_file(os.path.join(out_dir, "model.safetensors"))
     n_heads = reader.fields["llama.attention.head_count"].contents()
     n_kv = reader.fields["llama.attention.head_count_kv"].contents()
     out = {}
@@ -148,13 +148,10 @@ def write_gguf_blocks(reader, out_dir: str) -> None:
         blocks = read_gguf_blocks(t, heads)
         if blocks is None or blocks[0].shape[1] % 64:
             continue
-        w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy())
-        if heads:
-            w = _unpermute_rope_rows(w, heads)
         q, d, m = blocks
-        if not torch.equal(dequantize_blocks(q, d, m), w):
-            continue
         name = gguf_name(t.name)
+        if name not in written or not torch.equal(dequantize_blocks(q, d, m), written[name]):
+            continue
         out.update({f"{name}.qs": to_lanes(q, m is not None), f"{name}.scales": d.contiguous()})
         if m is not None:
             out[f"{name}.mins"] = m.contiguous()
