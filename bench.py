@@ -30,6 +30,7 @@ import bench_batching
 import bench_hardware
 import bench_online
 import bench_peers
+import model as M
 from bench_engine import make_engine, md_table, model_dtype, section_header
 
 
@@ -89,6 +90,8 @@ class Sizes:
     fused_rounds: int = 3                # decode steps with each set of fused ops, taking turns
     gguf_rows: tuple = (1, 2, 4, 8, 16)  # rows per pass over the linear layers, GGUF blocks vs float32
     gguf_batches: tuple = (1, 4)         # decode steps with and without the blocks, taking turns
+    panel_rows: tuple = (1, 8, 64, 256)  # rows per pass over the linear layers, float32 panels vs oneDNN
+    panel_batches: tuple = (16, 64)      # decode steps on an engine of each kind, taking turns
 
 
 FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=100, static_max_requests=(),
@@ -104,7 +107,8 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
               kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
               cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(32, 48), pressure_prompt_median=16,
-              fused_compile=False, fused_rounds=1, gguf_rows=(1, 4), gguf_batches=(1,))
+              fused_compile=False, fused_rounds=1, gguf_rows=(1, 4), gguf_batches=(1,), panel_rows=(1, 8),
+              panel_batches=(4,))
 
 
 # ----------------------------------------------------------------------------- measurements from other files
@@ -150,6 +154,10 @@ def bench_hot_path(sz, seed, results):
     results["gguf_blocks"] = {"skipped": why} if why else gguf(
         rows=sz.gguf_rows, batches=sz.gguf_batches, repeats=sz.repeats, rounds=sz.fused_rounds)
     print_gguf_blocks(results["gguf_blocks"])
+    panels, why = optional("bench_hot", "panels_vs_onednn")
+    results["panels"] = {"skipped": why} if why else panels(
+        rows=sz.panel_rows, batches=sz.panel_batches, repeats=sz.repeats, rounds=sz.fused_rounds)
+    print_panels(results["panels"])
 
 
 def print_fused_ops(f):
@@ -176,21 +184,35 @@ def print_fused_ops(f):
               f"fastest decode step: {f['fastest_step']}")
 
 
+def print_linear_ab(title, d, lines, new, old):
+    """A linear-layer A/B from bench_hot.py: ms per pass over all layers at each row count and per
+    decode step at each batch; new and old are (key, column name), the ratio old / new."""
+    if "skipped" in d:
+        section_header(title, [f"skipped: {d['skipped']}"])
+        return
+    section_header(title, lines)
+    (a, a_name), (b, b_name) = new, old
+    rows = [[f"{r} rows, one pass over all linear layers (ms)", v[f"{a}_ms"], v[f"{b}_ms"], v[f"{b}_ms"] / v[f"{a}_ms"]]
+            for r, v in d["per_pass"].items()]
+    rows += [[f"decode step, batch {n} (ms)", v[f"{a}_ms"], v[f"{b}_ms"], v[f"{b}_ms"] / v[f"{a}_ms"]]
+             for n, v in d["step"].items()]
+    print(md_table(["measurement", a_name, b_name, f"{b_name} / {a_name}"], rows))
+
+
 def print_gguf_blocks(g):
     """Few-row linear layers on the GGUF's own Q4_1/Q8_0 blocks (csrc/linear_cpu.cpp) vs the float32 weights."""
-    title = "Hot path: linear layers on the GGUF's Q4_1/Q8_0 blocks vs float32 weights (bench_hot.py)"
-    if "skipped" in g:
-        section_header(title, [f"skipped: {g['skipped']}"])
-        return
-    section_header(title, [
-        f"{g['log']}; the same float32 values either way (checked bit for bit when the blocks were written)",
-        f"one pass over every linear layer: best of {g['repeats']}; decode step: the engine with and without "
-        f"the blocks, taking turns, best median of {g['rounds']} rounds"])
-    rows = [[f"{r} rows, one pass over all linear layers (ms)", v["gguf_ms"], v["float32_ms"], v["float32_ms"] / v["gguf_ms"]]
-            for r, v in g["per_pass"].items()]
-    rows += [[f"decode step, batch {b} (ms)", v["gguf_ms"], v["float32_ms"], v["float32_ms"] / v["gguf_ms"]]
-             for b, v in g["step"].items()]
-    print(md_table(["measurement", "GGUF blocks", "float32 weights", "float32 / blocks"], rows))
+    print_linear_ab("Hot path: linear layers on the GGUF's Q4_1/Q8_0 blocks vs float32 weights (bench_hot.py)", g, [
+        f"{g.get('log')}; the same float32 values either way (checked bit for bit when the blocks were written)",
+        f"one pass over every linear layer: best of {g.get('repeats')}; decode step: the engine with and without "
+        f"the blocks, taking turns, best median of {g.get('rounds')} rounds"], ("gguf", "GGUF blocks"), ("float32", "float32 weights"))
+
+
+def print_panels(p):
+    """Float32 linear layers: csrc/linear_cpu.cpp's GEMM on weight panels vs oneDNN on its prepacked weight."""
+    print_linear_ab("Hot path: float32 linear layers, csrc GEMM on weight panels vs oneDNN (bench_hot.py)", p, [
+        "the same float32 weights, GGUF blocks off; one pass over every linear layer: best of "
+        f"{p.get('repeats')}; decode step: an engine of each kind, taking turns, best median of {p.get('rounds')} rounds"],
+        ("panels", "panels"), ("onednn", "oneDNN"))
 
 
 def bench_api_costs(sz, seed, results):
@@ -236,7 +258,7 @@ def machine_info():
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
             "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": str(getattr(engine, "dtype", model_dtype(engine))).removeprefix("torch."),
-            "linear layers": engine.model.gguf_log, "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
+            "linear layers": f"{M.cpu_linear_path(engine.dtype)}; {engine.model.gguf_log}", "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "vLLM": bench_peers.vllm_unavailable() or os.environ["VLLM_PYTHON"],
             "load avg at start": os.getloadavg()[0]}
     return info

@@ -22,9 +22,14 @@ def model_linear_shapes(engine):
 
 
 def matmul_gflops(m, k, n, dtype, repeats):
+    """GFLOP/s of y = a @ w.T: the faster of torch.mm and model.linear on the weight's packed copy
+    (the engine's path: on an AVX2 CPU in float32, our GEMM on weight panels)."""
+    from model import linear, pack_weight
     dev = bench_device()
-    a, w = torch.randn(m, k, dtype=dtype, device=dev), torch.randn(n, k, dtype=dtype, device=dev)   # y = a @ w.T
-    return 2 * m * k * n / time_fn(lambda: a @ w.T, repeats, warmup=2)[0] / 1e9
+    a, w = torch.randn(m, k, dtype=dtype, device=dev), torch.randn(n, k, dtype=dtype, device=dev)
+    packed = pack_weight(w)
+    best = min(time_fn(lambda: a @ w.T, repeats, warmup=2)[0], time_fn(lambda: linear(a, w, packed=packed), repeats, warmup=2)[0])
+    return 2 * m * k * n / best / 1e9
 
 
 def memory_bandwidth(repeats, nbytes=512 * 2**20):
@@ -69,7 +74,8 @@ def bench_roofline(sz, seed, results):
                             "frac_of_matmul_roofline": t_mm / d["step_s_median"],
                             "gflops": 2 * params * b / d["step_s_median"] / 1e9}
     section_header("Roofline: this machine's ceilings vs the engine's decode step", [
-        f"model dtype {model_dtype(engine)}; matmuls in nn.Linear layout at that dtype, best of {sz.repeats}: "
+        f"model dtype {model_dtype(engine)}; matmuls in nn.Linear layout at that dtype, the faster of torch.mm and "
+        f"model.linear (the engine's kernels), best of {sz.repeats}: "
         + "; ".join(f"{k} {g:.1f} GFLOP/s" for k, g in mm.items()),
         f"memory read bandwidth (sum of a 512 MiB tensor): {bw:.1f} GB/s; {params / 1e6:.1f} M matmul params per token.",
         "matmul roofline = time of only the model's linear layers at that batch (the faster of torch.mm on the same "

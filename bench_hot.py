@@ -19,6 +19,7 @@ import time
 
 import torch
 
+import extensions
 import model as M
 from bench_engine import bench_device, random_prompt, time_fn
 import paged_attention as pa
@@ -214,8 +215,8 @@ def fused_ops_vs_compile(rows=(64, 512), batch=64, engine=None, steps=6, calls=2
 
 def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, steps=6, repeats=3, rounds=2) -> dict:
     """Linear layers reading the GGUF's Q4_1/Q8_0 blocks (csrc/linear_cpu.cpp) against the
-    float32 path model.linear takes without them (the small-M float32 kernel, or oneDNN on the
-    prepacked weight): ms of one pass over every Linear of the model at each row count, then a
+    float32 path model.linear takes without them (the panels on AVX2; elsewhere the small-M
+    float32 kernel, or oneDNN on the prepacked weight): ms of one pass over every Linear of the model at each row count, then a
     decode step at each batch, the engine with and without blocks taking turns `rounds` times."""
     engine = engine or _engine()
     layers = [m for m in engine.model.modules() if isinstance(m, M.Linear)]
@@ -242,6 +243,37 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, s
     step = {b: {f"{mode}_ms": min(times[b, mode]) for mode in ("gguf", "float32")} for b in batches}
     return {"log": engine.model.gguf_log, "gguf_rows": M.GGUF_ROWS, "repeats": repeats, "rounds": rounds,
             "per_pass": per_pass, "step": step}
+
+
+def panels_vs_onednn(rows=(1, 8, 64, 256), batches=(16, 64), steps=6, repeats=3, rounds=2) -> dict:
+    """Float32 linear layers on csrc/linear_cpu.cpp's weight panels (model.LINEAR_PANELS, the AVX2
+    path) against oneDNN on its prepacked weight: ms of one pass over every Linear of the model at
+    each row count (GGUF blocks off on both sides), then a decode step at each batch, an engine of
+    each kind taking turns `rounds` times."""
+    if not M.panels_available():
+        return {"skipped": f"no float32 panels here: torch CPU capability {torch.backends.cpu.get_cpu_capability()} "
+                           f"(panels run on AVX2 only), linear_cpu.cpp {extensions.failed.get('linear_cpu', 'built')}"}
+    engines = {}
+    for mode in ("panels", "onednn"):
+        with _swapped({"LINEAR_PANELS": mode == "panels"}):   # the engine's layers pack at their first call
+            engines[mode] = _engine(dtype="float32")
+            decode_steps(engines[mode], 1, steps=1)
+    layers = {mode: [m for m in e.model.modules() if isinstance(m, M.Linear)] for mode, e in engines.items()}
+    per_pass = {}
+    for r in rows:
+        xs = {m.in_features: torch.randn(r, m.in_features) for m in layers["panels"]}
+        per_pass[r] = {}
+        for mode, ls in layers.items():
+            run = lambda: [M.linear(xs[m.in_features], m.weight, m.bias, m.prepared()[0]) for m in ls]   # noqa: E731
+            run()
+            per_pass[r][f"{mode}_ms"] = time_fn(run, repeats, warmup=0)[0] * 1e3
+    times = {(b, mode): [] for b in batches for mode in engines}
+    for _ in range(rounds):                                   # interleaved: the same load on each
+        for b in batches:
+            for mode, engine in engines.items():
+                times[b, mode].append(decode_steps(engine, b, steps=steps)["step_ms_median"])
+    step = {b: {f"{mode}_ms": min(times[b, mode]) for mode in engines} for b in batches}
+    return {"repeats": repeats, "rounds": rounds, "per_pass": per_pass, "step": step}
 
 
 def compiled_forward_step(batch=64, steps=6, rounds=2, freeze=True) -> dict:
@@ -357,9 +389,9 @@ if __name__ == "__main__":
     import json
     torch.set_num_threads(os.cpu_count())
     import sys
-    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "gguf", "linear", "offline"]   # and compile_forward
+    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "gguf", "panels", "linear", "offline"]   # and compile_forward
     calls = {"kernel": bench_kernel_bandwidth, "phases": phase_breakdown, "roofline": decode_vs_roofline,
-             "fused": fused_ops_vs_compile, "gguf": gguf_blocks_vs_float32, "compile_forward": compiled_forward_step, "linear": bf16_linear_table,
+             "fused": fused_ops_vs_compile, "gguf": gguf_blocks_vs_float32, "panels": panels_vs_onednn, "compile_forward": compiled_forward_step, "linear": bf16_linear_table,
              "offline": lambda: [offline_throughput(), offline_throughput(dtype="float32")]}
     for part in parts:
         print(part, json.dumps(calls[part](), indent=1), flush=True)

@@ -28,7 +28,7 @@ import torch
 import paged_attention
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
-from model import AttentionMetadata, resolve_dtype
+from model import AttentionMetadata, cpu_linear_path, resolve_dtype
 from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence, Status
 from static_scheduler import StaticScheduler
@@ -225,7 +225,8 @@ class Engine:
         self.dtype = dtype                                  # what ran; bench.py prints it
         _log_once(f"nanoserve: dtype {str(dtype).removeprefix('torch.')} ({why})")
         self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device)
-        _log_once(f"nanoserve: {self.model.gguf_log}")
+        if self.device.type == "cpu":
+            _log_once(f"nanoserve: linear layers {cpu_linear_path(dtype)}; {self.model.gguf_log}")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
         config.max_model_len = config.max_model_len or mc.max_position_embeddings

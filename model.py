@@ -254,13 +254,43 @@ def onednn_bf16_available() -> bool:
     return ok
 
 
+# On an AVX2 CPU (no AVX-512) float32 layers run csrc/linear_cpu.cpp's register-blocked GEMM on
+# the weight repacked into panels of 16 columns, at every row count, instead of oneDNN on its
+# prepacked copy and the small-M kernel. ms per pass over all 121 of SmolLM2-135M's linear layers,
+# 2 AVX2 Zen 3 cores, 2026-11-24, at M = 1 / 4 / 8 / 16 / 32 / 64: panels 22.4 / 22.7 / 27.9 / 44.2
+# / 71.5 / 124.8, oneDNN 31.2 / 33.9 / 44.8 / 62.8 / 96.6 / 150.5 (small-M kernel at 1 / 4 rows
+# 21.8 / 24.7). With AVX-512, oneDNN's float32 matmul has 16-lane FMAs and this 8-lane kernel
+# does not, so oneDNN stays there. LINEAR_PANELS = False turns the panels off (bench.py compares).
+LINEAR_PANELS = True
+
+
+@functools.cache
+def panels_available() -> bool:
+    return _cpu_linear_kernels()[0] and torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a CPU float32/bfloat16 weight [N, K], or None where it does not apply."""
+    """The copy of a CPU float32/bfloat16 weight [N, K] that linear() reads from a few rows up:
+    panels [N/16, K, 16] for our float32 GEMM (see LINEAR_PANELS), else oneDNN's blocked copy (a
+    mkldnn tensor), or None where neither applies."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
+    if weight.dtype == torch.float32 and LINEAR_PANELS and panels_available() and weight.shape[0] % 16 == 0:
+        return torch.ops.nanoserve_linear.pack_panels(weight.detach())
     if not onednn_prepack_available() or (weight.dtype == torch.bfloat16 and not onednn_bf16_available()):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def cpu_linear_path(dtype: torch.dtype) -> str:
+    """Which kernels linear() runs on this CPU at `dtype` (the engine logs it, bench.py prints it)."""
+    small_m, onednn = _cpu_linear_kernels()
+    if dtype == torch.float32 and LINEAR_PANELS and panels_available():
+        return "float32: csrc GEMM on weight panels (AVX2) at every row count"
+    if dtype == torch.bfloat16 and not (onednn and onednn_bf16_available()):
+        return "bfloat16: F.linear (no oneDNN bf16 path on this CPU)"
+    small = f"csrc small-M kernel below {SMALL_M_ROWS if dtype == torch.float32 else SMALL_M_ROWS_BF16} rows" if small_m else ""
+    return f"{str(dtype).removeprefix('torch.')}: " + ", ".join(filter(None, [small, "oneDNN on prepacked weights" if onednn else "F.linear"]))
 
 
 @dataclass
@@ -274,18 +304,19 @@ class GGUFBlocks:
 
 
 # Below this many rows a float32 layer with GGUF blocks reads them instead of its float32 weight
-# (a sixth of the bytes, more arithmetic to unpack them). ms per pass over all 121 of
-# SmolLM2-135M's linear layers, 2 AVX2 Zen 3 cores, 2026-11-24 (bench_hot.py gguf), at
-# M = 1 / 2 / 4 / 8 / 16: blocks 12.4 / 21.1 / 26.7 / 43.1 / 78.5, the float32 path (small-M
-# kernel below 5 rows, packed oneDNN from 5) 27.3 / 30.3 / 37.7 / 47.9 / 58.4.
-GGUF_ROWS = 9
+# (a sixth of the bytes, more arithmetic to unpack them; the kernel takes rows in pairs, so 3 rows
+# cost two passes over the blocks). ms per pass over all 121 of SmolLM2-135M's linear layers, 2
+# AVX2 Zen 3 cores, 2026-11-24 (bench_hot.py gguf), at M = 1 / 2 / 3 / 4 / 8: blocks 18.1 / 17.6 /
+# 27.1 / 26.4 / 49.6, the float32 panels (LINEAR_PANELS) 27.3 / 26.1 / 24.7 / 25.1 / 32.2.
+GGUF_ROWS = 3
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, gguf: GGUFBlocks | None = None) -> torch.Tensor:
-    """F.linear, with faster kernels on CPU: our own for few rows (oneDNN and MKL are slow
-    there), reading the GGUF's blocks where the layer has them, oneDNN on the prepacked weight
-    (pack_weight) above, or on the plain one without it."""
+    """F.linear, with faster kernels on CPU: the GGUF's blocks at a few rows where the layer has
+    them; on an AVX2 CPU our float32 GEMM on the weight's panels (pack_weight) at any row count;
+    elsewhere our small-M kernel for few rows (oneDNN and MKL are slow there), then oneDNN on the
+    prepacked weight, or on the plain one without it."""
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # [M, K]
@@ -294,6 +325,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bf16 = x.dtype == torch.bfloat16
     if small_m and gguf is not None and not bf16 and M < GGUF_ROWS:
         out = torch.ops.nanoserve_linear.linear_small_m_gguf(x2, gguf.qs, gguf.scales, gguf.mins, bias)
+    elif packed is not None and not packed.is_mkldnn:                    # float32 panels, any M
+        out = torch.ops.nanoserve_linear.linear_panels(x2, packed, bias)
     elif small_m and bf16 and M < SMALL_M_ROWS_BF16 and K % 32 == 0 and N % 4 == 0:
         out = torch.ops.nanoserve_linear.linear_small_m_bf16(x2, weight.contiguous(), bias)
     elif small_m and not bf16 and M < SMALL_M_ROWS and K % 8 == 0 and N % 4 == 0:
@@ -309,7 +342,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) whose forward is linear() above, with the
-    weight's oneDNN copy made at the first call and remade if the weight is replaced or changed,
+    weight's packed copy (pack_weight) made at the first call and remade if the weight is replaced or changed,
     and the GGUF blocks weights.attach_gguf_blocks gave it (dropped if the weight changes)."""
     _packed = (None, None)                    # (which weight it was made from, packed copy)
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
@@ -323,7 +356,7 @@ class Linear(nn.Linear):
         return (w.data_ptr(), w.dtype, w.device, None if w.is_inference() else w._version)
 
     def prepared(self) -> tuple[torch.Tensor | None, GGUFBlocks | None]:
-        """(oneDNN's packed copy, GGUF blocks) for the current weight, checked with one key per
+        """(the packed copy, GGUF blocks) for the current weight, checked with one key per
         call (at batch 1 a step makes 121 of these calls): the copy is remade and the blocks
         dropped once the weight is replaced or changed."""
         key = self.weight_key()

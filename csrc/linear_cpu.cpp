@@ -298,6 +298,94 @@ at::Tensor linear_small_m_gguf(const at::Tensor& x, const at::Tensor& qs, const 
   return out;
 }
 
+// ---- float32 GEMM on weight panels: from a few rows up ------------------------------------
+// Past a few rows a linear layer is bound by arithmetic, and on AVX2 oneDNN's float32 matmul
+// reaches about 60% of the FMA peak on this model's shapes (its lm_head, 49k columns, less).
+// This is the classic register-blocked GEMM instead: the weight is repacked once into panels
+// of 16 output columns, [N / 16, K, 16], so that the 16 weights of one k are one 64-byte line;
+// a 6 x 16 tile of the output lives in 12 registers while k runs over the whole of K: per k,
+// 2 loads of weights, 6 broadcasts of x and 12 FMAs. Threads split the panels; rows come in
+// blocks small enough for x to stay in L2 while every panel streams past it once per block.
+constexpr int kPanel = 16;   // output columns per panel: two 8-float vectors
+constexpr int kTile = 6;     // rows per register tile: 6 x 2 accumulators + 2 weights + 1 x = 15 of 16 ymm
+
+// out[0:MR, 0:16] = x[0:MR, :] @ panel + bias, rows of x K apart, of out N apart. While the first
+// row block passes over a panel, the next panel is prefetched one line per k.
+template <int MR>
+void panel_tile(const float* __restrict x, const float* __restrict panel, const float* bias,
+                float* __restrict out, int64_t K, int64_t N, const float* next_panel) {
+  // named accumulators, not an array: __m256 may alias any float, so GCC would store an array
+  // back to the stack on every k
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+         c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < K; ++k) {
+    if (next_panel) _mm_prefetch(reinterpret_cast<const char*>(next_panel + kPanel * k), _MM_HINT_T0);
+    const __m256 w0 = _mm256_load_ps(panel + kPanel * k), w1 = _mm256_load_ps(panel + kPanel * k + 8);
+#define ROW(i)                                                     \
+    if constexpr (MR > i) {                                        \
+      const __m256 a = _mm256_broadcast_ss(x + i * K + k);         \
+      c##i##0 = _mm256_fmadd_ps(a, w0, c##i##0);                   \
+      c##i##1 = _mm256_fmadd_ps(a, w1, c##i##1);                   \
+    }
+    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
+  }
+  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#define STORE(i)                                                   \
+  if constexpr (MR > i) {                                          \
+    _mm256_storeu_ps(out + i * N, _mm256_add_ps(c##i##0, b0));     \
+    _mm256_storeu_ps(out + i * N + 8, _mm256_add_ps(c##i##1, b1)); \
+  }
+  STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+#undef STORE
+}
+
+using PanelTile = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, const float*);
+constexpr PanelTile kPanelTiles[kTile + 1] = {nullptr, panel_tile<1>, panel_tile<2>, panel_tile<3>,
+                                              panel_tile<4>, panel_tile<5>, panel_tile<6>};
+
+// weight [N, K] float32 -> panels [N / 16, K, 16]; a copy made once per weight (model.pack_weight)
+at::Tensor pack_panels(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight must be float32 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % kPanel == 0, "need N % 16 == 0");
+  // 64-byte aligned by torch's CPU allocator, so each k's 16 weights are one cache line
+  return weight.reshape({N / kPanel, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] float32, panels [N / 16, K, 16], bias [N] or None -> [M, N]
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+              panels.size(1) == x.size(1) && panels.size(2) == kPanel, "panels must be float32 [N/16, K, 16]");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * kPanel;
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "bias must be float32 [N]");
+  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(wp) % 32 == 0, "panels must be 32-byte aligned (aligned loads)");
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  // rows per block: x's block within ~384 KB, so it stays in a Zen 3 core's 512 KB L2 beside
+  // the panel streaming past (a batch-64 decode step is one block at K = 576 and 1536)
+  const int64_t block = std::max<int64_t>(kTile, 98304 / K / kTile * kTile);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block);
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = wp + p * K * kPanel;
+        const float* next = p + 1 < end ? panel + K * kPanel : nullptr;
+        for (int64_t m = m0; m < m1; m += kTile, next = nullptr) {
+          const int rows = int(std::min<int64_t>(kTile, m1 - m));
+          kPanelTiles[rows](xp + m * K, panel, b ? b + p * kPanel : nullptr, op + m * N + p * kPanel, K, N, next);
+        }
+      }
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nanoserve_linear, m) {
@@ -307,4 +395,8 @@ TORCH_LIBRARY(nanoserve_linear, m) {
   m.impl("linear_small_m_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_bf16));
   m.def("linear_small_m_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? mins, Tensor? bias) -> Tensor");
   m.impl("linear_small_m_gguf", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_gguf));
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.impl("pack_panels", c10::DispatchKey::CPU, TORCH_FN(pack_panels));
+  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
+  m.impl("linear_panels", c10::DispatchKey::CPU, TORCH_FN(linear_panels));
 }
