@@ -216,8 +216,9 @@ def fused_ops_vs_compile(rows=(64, 512), batch=64, engine=None, steps=6, calls=2
 def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, steps=6, repeats=3, rounds=2) -> dict:
     """Linear layers reading the GGUF's Q4_1/Q8_0 blocks (csrc/linear_cpu.cpp) against the
     float32 path model.linear takes without them (the panels on AVX2; elsewhere the small-M
-    float32 kernel, or oneDNN on the prepacked weight): ms of one pass over every Linear of the model at each row count, then a
-    decode step at each batch, the engine with and without blocks taking turns `rounds` times."""
+    float32 kernel, or oneDNN on the prepacked weight): ms of one pass over every Linear of the
+    model at each row count, then a decode step at each batch, the engine with and without
+    blocks taking turns `rounds` times."""
     engine = engine or _engine()
     layers = [m for m in engine.model.modules() if isinstance(m, M.Linear)]
     if not any(m.gguf_blocks() is not None for m in layers):

@@ -342,8 +342,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) whose forward is linear() above, with the
-    weight's packed copy (pack_weight) made at the first call and remade if the weight is replaced or changed,
-    and the GGUF blocks weights.attach_gguf_blocks gave it (dropped if the weight changes)."""
+    weight's packed copy (pack_weight) made at the first call and remade if the weight is
+    replaced or changed, and the GGUF blocks weights.attach_gguf_blocks gave it (dropped if the
+    weight changes)."""
     _packed = (None, None)                    # (which weight it was made from, packed copy)
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
 

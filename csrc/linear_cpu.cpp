@@ -1,17 +1,20 @@
-// CPU kernel behind model.linear() for few activation rows (decode): out = x @ weight.T + bias.
+// CPU kernels behind model.linear(): out = x @ weight.T + bias.
 //
 // At small M a linear layer is a stream over its weight matrix, and MKL's sgemm reaches only
-// a fraction of memory bandwidth there (it packs for large tiles). This kernel reads the
+// a fraction of memory bandwidth there (it packs for large tiles). The small-M kernels read the
 // weight once per call, in the nn.Linear layout [N, K] as stored (no repacking, so tied
 // embeddings cost nothing extra): each work item takes kRows weight rows (a few KB, kept in
 // L1) and computes them against every activation row, kTileM rows at a time with dot
-// products along K. Threads split the output columns (torch's thread count).
+// products along K. Threads split the output columns (torch's thread count). Past a few rows
+// the work is arithmetic, and the last section is a register-blocked GEMM on a repacked copy
+// of the weight (panels), which model.linear takes at every row count on AVX2 CPUs.
 //
 // Registered as torch.ops.nanoserve_linear.linear_small_m (float32; needs K % 8 == 0 and
-// N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0) and linear_small_m_gguf (float32
+// N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0), linear_small_m_gguf (float32
 // activations against a GGUF file's Q4_1 / Q8_0 blocks, a sixth / a quarter of the float32
-// bytes; K % 64 == 0), contiguous inputs (model.linear checks). Built with -O3 -march=native:
-// AVX2+FMA at least, AVX512_BF16 used where present.
+// bytes; K % 64 == 0), pack_panels and linear_panels (float32; N % 16 == 0), contiguous inputs
+// (model.linear checks). Built with -O3 -march=native: AVX2+FMA at least, AVX512_BF16 used
+// where present.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
