@@ -3215,6 +3215,7 @@ def test_bench_quick_reports_every_section(tmp_path):
         if "skipped" not in run:
             assert run["completed"] + run["failed"] == r["http"]["num_requests"], name
             assert run["failed"] == 0 or run["first_error"], name
+            assert run["output_tok_s"] == max(run["rounds_tok_s"]), name     # a row is its path's best round
     peers = r["peers"]
     assert peers["nanoserve"]["default"]["useful_tok_s"] > 0 and peers["nanoserve"]["default"]["batch1_decode_tok_s"] > 0
     assert "skipped" in peers["vllm"]        # --quick never starts vLLM
