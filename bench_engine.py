@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kv_cache import zeros_on_huge_pages
+
 
 # ----------------------------------------------------------------------------- printing and statistics
 
@@ -107,6 +109,24 @@ _ids = iter(range(10 ** 9))
 
 def new_id(tag):
     return f"{tag}-{next(_ids)}"
+
+
+def decode_kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=16, seed=0):
+    """A decode batch (one query row per sequence) over scattered blocks, SmolLM2's head shape, drawn on
+    the CPU (the same numbers on any device). K and V sit in memory like the engine's pool (on a CPU,
+    kv_cache.zeros_on_huge_pages), so the kernel is timed on the pages it reads in the engine."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = (ctx + block - 1) // block
+    num_blocks = batch * blocks_per_seq
+    q = torch.randn(batch, heads, head_dim, generator=g)                                # [batch, heads, head_dim]
+    kv = [torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(kv_dtype) for _ in "kv"]
+    if bench_device().type == "cpu":
+        pool, _ = zeros_on_huge_pages((2, num_blocks, block, kv_heads, head_dim), kv_dtype)
+        kv = [pool[i].copy_(t) for i, t in enumerate(kv)]                               # [blocks, block, kv_heads, hd]
+    tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(torch.int32)   # scattered blocks
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    return [t.to(bench_device()) for t in (q, *kv, tables, lens, qsl)]
 
 
 # ----------------------------------------------------------------------------- engines

@@ -8,7 +8,7 @@ changes a kernel or the engine, and batching experiments live in bench_batching.
 """
 import torch
 
-from bench_engine import bench_device, make_engine, md_table, model_dtype, section_header, steady_decode, time_fn, warm_up
+from bench_engine import bench_device, decode_kernel_inputs, make_engine, md_table, model_dtype, section_header, steady_decode, time_fn, warm_up
 
 
 def model_linear_shapes(engine):
@@ -90,20 +90,6 @@ def bench_roofline(sz, seed, results):
                            "bandwidth_gbs": bw, "matmul_params": params, "lm_head_params": h * mc.vocab_size, "decode": {str(b): d for b, d in per_batch.items()}}
 
 
-def kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=16, seed=0):
-    """A decode batch over scattered blocks, drawn on the CPU (the same numbers on any device), then moved."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = (ctx + block - 1) // block
-    num_blocks = batch * blocks_per_seq
-    q = torch.randn(batch, heads, head_dim, generator=g)                                # [batch, heads, head_dim]
-    k = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(kv_dtype)    # [blocks, block, kv_heads, hd]
-    v = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(kv_dtype)
-    tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(torch.int32)   # scattered blocks
-    lens = torch.full((batch,), ctx, dtype=torch.int32)
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
-    return [t.to(bench_device()) for t in (q, k, v, tables, lens, qsl)]
-
-
 def bench_kernel(sz, seed, results):
     """How fast does each paged-attention backend read the KV cache, against the bandwidth measured here?"""
     import paged_attention as pa
@@ -111,7 +97,7 @@ def bench_kernel(sz, seed, results):
     kernel = bench_device().type          # the compiled backend for this device: "cpu" or "cuda"
     for ctx in sz.kernel_contexts:
         for kv_dtype in (torch.float32, torch.bfloat16):
-            inp = kernel_inputs(sz.kernel_batch, ctx, kv_dtype)
+            inp = decode_kernel_inputs(sz.kernel_batch, ctx, kv_dtype)
             kv_bytes = 2 * inp[1].numel() * inp[1].element_size()
             ref = pa.paged_attention_reference(inp[0], inp[1].float(), inp[2].float(), *inp[3:], 1 / 8)
             base = None

@@ -21,7 +21,7 @@ import torch
 
 import extensions
 import model as M
-from bench_engine import bench_device, random_prompt, time_fn
+from bench_engine import bench_device, decode_kernel_inputs, random_prompt, time_fn
 import paged_attention as pa
 
 
@@ -30,20 +30,6 @@ def read_bandwidth_gbs(nbytes=512 * 2**20, repeats=3) -> float:
     x = torch.ones(nbytes // 4, device=bench_device())
     x.sum()
     return nbytes / time_fn(x.sum, repeats, warmup=0)[0] / 1e9
-
-
-def decode_kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=16, seed=0):
-    """A decode batch (one query row per sequence) over scattered blocks, SmolLM2's head shape."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = -(-ctx // block)
-    num_blocks = batch * blocks_per_seq
-    q = torch.randn(batch, heads, head_dim, generator=g)                       # [batch, heads, head_dim]
-    k = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(kv_dtype)
-    v = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(kv_dtype)
-    tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(torch.int32)
-    lens = torch.full((batch,), ctx, dtype=torch.int32)
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
-    return [t.to(bench_device()) for t in (q, k, v, tables, lens, qsl)]
 
 
 def bench_kernel_bandwidth(batch=64, contexts=(512, 1024, 2048), kv_dtype=torch.bfloat16, repeats=5,

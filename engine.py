@@ -258,6 +258,8 @@ class Engine:
         self.kv_pool = KVCachePool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
                                    mc.head_dim, kv_dtype, self.device, num_host_blocks)
         self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, num_host_blocks)
+        if self.device.type == "cpu":
+            _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,

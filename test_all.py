@@ -917,6 +917,36 @@ def test_kv_pool_is_sized_from_the_memory_budget():
     assert tuple(eng.kv_pool.kv_caches[0][0].shape) == (eng.blocks.num_blocks, 16, 3, 64)
 
 
+def vm_flags(address: int) -> list[str]:
+    """The kernel's own record of the mapping that holds `address`: its VmFlags in /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def test_kv_pool_is_one_zeroed_buffer_on_huge_pages_where_linux_offers_them():
+    pool = kv_cache.KVCachePool(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=3, head_dim=64,
+                                dtype=torch.bfloat16, device="cpu")
+    assert len(pool.kv_caches) == 3
+    for k, v in pool.kv_caches:
+        assert k.shape == v.shape == (40, 16, 3, 64) and k.is_contiguous() and v.is_contiguous()
+        assert k.count_nonzero() == v.count_nonzero() == 0
+    pool.kv_caches[1][0].fill_(1)                    # one layer's K: no other view of the buffer sees it
+    assert [int(t.count_nonzero()) for kv in pool.kv_caches for t in kv] == [0, 0, 40 * 16 * 3 * 64, 0, 0, 0]
+    mode = kv_cache.transparent_huge_pages()
+    if mode not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are '{mode}' on this machine: the pool is on {pool.pages}")
+    address = pool.kv_caches[0][0].data_ptr()
+    assert address % (2 << 20) == 0, pool.pages
+    assert "hg" in vm_flags(address), pool.pages     # Linux recorded MADV_HUGEPAGE for the pool's mapping
+
+
 def test_stream_deltas_add_up_to_the_final_text(llm):
     params = SamplingParams(temperature=0.0, max_tokens=30, stop=["\n\n"])
     final = llm.generate(["The capital of France is"], params)[0].outputs[0]
