@@ -426,11 +426,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, cos, sin, kv_cache, meta, fused=False):
+    def forward(self, x, residual, cos, sin, kv_cache, meta, fused=False, keep=None):
         """x: the last block's output, not yet added to residual (None before the first layer).
+        keep: rows to carry past attention (the last layer passes the rows that get logits).
         -> (this layer's MLP output, residual stream without it): the add is fused into the next norm."""
         x, residual = self.input_layernorm(x, residual, fused)
         x = self.self_attn(x, cos, sin, kv_cache, meta, fused)
+        if keep is not None:                  # [T, hidden] -> [num_sampled, hidden]
+            x, residual = x[keep], residual[keep]
         x, residual = self.post_attention_layernorm(x, residual, fused)
         return self.mlp(x, fused), residual
 
@@ -461,7 +464,11 @@ class Llama(nn.Module):
         freqs = positions.unsqueeze(1).float() * self.inv_freq            # [T, head_dim/2]
         cos, sin = freqs.cos(), freqs.sin()                               # float32 [T, head_dim/2]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, fused)
-        x, _ = self.norm(x[logits_indices], residual[logits_indices], fused)   # [num_sampled, hidden]
+        # Past the last layer's attention only the rows that get logits matter: every token's K
+        # and V are cached by then, so a prompt chunk's other rows skip that layer's MLP.
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            keep = logits_indices if i == last else None
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, fused, keep)
+        x, _ = self.norm(x, residual, fused)                              # [num_sampled, hidden]
         return self.lm_head(x).float()                                    # [num_sampled, vocab]
