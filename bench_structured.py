@@ -24,7 +24,7 @@ import torch
 
 from llm import LLM, SamplingParams, StructuredOutputsParams
 from bench_engine import time_fn
-from sampler import SamplingState, sample
+from sampler import SamplingState, sample, top_p_reference
 from structured_output import (apply_token_bitmask_, apply_token_bitmask_reference,
                                fill_bitmasks)
 
@@ -88,11 +88,15 @@ def bench_sampling_overhead(llm=None, batch=64, vocab=None, steps=8, rounds=5, r
     seeded_s = [SamplingState(SamplingParams(temperature=1.0, seed=i), [1], vocab, torch.Generator().manual_seed(i),
                               set()) for i in range(batch)]
     topk_s = states(temperature=1.0, top_k=50, top_p=0.9)
+    topp_s = states(temperature=1.0, top_p=0.9)
+    top_p = torch.full((batch,), 0.9)
     micro = {
         "greedy": time_call(lambda: sample(logits.clone(), greedy_s, gen), repeats),
         "temperature 1": time_call(lambda: sample(logits.clone(), temp_s, gen), repeats),
         "temperature 1, seeded rows": time_call(lambda: sample(logits.clone(), seeded_s, gen), repeats),
         "top_k 50 + top_p 0.9": time_call(lambda: sample(logits.clone(), topk_s, gen), repeats),
+        "top_p 0.9": time_call(lambda: sample(logits.clone(), topp_s, gen), repeats),
+        "top_p 0.9 filter by full sort (before)": time_call(lambda: top_p_reference(logits.clone(), top_p), 2),
         "exponential race (before)": time_call(lambda: exponential_race(logits.clone(), [gen] * batch), repeats),
     }
     prompts = [f"Tell me about the number {i}." for i in range(batch)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import errors
+from model import fused_ops_available
 from structured_output import StructuredOutputsParams, apply_grammar_masks
 
 MAX_LOGPROBS = 20
@@ -141,13 +142,26 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
     if rows and len(rows) == len(states):                              # all sample: no copy, no argmax
         tokens = draw(logits, states, generator)                       # [num_seqs]
     else:
-        tokens = logits.argmax(dim=-1)                                 # [num_seqs] greedy rows
+        tokens = greedy(logits)                                        # [num_seqs] greedy rows
         if rows:
             tokens[rows] = draw(logits[rows], [states[i] for i in rows], generator)
     tokens = tokens.tolist()
     if raw_logprobs is None:
         return tokens, [None] * len(states)
     return tokens, top_logprobs(raw_logprobs, tokens, want)
+
+
+def csrc_ops(x) -> bool:
+    """Whether csrc/fused_cpu.cpp's sampling ops take x: float32 rows on a CPU, the library built."""
+    return x.dtype == torch.float32 and x.stride(-1) == 1 and fused_ops_available(x.device, x.dtype)
+
+
+def greedy(logits):
+    """torch.argmax(logits, -1) (first index of the maximum). On CPU csrc/fused_cpu.cpp's, which
+    vectorizes: torch's is a scalar loop, 3 ms at [64, 49152] on 2 cores against 0.23 ms."""
+    if csrc_ops(logits):
+        return torch.ops.nanoserve_fused.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def draw(x, states, generator):
@@ -159,10 +173,14 @@ def draw(x, states, generator):
         x = apply_top_k_top_p_min_p(x.mul_(inv_temp), params)         # [k, vocab]
         scale_later = False
     # exp((x - max) / T), in place (max(x / T) = max(x) / T); masked -> 0
-    x = x.sub_(x.amax(dim=-1, keepdim=True))                           # [k, vocab]
-    if scale_later:
-        x = x.mul_(inv_temp)
-    return inverse_cdf(x.exp_(), uniforms(states, generator).to(x.device, non_blocking=True))
+    if csrc_ops(x):                                                    # torch.exp is slow below -87
+        torch.ops.nanoserve_fused.exp_sub_max_(x, (inv_temp if scale_later else torch.ones_like(inv_temp)).view(-1))
+    else:
+        x = x.sub_(x.amax(dim=-1, keepdim=True))                       # [k, vocab]
+        if scale_later:
+            x = x.mul_(inv_temp)
+        x = x.exp_()
+    return inverse_cdf(x, uniforms(states, generator).to(x.device, non_blocking=True))
 
 
 def inverse_cdf(probs, u, block=128):
@@ -198,32 +216,52 @@ def uniforms(states, generator):
     return u
 
 
+def mask_below_(x, floor):
+    """x [k, vocab] = -inf where below its row's floor [k, 1], in place."""
+    if csrc_ops(x):
+        torch.ops.nanoserve_fused.mask_below_(x, floor.reshape(-1).contiguous())
+        return x
+    return x.masked_fill_(x < floor, float("-inf"))
+
+
 def apply_top_k_top_p_min_p(x, params):
-    """Mask filtered-out logits to -inf; the sort runs only when some row asks for top-k/top-p."""
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else x.shape[1] for p in params])
+    """Mask filtered-out logits to -inf in x (in place, or a copy it returns), in vLLM's order:
+    top-k, top-p over what top-k kept, min-p. No row pays for a filter it did not ask for, and
+    nothing sorts the whole vocabulary on CPU."""
+    vocab = x.shape[1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     # decided on these host copies (no device sync); the math uses device copies
-    any_top_k_p, any_min_p = bool((top_k < x.shape[1]).any() or (top_p < 1).any()), bool((min_p > 0).any())
-    width = int(top_k.max())
+    width = int(top_k[top_k < vocab].max()) if bool((top_k < vocab).any()) else 0
+    any_top_p, any_min_p = bool((top_p < 1).any()), bool((min_p > 0).any())
     top_k, top_p, min_p = (t.to(x.device, non_blocking=True) for t in (top_k, top_p, min_p))
-    if any_top_k_p:
-        # every row has a top_k: its k best are all that can survive, so topk replaces the full sort
-        if width < x.shape[1]:
-            sorted_x, order = x.topk(width, dim=-1)                   # [num_seqs, width] descending
+    if width:
+        # each row's k-th best logit is its floor (ties with it stay, as in vLLM); topk to the
+        # widest k asked replaces a sort. Rows without top_k get -inf, so nothing of theirs goes.
+        kth = x.topk(width, dim=-1).values.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))   # [k, 1]
+        kth = kth.masked_fill((top_k == vocab).unsqueeze(1), float("-inf"))
+        x = mask_below_(x, kth)
+    if any_top_p:
+        if csrc_ops(x):
+            torch.ops.nanoserve_fused.top_p_(x, top_p)                 # csrc/fused_cpu.cpp: no sort
         else:
-            sorted_x, order = x.sort(dim=-1, descending=True)          # [num_seqs, vocab]
-        ranks = torch.arange(width, device=x.device).unsqueeze(0)
-        sorted_x = sorted_x.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
-        sorted_probs = sorted_x.softmax(dim=-1)                        # top-p over what top-k kept (vLLM's order)
-        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)  # keep the token that crosses p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
+            x = top_p_reference(x, top_p)
     if any_min_p:
         # p >= min_p * p_max  <=>  logit >= max logit + log(min_p): no softmax needed
-        floor = x.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)
-        x = x.masked_fill(x < floor, float("-inf"))
+        floor = x.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)     # amax: 20x faster than max on CPU
+        x = mask_below_(x, floor)
     return x
+
+
+def top_p_reference(x, top_p):
+    """x: [k, vocab] logits, top_p: [k]. Sorted by logit, a token stays while the mass before it is
+    below top_p (so the token that crosses it stays too). Rows with top_p = 1 are unchanged."""
+    sorted_x, order = x.sort(dim=-1, descending=True)                  # [k, vocab]
+    sorted_probs = sorted_x.softmax(dim=-1)
+    # a top_p = 1 row would lose its tail where the float cumsum rounds past 1
+    drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    return torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
 
 
 def apply_min_tokens(logits, states):

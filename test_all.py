@@ -52,6 +52,7 @@ import model as M
 import weights as W
 from engine import Engine, SamplingParams
 from llm import LLM
+import sampler
 from sampler import SamplingState, make_generator, sample
 from scheduler import Status
 import paged_attention as pa
@@ -559,6 +560,52 @@ def test_fused_silu_and_mul_matches_reference(fused_ops, dtype):
     torch.testing.assert_close(M.silu_and_mul(gate_up, fused=True), M.silu_and_mul(gate_up), **FUSED_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_argmax_matches_torch_argmax_on_ties_infinities_and_nans(fused_ops, dtype):
+    """The sampler's greedy pick: first index of the maximum, a NaN counts as the maximum."""
+    g = torch.Generator().manual_seed(3)
+    for vocab in (1, 63, 64, 65, 200, 49152):                                   # below, at and past a 64-block
+        x = torch.randint(-3, 3, (8, vocab), generator=g).float()               # [rows, vocab], ties everywhere
+        x[1] = float("-inf")                                                    # every token masked
+        x[2, -1] = float("inf")
+        x[2, vocab // 2] = float("inf")                                         # the first of two +inf
+        x[3, vocab // 3] = float("nan")
+        x[3, -1] = float("nan")                                                 # the first of two NaNs
+        x[4, -1] = 100.0                                                        # the maximum in the tail
+        x = x.to(dtype)
+        assert torch.equal(torch.ops.nanoserve_fused.argmax(x), x.argmax(-1)), vocab
+    wide = torch.randn(5, 49200, generator=g).to(dtype)[:, :49152]              # rows a stride apart
+    assert torch.equal(sampler.greedy(wide), wide.argmax(-1))
+
+
+def test_fused_exp_sub_max_matches_torch_exp_on_masked_and_underflowing_logits(fused_ops):
+    """The sampler's exp((x - max) * scale): -inf and anything past float32's range give exactly 0."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 1000, generator=g) * 20                                  # [rows, vocab]
+    x[1, ::2] = float("-inf")                                                   # masked tokens
+    x[2, :500] = -1e4                                                           # underflow
+    x[3] = float("-inf")                                                        # nothing left: NaN, as torch
+    scale = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 4.0])                        # 1 / temperature
+    want = ((x - x.amax(-1, keepdim=True)) * scale.unsqueeze(1)).exp()
+    got = x.clone()
+    torch.ops.nanoserve_fused.exp_sub_max_(got, scale)
+    # every row's largest term is 1: an error of 1e-9 is nothing next to the row's mass (float32's
+    # one-constant argument reduction loses a few ulps of the smallest terms, torch's Sleef does not)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-9, equal_nan=True)
+    assert (got[want == 0] == 0).all() and (got[1, ::2] == 0).all()             # masked stays unsampleable
+
+
+def test_fused_mask_below_matches_masked_fill(fused_ops):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 333, generator=g)
+    x[0, :7] = float("-inf")
+    floor = torch.tensor([[-1.0], [0.0], [float("-inf")], [10.0], [0.5]])      # [rows, 1], per row
+    want = x.masked_fill(x < floor, float("-inf"))
+    got = x.clone()
+    torch.ops.nanoserve_fused.mask_below_(got, floor.view(-1))
+    assert torch.equal(got, want)
+
+
 def test_model_fused_and_plain_ops_give_the_same_logits(fused_ops):
     net, _, _ = W.load_model(None)
     seqs = [[1, 504, 3458, 282, 4649, 314], list(range(100, 140))]
@@ -1016,6 +1063,31 @@ def test_top_k_top_p_and_min_p_keep_only_the_allowed_tokens():
                                            [False, True, False, True]]
     kept = torch.isfinite(out)
     assert torch.equal(out[kept], torch.log(probs)[kept])          # survivors keep their logits
+
+
+def test_top_p_kernel_keeps_what_the_sorted_reference_keeps(fused_ops):
+    """csrc's top_p_ (no sort) against sampler.top_p_reference in float64: the float32 reference's
+    cumsum drifts by a few tokens over thousands of them, the float64 one does not."""
+    from sampler import top_p_reference
+    g = torch.Generator().manual_seed(0)
+    for vocab, scale, masked, ties in [(1, 1, False, False), (7, 2, False, False), (300, 0.5, True, False),
+                                       (49152, 3, False, False), (49152, 1, True, False), (1000, 3, False, True)]:
+        x = torch.randn(16, vocab, generator=g) * scale                         # [rows, vocab] logits
+        if masked:
+            x[:, ::3] = float("-inf")
+        if ties:
+            x = x.round()                                                        # whole numbers: many equal logits
+        x[0] = float("-inf")                                                     # every token masked
+        top_p = torch.rand(16, generator=g) * 0.99 + 0.005
+        top_p[1] = 1.0                                                           # no filter
+        want = torch.isfinite(top_p_reference(x.double(), top_p.double()))
+        got = x.clone()
+        torch.ops.nanoserve_fused.top_p_(got, top_p)
+        kept = torch.isfinite(got)
+        assert torch.equal(got[kept], x[kept])                                   # survivors keep their logits
+        assert torch.equal(kept[1], torch.isfinite(x[1]))                        # top_p 1 drops nothing
+        for r in range(16):      # tied logits may be kept in another order: the same values must stay
+            assert sorted(x[r][kept[r]].tolist()) == sorted(x[r][want[r]].tolist()), (vocab, r)
 
 
 def test_stop_string_cuts_text_exactly_before_it(llm):
