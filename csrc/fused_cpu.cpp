@@ -267,7 +267,7 @@ void for_each_where(const std::vector<float>& e, int64_t V, Pred pred, F f) {
 }
 
 void top_p_row(float* x, int64_t V, double top_p, std::vector<float>& e, std::vector<double>& mass,
-               std::vector<int64_t>& ties) {
+               std::vector<int64_t>& bucket) {
   const float m = row_max(x, V);
   if (!(m > -INFINITY)) return;                          // every token masked
   for (int64_t i = 0; i < V; ++i) e[i] = exp_nonpositive(x[i] - m);   // -inf -> 0
@@ -275,7 +275,7 @@ void top_p_row(float* x, int64_t V, double top_p, std::vector<float>& e, std::ve
   // every add on the one before it through memory. Masked tokens (e = 0) have no mass to add.
   std::fill(mass.begin(), mass.end(), 0.0);
   for_each_where(e, V, [](float v) { return v > 0.f; }, [&](int64_t j) { mass[4 * prob_key(e[j]) + j % 4] += e[j]; });
-  double total = 0.0;
+  double total = 0.0;   // folded in place: bucket b's sum lands at b, below the 4b..4b+3 still to read
   for (int b = 0; b < kTopPBuckets; ++b)
     total += mass[b] = mass[4 * b] + mass[4 * b + 1] + mass[4 * b + 2] + mass[4 * b + 3];
   const double target = top_p * total;
@@ -284,12 +284,12 @@ void top_p_row(float* x, int64_t V, double top_p, std::vector<float>& e, std::ve
   for (; cross > 0 && before + mass[cross] < target; --cross) before += mass[cross];
   // the crossing bucket as a range of probabilities [lo, hi): plain compares from here on
   const float lo = bit_cast<float>(uint32_t(cross) << 20), hi = bit_cast<float>(uint32_t(cross + 1) << 20);
-  ties.clear();
-  for_each_where(e, V, [=](float v) { return v >= lo && v < hi; }, [&](int64_t j) { ties.push_back(j); });
-  std::stable_sort(ties.begin(), ties.end(), [&](int64_t a, int64_t b) { return x[a] > x[b]; });
+  bucket.clear();
+  for_each_where(e, V, [=](float v) { return v >= lo && v < hi; }, [&](int64_t j) { bucket.push_back(j); });
+  std::stable_sort(bucket.begin(), bucket.end(), [&](int64_t a, int64_t b) { return x[a] > x[b]; });
   size_t keep = 0;
-  for (; keep < ties.size() && before < target; ++keep) before += e[ties[keep]];
-  for (size_t j = keep; j < ties.size(); ++j) x[ties[j]] = -INFINITY;
+  for (; keep < bucket.size() && before < target; ++keep) before += e[bucket[keep]];
+  for (size_t j = keep; j < bucket.size(); ++j) x[bucket[j]] = -INFINITY;
   for (int64_t i = 0; i < V; ++i) x[i] = e[i] < lo ? -INFINITY : x[i];
 }
 
@@ -303,10 +303,10 @@ void top_p_(at::Tensor& logits, const at::Tensor& top_p) {
   at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e(V);
     std::vector<double> mass(4 * kTopPBuckets);
-    std::vector<int64_t> ties;
+    std::vector<int64_t> bucket;
     for (int64_t r = begin; r < end; ++r) {
       const float pr = p.const_data_ptr<float>()[r];
-      if (pr < 1.f) top_p_row(logits.mutable_data_ptr<float>() + r * logits.stride(0), V, pr, e, mass, ties);
+      if (pr < 1.f) top_p_row(logits.mutable_data_ptr<float>() + r * logits.stride(0), V, pr, e, mass, bucket);
     }
   });
 }
