@@ -237,10 +237,14 @@ def apply_top_k_top_p_min_p(x, params):
     any_top_p, any_min_p = bool((top_p < 1).any()), bool((min_p > 0).any())
     top_k, top_p, min_p = (t.to(x.device, non_blocking=True) for t in (top_k, top_p, min_p))
     if width:
-        # each row's k-th best logit is its floor (ties with it stay, as in vLLM); topk to the
-        # widest k asked replaces a sort. Rows without top_k get -inf, so nothing of theirs goes.
-        kth = x.topk(width, dim=-1).values.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))   # [k, 1]
-        kth = kth.masked_fill((top_k == vocab).unsqueeze(1), float("-inf"))
+        # each row's k-th best logit is its floor (ties with it stay, as in vLLM); rows without
+        # top_k get -inf, so nothing of theirs goes. On CPU counted in csrc (same cost at any k),
+        # elsewhere topk to the widest k asked.
+        if csrc_ops(x):
+            kth = torch.ops.nanoserve_fused.kth_largest(x, top_k).unsqueeze(1)                      # [k, 1]
+        else:
+            kth = x.topk(width, dim=-1).values.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
+            kth = kth.masked_fill((top_k == vocab).unsqueeze(1), float("-inf"))
         x = mask_below_(x, kth)
     if any_top_p:
         if csrc_ops(x):

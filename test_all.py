@@ -606,6 +606,21 @@ def test_fused_mask_below_matches_masked_fill(fused_ops):
     assert torch.equal(got, want)
 
 
+def test_fused_kth_largest_matches_topk(fused_ops):
+    """The top-k floor: each row's k-th largest (ties counted) as torch.topk has it; -inf for k
+    outside [1, vocab), the rows that ask for no top-k."""
+    g = torch.Generator().manual_seed(6)
+    for vocab in (1, 2, 65, 1000, 49152):
+        for x in (torch.randn(8, vocab, generator=g) * 3,                         # [rows, vocab]
+                  (torch.randn(8, vocab, generator=g) * 3).round(),               # many ties
+                  torch.randn(8, vocab, generator=g).masked_fill(torch.rand(8, vocab, generator=g) < 0.5, float("-inf"))):
+            k = torch.randint(1, max(vocab, 2), (8,), generator=g)
+            k[:3] = torch.tensor([vocab, 0, 1])
+            k[3] = max(vocab - 1, 1)
+            want = [x[r].topk(int(k[r])).values[-1].item() if 0 < k[r] < vocab else float("-inf") for r in range(8)]
+            assert torch.ops.nanoserve_fused.kth_largest(x, k).tolist() == want, vocab
+
+
 def test_model_fused_and_plain_ops_give_the_same_logits(fused_ops):
     net, _, _ = W.load_model(None)
     seqs = [[1, 504, 3458, 282, 4649, 314], list(range(100, 140))]
