@@ -64,6 +64,12 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16");
 }
 
+// the sampler's ops: float32 logits only (the model's logits are float32 whatever its dtype)
+void check_float32_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              name, " must be float32 [rows, vocab] with contiguous rows");
+}
+
 // out row = src row (+ add row, stored back into add) normalized, times weight.
 template <typename T>
 void norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& out) {
@@ -296,8 +302,7 @@ void top_p_row(float* x, int64_t V, double top_p, std::vector<float>& e, std::ve
 }
 
 void top_p_(at::Tensor& logits, const at::Tensor& top_p) {
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
-              "logits must be float32 [rows, vocab] with contiguous rows");
+  check_float32_rows(logits, "logits");
   TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == logits.size(0) && top_p.scalar_type() == at::kFloat,
               "top_p must be float32 [rows]");
   const int64_t V = logits.size(1);
@@ -319,8 +324,7 @@ void top_p_(at::Tensor& logits, const at::Tensor& top_p) {
 // (low temperatures): it leaves the vector path for those. The polynomial costs the same everywhere.
 // A row with every logit -inf becomes NaN, as in torch.
 void exp_sub_max_(at::Tensor& x, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
-              "x must be float32 [rows, vocab] with contiguous rows");
+  check_float32_rows(x, "x");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == x.size(0) && scale.scalar_type() == at::kFloat,
               "scale must be float32 [rows]");
   const int64_t V = x.size(1);
@@ -341,8 +345,7 @@ void exp_sub_max_(at::Tensor& x, const at::Tensor& scale) {
 // x < floor -> -inf, in place: a select the vectorizer takes. masked_fill with a comparison's
 // boolean mask made two passes and a temporary, 3 ms on [64, 49152].
 void mask_below_(at::Tensor& x, const at::Tensor& floor) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
-              "x must be float32 [rows, vocab] with contiguous rows");
+  check_float32_rows(x, "x");
   TORCH_CHECK(floor.numel() == x.size(0) && floor.scalar_type() == at::kFloat, "floor must be float32 [rows]");
   const int64_t V = x.size(1);
   const at::Tensor f = floor.contiguous();
@@ -383,8 +386,7 @@ float kth_largest_row(const float* x, int64_t V, int64_t k, std::vector<int32_t>
 
 // x [rows, vocab] float32, k [rows] int64 -> float32 [rows]; -inf where k is not in [1, vocab)
 at::Tensor kth_largest(const at::Tensor& x, const at::Tensor& k) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
-              "x must be float32 [rows, vocab] with contiguous rows");
+  check_float32_rows(x, "x");
   TORCH_CHECK(k.dim() == 1 && k.size(0) == x.size(0) && k.scalar_type() == at::kLong, "k must be int64 [rows]");
   const int64_t V = x.size(1);
   const at::Tensor kc = k.contiguous();
