@@ -113,12 +113,14 @@ def new_id(tag):
 
 def decode_kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=16, seed=0):
     """A decode batch (one query row per sequence) over scattered blocks, SmolLM2's head shape, drawn on
-    the CPU (the same numbers on any device). K and V sit in memory like the engine's pool (on a CPU,
-    kv_cache.zeros_on_huge_pages), so the kernel is timed on the pages it reads in the engine."""
+    the CPU (the same numbers on any device). q comes in the KV's dtype, as a model of that dtype hands it
+    over (a bf16 model's q is bf16: on a CPU with avx512_bf16 its scores run on bf16 dot products). K and V
+    sit in memory like the engine's pool (on a CPU, kv_cache.zeros_on_huge_pages), so the kernel is timed on
+    the pages it reads in the engine."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = (ctx + block - 1) // block
     num_blocks = batch * blocks_per_seq
-    q = torch.randn(batch, heads, head_dim, generator=g)                                # [batch, heads, head_dim]
+    q = torch.randn(batch, heads, head_dim, generator=g).to(kv_dtype)                   # [batch, heads, head_dim]
     kv = [torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(kv_dtype) for _ in "kv"]
     if bench_device().type == "cpu":
         pool, _ = zeros_on_huge_pages((2, num_blocks, block, kv_heads, head_dim), kv_dtype)

@@ -99,7 +99,7 @@ def bench_kernel(sz, seed, results):
         for kv_dtype in (torch.float32, torch.bfloat16):
             inp = decode_kernel_inputs(sz.kernel_batch, ctx, kv_dtype)
             kv_bytes = 2 * inp[1].numel() * inp[1].element_size()
-            ref = pa.paged_attention_reference(inp[0], inp[1].float(), inp[2].float(), *inp[3:], 1 / 8)
+            ref = pa.paged_attention_reference(inp[0].float(), inp[1].float(), inp[2].float(), *inp[3:], 1 / 8)
             base = None
             for backend in ("torch", kernel):
                 name = f"ctx={ctx} {str(kv_dtype)[6:]} {backend}"

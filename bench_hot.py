@@ -36,8 +36,8 @@ def bench_kernel_bandwidth(batch=64, contexts=(512, 1024, 2048), kv_dtype=torch.
                            backend=None) -> dict:
     """KV bytes read per second by the paged-attention kernel at decode, against the plain read
     bandwidth measured between its runs. -> {"read_gbs", "contexts": {ctx: {"ms", "kv_gbs",
-    "read_gbs", "ratio", "max_abs_diff"}}}; the diff is against the PyTorch reference on the
-    first 4 sequences."""
+    "read_gbs", "ratio", "max_abs_diff"}}}; the diff is against the PyTorch reference in float32 on
+    the first 4 sequences (q in the KV's dtype, as decode_kernel_inputs makes it)."""
     backend = backend or bench_device().type     # the compiled kernel of the device the engine runs on
     out = {"batch": batch, "kv_dtype": str(kv_dtype).removeprefix("torch."), "backend": backend, "contexts": {}}
     reads = []
@@ -45,7 +45,7 @@ def bench_kernel_bandwidth(batch=64, contexts=(512, 1024, 2048), kv_dtype=torch.
         q, k, v, tables, lens, qsl = decode_kernel_inputs(batch, ctx, kv_dtype)
         call = lambda: pa.paged_attention(q, k, v, tables, lens, qsl, 0.125, backend=backend)  # noqa: E731
         got = call()
-        ref = pa.paged_attention_reference(q[:4], k, v, tables[:4], lens[:4], qsl[:5], 0.125)
+        ref = pa.paged_attention_reference(q[:4].float(), k.float(), v.float(), tables[:4], lens[:4], qsl[:5], 0.125)
         kv_bytes = 2 * k.numel() * k.element_size()            # every block of K and V is read once
         best = float("inf")
         read = 0.0
@@ -55,7 +55,7 @@ def bench_kernel_bandwidth(batch=64, contexts=(512, 1024, 2048), kv_dtype=torch.
         reads.append(read)
         out["contexts"][ctx] = {"ms": best * 1e3, "kv_gbs": kv_bytes / best / 1e9, "read_gbs": read,
                                 "ratio": kv_bytes / best / 1e9 / read,
-                                "max_abs_diff": (got[:4] - ref).abs().max().item()}
+                                "max_abs_diff": (got[:4].float() - ref).abs().max().item()}
     out["read_gbs"] = max(reads)
     out["min_ratio"] = min(c["ratio"] for c in out["contexts"].values())
     return out

@@ -1915,6 +1915,26 @@ def test_cpu_kernel_decode_batch_matches_reference(cpu_backend, kv_dtype, block_
     check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [3, 8])
+def test_cpu_kernel_decode_bfloat16_queries_within_one_rounding_of_exact(cpu_backend, block_size, head_dim, group):
+    # a bf16 model's decode batch: bf16 q and KV, whole-sequence items (on a CPU with avx512_bf16
+    # the scores run on bf16 dot products). The oracle is the reference in float64 on the same
+    # bf16 inputs: the kernel, which sums in float32 and rounds once, must land within about one
+    # bf16 rounding (2^-8 relative) of it; the bf16 reference itself rounds after every op.
+    num_seqs = 4 * torch.get_num_threads() + 3
+    ctx_lens = [1, 15, 16, 17, 63, 64, 65, 127, 129, 200, 333, 1000, 77, 5, 31][:num_seqs]
+    ctx_lens += [40 + 9 * i for i in range(num_seqs - len(ctx_lens))]
+    batch = make_batch([1] * num_seqs, ctx_lens, num_kv_heads=2, group=group, head_dim=head_dim,
+                       block_size=block_size, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16, seed=group + head_dim)
+    query, kc, vc, *rest = batch
+    exact = pa.paged_attention_reference(query.double(), kc.double(), vc.double(), *rest)
+    got = pa.paged_attention(*batch, backend="cpu")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), exact, rtol=2 ** -8, atol=1e-3)
+
+
 def test_cpu_kernel_keeps_bfloat16_queries(cpu_backend):
     batch = make_batch(*MIXED, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     check_against_reference(cpu_backend, batch, ATOL_BF16_QUERY)
