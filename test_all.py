@@ -1919,10 +1919,10 @@ def test_cpu_kernel_decode_batch_matches_reference(cpu_backend, kv_dtype, block_
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [3, 8])
 def test_cpu_kernel_decode_bfloat16_queries_within_one_rounding_of_exact(cpu_backend, block_size, head_dim, group):
-    # a bf16 model's decode batch: bf16 q and KV, whole-sequence items (on a CPU with avx512_bf16
-    # the scores run on bf16 dot products). The oracle is the reference in float64 on the same
-    # bf16 inputs: the kernel, which sums in float32 and rounds once, must land within about one
-    # bf16 rounding (2^-8 relative) of it; the bf16 reference itself rounds after every op.
+    # a bf16 model's decode batch: bf16 q and KV, whole-sequence items (the SIMD decode path). The
+    # oracle is the reference in float64 on the same bf16 inputs: the kernel, which sums in float32
+    # and rounds once, must land within about one bf16 rounding (2^-8 relative) of it; the bf16
+    # reference itself rounds after every op, hence the looser ATOL_BF16_QUERY test below.
     num_seqs = 4 * torch.get_num_threads() + 3
     ctx_lens = [1, 15, 16, 17, 63, 64, 65, 127, 129, 200, 333, 1000, 77, 5, 31][:num_seqs]
     ctx_lens += [40 + 9 * i for i in range(num_seqs - len(ctx_lens))]
@@ -3364,7 +3364,9 @@ def test_bench_quick_reports_every_section(tmp_path):
     for backend in ("torch", compiled):      # both backends ran (or the build failure is printed above)
         assert any(k.endswith(backend) for k in kernel) or backend in str(r["kernel"].get("skipped_backends")), backend
     for name, k in kernel.items():           # the same inputs as the float32 reference, rounded alike
-        assert k["max_abs_diff_vs_fp32_reference"] < 1e-3, name
+        # bf16 rows: q and the output are bf16 too (as the engine runs them), so the output's own
+        # rounding, up to 2^-9 relative on values up to ~2, is in the difference
+        assert k["max_abs_diff_vs_fp32_reference"] < (1e-2 if "bfloat16" in name else 1e-3), name
         assert k["speedup_vs_torch"] > 0 and k["kv_gbs"] > 0, name
     fused = r["fused_ops"]                   # csrc's ops timed beside plain PyTorch (compile left out, and said why)
     assert "skipped" in fused or (fused["torch_compile"].startswith("not run (--quick")

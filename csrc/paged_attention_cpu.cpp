@@ -13,7 +13,7 @@
 //
 // Two paths. Decode-sized tiles (fewer than 16 query vectors, head_dim 64 or 128) take the SIMD
 // decode path, written once for AVX-512 and AVX2 ("decode tiles in SIMD registers" below: 64 keys
-// per softmax step, 16 or 8 keys per score register; bf16 scores on AVX512_BF16 dot products). Everything else, and every tile on a CPU
+// per softmax step, 16 or 8 keys per score register). Everything else, and every tile on a CPU
 // without AVX2 + FMA, takes the generic path (attend_tile): decode rows score keys with dot
 // products, prefill tiles (>= 16 query vectors) with q transposed, vectorized over the queries.
 // Registered as torch.ops.nanoserve_cpu.{paged_attention, reshape_and_cache}; built by
@@ -161,7 +161,6 @@ struct Batch {                      // raw views of the call's tensors
   int64_t max_blocks;
   int num_heads, num_kv_heads, head_dim, block_size, group;
   float scale;
-  bool query_is_bf16;               // query came in as bfloat16: each float above is exactly a bf16
 };
 
 struct WorkItem {
@@ -174,11 +173,10 @@ struct WorkItem {
 
 struct Scratch {                    // per thread, reused across items
   std::vector<float> q, q_t, acc, score, row_max, row_sum, k, v;
-  std::vector<uint16_t> q_bf16;     // the SIMD decode path's bf16 query (see span_scores_bf16)
   Scratch(const Batch& b)
       : q(kTileRows * b.group * b.head_dim), q_t((kTileRows * b.group + kLanes) * b.head_dim), acc(q.size()),
         score((kTileRows * b.group + kLanes) * b.block_size), row_max(kTileRows * b.group),
-        row_sum(row_max.size()), k(b.block_size * b.head_dim), v(k.size()), q_bf16(q.size()) {}
+        row_sum(row_max.size()), k(b.block_size * b.head_dim), v(k.size()) {}
 };
 
 // Query vector m of a tile is (row m / group, head kv_head * group + m % group).
@@ -270,19 +268,13 @@ void attend_tile(const Batch& b, const KV* key_cache, const KV* value_cache, con
 //     instead of per span, and the exp itself W lanes at a time;
 //   - K/V rows are widened to float in registers as they are used (no buffer), bf16 in its
 //     cheapest order (see Rows), and query vectors go MB <= kMB at a time, exactly as many as
-//     there are (no padded lanes of work), their q or accumulators held in registers; with
-//     AVX512_BF16 and a bf16 query, bf16 K rows are not widened at all (span_scores_bf16);
+//     there are (no padded lanes of work), their q or accumulators held in registers;
 //   - the step is memory-bound at batch 64, so the next step's rows are prefetched, one row's
 //     worth per row consumed and in memory order (see attend_small).
 // Measured on 2 shared Zen 4 cores, 64 x 2048 tokens of bf16 KV: 1.9x the previous version of this
 // path single-threaded (9-13 vs 5-7 GB/s); what remains is mostly memory stalls, not math. The
 // AVX2 build on 2 shared Zen 3 cores, batch 64, 512-2048 tokens: 0.46-0.58 of read bandwidth for
 // float32 KV and 0.38-0.53 for bf16, where the generic path read 0.35-0.37 and 0.17-0.19.
-// span_scores_bf16 on 2 Zen 4 cores (2026-11-24), batch 64 of bf16 q and KV: one thread, 512
-// tokens in cache, 24.1 GB/s against 16.1 widened; from DRAM, two threads, both ~20-26 GB/s
-// (bound by memory there: block 16 reads 6 KB pieces, block 64 read 28-30 GB/s). Its p @ V twin
-// (weights rounded to bf16, V rows of two keys interleaved) gained nothing from DRAM, so V stays
-// widened and the weights float32.
 // Built where the compiler targets AVX-512 or AVX2 + FMA + F16C (-march=native); elsewhere the
 // generic path runs. Exactly the same math as the generic path, in another summation order.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -480,48 +472,6 @@ void span_scores(const float* q, const Span<KV>* spans, int ns, const Span<KV>* 
   }
 }
 
-#if defined(__AVX512BF16__)
-// span_scores for bf16 keys against a query that is itself bf16 (a bf16 model's q is): with
-// AVX512_BF16 (Zen 4, Cooper Lake and later Xeons) _mm512_dpbf16_ps multiplies 32 bf16 pairs
-// exactly and adds them into 16 float lanes, so a K row is used as stored: per key and query
-// vector C / 2 instructions, where widening the row to float first costs 3 per 32 elements plus
-// C FMAs. q is in its natural order (the lane order of the dot products does not matter: their
-// lanes are summed) and unscaled (q * scale would not stay a bf16); the scale multiplies the sums.
-// The instruction treats bf16 denormals as zero (|x| < 2^-126: no K or q value of a real model).
-constexpr bool kDotBf16 = true;
-
-template <int C, int MB>
-void span_scores_bf16(const uint16_t* q, float scale, const Span<at::BFloat16>* spans, int ns,
-                      const Span<at::BFloat16>* ahead, int na, int64_t pf_stride, int64_t row_stride, float* p) {
-  constexpr int P = C / 2;            // 32-element vectors per row
-  __m512bh qr[MB][P];
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < P; ++c) qr[i][c] = (__m512bh)_mm512_loadu_si512(q + i * W * C + 2 * W * c);
-  const Vec vscale = Simd::set1(scale);
-  for (int s = 0; s < ns; ++s) {
-    Vec dots[MB][W];
-    for (int t = 0; t < W; ++t) {
-      if (t >= spans[s].n) {
-        for (int i = 0; i < MB; ++i) dots[i][t] = Simd::zero();
-        continue;
-      }
-      if (s < na && t < ahead[s].n) prefetch_row<at::BFloat16, C>(ahead[s].k + t * pf_stride);
-      __m512bh k[P];
-      for (int c = 0; c < P; ++c) k[c] = (__m512bh)_mm512_loadu_si512(spans[s].k + t * row_stride + 2 * W * c);
-      for (int i = 0; i < MB; ++i) {
-        Vec a = _mm512_dpbf16_ps(Simd::zero(), qr[i][0], k[0]);
-        for (int c = 1; c < P; ++c) a = _mm512_dpbf16_ps(a, qr[i][c], k[c]);
-        dots[i][t] = a;
-      }
-    }
-    for (int i = 0; i < MB; ++i) Simd::store(p + i * kStepKeys + W * s, Simd::mul(Simd::sum_lanes(dots[i]), vscale));
-  }
-}
-
-#else
-constexpr bool kDotBf16 = false;
-#endif
-
 // acc_i += sum_t p[i * kStepKeys + W * s + t] * v_t over the spans, MB accumulators in
 // registers; prefetches V from `ahead` as span_scores does K.
 template <typename KV, int C, int MB>
@@ -551,35 +501,20 @@ void span_values(const float* p, const Span<KV>* spans, int ns, const Span<KV>* 
 template <int C>
 constexpr int kMB = W * C <= 64 ? 4 : 2;
 
-// One group of MB query vectors: on bf16 dot products where the query is bf16 (q_bf16 not null).
-template <typename KV, int C, int MB>
-void scores_group(const float* q, const uint16_t* q_bf16, float scale, const Span<KV>* spans, int ns,
-                  const Span<KV>* ahead, int na, int64_t pf_stride, int64_t row_stride, float* p) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<KV, at::BFloat16>) {
-    if (q_bf16) return span_scores_bf16<C, MB>(q_bf16, scale, spans, ns, ahead, na, pf_stride, row_stride, p);
-  }
-#else
-  (void)q_bf16, (void)scale;
-#endif
-  span_scores<KV, C, MB>(q, spans, ns, ahead, na, pf_stride, row_stride, p);
-}
-
 // All M query vectors, kMB at a time (the last group smaller).
 template <typename KV, int C>
-void scores_all(const float* q, const uint16_t* q_bf16, float scale, int M, const Span<KV>* spans, int ns,
-                const Span<KV>* ahead, int na, int64_t pf_stride, int64_t row_stride, float* p) {
+void scores_all(const float* q, int M, const Span<KV>* spans, int ns, const Span<KV>* ahead, int na,
+                int64_t pf_stride, int64_t row_stride, float* p) {
   constexpr int MB = kMB<C>, D = W * C;
   for (int m = 0; m < M; m += MB) {
     const float* qm = q + m * D;
-    const uint16_t* qbm = q_bf16 ? q_bf16 + m * D : nullptr;
     float* pm = p + m * kStepKeys;
     const int na_m = m == 0 ? na : 0;        // prefetch once, with the first group
     switch (std::min(MB, M - m)) {
-      case 1: scores_group<KV, C, 1>(qm, qbm, scale, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
-      case 2: if constexpr (MB >= 2) scores_group<KV, C, 2>(qm, qbm, scale, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
-      case 3: if constexpr (MB >= 3) scores_group<KV, C, 3>(qm, qbm, scale, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
-      default: if constexpr (MB >= 4) scores_group<KV, C, 4>(qm, qbm, scale, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      case 1: span_scores<KV, C, 1>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      case 2: if constexpr (MB >= 2) span_scores<KV, C, 2>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      case 3: if constexpr (MB >= 3) span_scores<KV, C, 3>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
+      default: if constexpr (MB >= 4) span_scores<KV, C, 4>(qm, spans, ns, ahead, na_m, pf_stride, row_stride, pm); break;
     }
   }
 }
@@ -666,14 +601,11 @@ void attend_small(const Batch& b, const KV* key_cache, const KV* value_cache, co
   auto query_row = [&](int h, int m) {                       // [D] of query vector (h, m)
     return (int64_t)(w.row_begin + m / G) * b.num_heads + (w.kv_head + h) * G + m % G;
   };
-  const bool dot_bf16 = kDotBf16 && std::is_same_v<KV, at::BFloat16> && b.query_is_bf16;
   for (int h = 0; h < H; ++h)
     for (int m = 0; m < M; ++m) {
       const float* src = b.query + query_row(h, m) * D;
       for (int c = 0; c < C; ++c)
         for (int l = 0; l < W; ++l) s.q[(h * M + m) * D + W * c + l] = src[R::dim(c, l)] * b.scale;
-      if (dot_bf16)      // exact: src holds bf16 values widened to float
-        for (int d = 0; d < D; ++d) s.q_bf16[(h * M + m) * D + d] = uint16_t(bit_cast<uint32_t>(src[d]) >> 16);
       s.row_max[h * M + m] = kNegInf;
       s.row_sum[h * M + m] = 0.f;
     }
@@ -708,8 +640,7 @@ void attend_small(const Batch& b, const KV* key_cache, const KV* value_cache, co
       }
       float* q_h = &s.q[h * M * D];
       float* acc_h = &s.acc[h * M * D];
-      const uint16_t* q_bf16_h = dot_bf16 ? &s.q_bf16[h * M * D] : nullptr;
-      scores_all<KV, C>(q_h, q_bf16_h, b.scale, M, head_spans, ns, head_ahead, na, pf_stride, row_stride, p);
+      scores_all<KV, C>(q_h, M, head_spans, ns, head_ahead, na, pf_stride, row_stride, p);
       for (int m = 0; m < M; ++m)
         softmax_step<KV, C>(p + m * kStepKeys, head_spans, ns, w.first_pos + m / G, &s.row_max[h * M + m],
                             &s.row_sum[h * M + m], acc_h + m * D);
@@ -809,7 +740,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   auto out = at::empty(q.sizes(), q.options());
   Batch b{q.const_data_ptr<float>(), out.mutable_data_ptr<float>(), tables.const_data_ptr<int>(),
           tables.size(1), num_heads, num_kv_heads, head_dim, block_size, num_heads / num_kv_heads,
-          (float)scale, query.scalar_type() == at::kBFloat16};
+          (float)scale};
 
   // Flatten (sequence, KV head, query tile) into work items; validate what the kernel will read.
   const int* qs = qsl.const_data_ptr<int>();
