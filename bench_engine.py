@@ -114,9 +114,8 @@ def new_id(tag):
 def decode_kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64, block=16, seed=0):
     """A decode batch (one query row per sequence) over scattered blocks, SmolLM2's head shape, drawn on
     the CPU (the same numbers on any device). q comes in the KV's dtype, as a model of that dtype hands it
-    over (the default engine never pairs float32 q with bf16 KV). K and V
-    sit in memory like the engine's pool (on a CPU, kv_cache.zeros_on_huge_pages), so the kernel is timed on
-    the pages it reads in the engine."""
+    over (the default engine never pairs float32 q with bf16 KV). K and V sit in memory like the engine's
+    pool (on a CPU, kv_cache.zeros_on_huge_pages), so the kernel is timed on the pages it reads in the engine."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = (ctx + block - 1) // block
     num_blocks = batch * blocks_per_seq

@@ -1897,19 +1897,23 @@ def test_cpu_kernel_small_tiles_match_reference_at_every_width(cpu_backend, head
         torch.set_num_threads(threads)
 
 
+def decode_batch_ctx_lens():
+    """Contexts of a decode batch with enough sequences that each work item takes all KV heads of one
+    (the SIMD decode path's batch-64 shape), ending mid-block, on a block edge and mid-step (64 keys
+    per softmax step), so full, partial and short steps all run."""
+    num_seqs = 4 * torch.get_num_threads() + 3
+    ctx_lens = [1, 15, 16, 17, 63, 64, 65, 127, 129, 200, 333, 1000, 77, 5, 31][:num_seqs]
+    return ctx_lens + [40 + 9 * i for i in range(num_seqs - len(ctx_lens))]
+
+
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("block_size", [8, 16, 32])   # spans of 8 keys, one per block, two per block
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_cpu_kernel_decode_batch_matches_reference(cpu_backend, kv_dtype, block_size, head_dim, group):
-    # enough sequences that each work item takes all KV heads of one (the SIMD decode path's
-    # batch-64 shape); contexts that end mid-block, on a block edge and mid-step (64 keys per
-    # softmax step), so full, partial and short steps all run; one 2-row tile for causality
-    num_seqs = 4 * torch.get_num_threads() + 3
-    ctx_lens = [1, 15, 16, 17, 63, 64, 65, 127, 129, 200, 333, 1000, 77, 5, 31][:num_seqs]
-    ctx_lens += [40 + 9 * i for i in range(num_seqs - len(ctx_lens))]
-    q_lens = [1] * num_seqs
-    q_lens[3] = 2
+    ctx_lens = decode_batch_ctx_lens()
+    q_lens = [1] * len(ctx_lens)
+    q_lens[3] = 2                                        # one 2-row tile, for causality
     batch = make_batch(q_lens, ctx_lens, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
                        kv_dtype=kv_dtype, seed=group * block_size)
     check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
@@ -1923,10 +1927,8 @@ def test_cpu_kernel_decode_bfloat16_queries_within_one_rounding_of_exact(cpu_bac
     # oracle is the reference in float64 on the same bf16 inputs: the kernel, which sums in float32
     # and rounds once, must land within about one bf16 rounding (2^-8 relative) of it; the bf16
     # reference itself rounds after every op, hence the looser ATOL_BF16_QUERY test below.
-    num_seqs = 4 * torch.get_num_threads() + 3
-    ctx_lens = [1, 15, 16, 17, 63, 64, 65, 127, 129, 200, 333, 1000, 77, 5, 31][:num_seqs]
-    ctx_lens += [40 + 9 * i for i in range(num_seqs - len(ctx_lens))]
-    batch = make_batch([1] * num_seqs, ctx_lens, num_kv_heads=2, group=group, head_dim=head_dim,
+    ctx_lens = decode_batch_ctx_lens()
+    batch = make_batch([1] * len(ctx_lens), ctx_lens, num_kv_heads=2, group=group, head_dim=head_dim,
                        block_size=block_size, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16, seed=group + head_dim)
     query, kc, vc, *rest = batch
     exact = pa.paged_attention_reference(query.double(), kc.double(), vc.double(), *rest)
