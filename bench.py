@@ -91,7 +91,7 @@ class Sizes:
     fused_rounds: int = 3                # decode steps with each set of fused ops, taking turns
     gguf_rows: tuple = (1, 2, 4, 8, 16)  # rows per pass over the linear layers, GGUF blocks vs float32
     gguf_batches: tuple = (1, 4)         # decode steps with and without the blocks, taking turns
-    panel_rows: tuple = (1, 8, 64, 256)  # rows per pass over the linear layers, float32 panels vs oneDNN
+    panel_rows: tuple = (1, 8, 64, 256)  # rows per pass over the linear layers, panels vs oneDNN
     panel_batches: tuple = (16, 64)      # decode steps on an engine of each kind, taking turns
 
 
@@ -209,9 +209,9 @@ def print_gguf_blocks(g):
 
 
 def print_panels(p):
-    """Float32 linear layers: csrc/linear_cpu.cpp's GEMM on weight panels vs oneDNN on its prepacked weight."""
-    print_linear_ab("Hot path: float32 linear layers, csrc GEMM on weight panels vs oneDNN (bench_hot.py)", p, [
-        "the same float32 weights, GGUF blocks off; one pass over every linear layer: best of "
+    """Linear layers at the default dtype: csrc/linear_cpu.cpp's GEMM on weight panels vs oneDNN on its prepacked weight."""
+    print_linear_ab(f"Hot path: {p.get('dtype', 'float32 or bfloat16')} linear layers, csrc GEMM on weight panels vs oneDNN (bench_hot.py)", p, [
+        f"the same {p.get('dtype')} weights, GGUF blocks off; one pass over every linear layer: best of "
         f"{p.get('repeats')}; decode step: an engine of each kind, taking turns, best median of {p.get('rounds')} rounds"],
         ("panels", "panels"), ("onednn", "oneDNN"))
 

@@ -233,22 +233,26 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, s
 
 
 def panels_vs_onednn(rows=(1, 8, 64, 256), batches=(16, 64), steps=6, repeats=3, rounds=2) -> dict:
-    """Float32 linear layers on csrc/linear_cpu.cpp's weight panels (model.LINEAR_PANELS, the AVX2
-    path) against oneDNN on its prepacked weight: ms of one pass over every Linear of the model at
-    each row count (GGUF blocks off on both sides), then a decode step at each batch, an engine of
-    each kind taking turns `rounds` times."""
-    if not M.panels_available():
-        return {"skipped": f"no float32 panels here: torch CPU capability {torch.backends.cpu.get_cpu_capability()} "
-                           f"(panels run on AVX2 only), linear_cpu.cpp {extensions.failed.get('linear_cpu', 'built')}"}
+    """Linear layers on csrc/linear_cpu.cpp's weight panels (model.LINEAR_PANELS: float32 on AVX2,
+    bfloat16 on AVX512_BF16 without AMX) against oneDNN on its prepacked weight, at the dtype that
+    dtype auto picks here: ms of one pass over every Linear of the model at each row count (GGUF
+    blocks off on both sides), then a decode step at each batch, an engine of each kind taking
+    turns `rounds` times."""
+    dtype, why = M.resolve_dtype("auto", torch.device("cpu"))
+    name = str(dtype).removeprefix("torch.")
+    if not M.panels_available(dtype):
+        return {"skipped": f"no {name} panels here (dtype {why}; float32 panels run on AVX2 only, bfloat16 "
+                           f"ones with AVX512_BF16 and no AMX): torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+                           f"linear_cpu.cpp {extensions.failed.get('linear_cpu', 'built')}"}
     engines = {}
     for mode in ("panels", "onednn"):
         with _swapped({"LINEAR_PANELS": mode == "panels"}):   # the engine's layers pack at their first call
-            engines[mode] = _engine(dtype="float32")
+            engines[mode] = _engine(dtype=name)
             decode_steps(engines[mode], 1, steps=1)
     layers = {mode: [m for m in e.model.modules() if isinstance(m, M.Linear)] for mode, e in engines.items()}
     per_pass = {}
     for r in rows:
-        xs = {m.in_features: torch.randn(r, m.in_features) for m in layers["panels"]}
+        xs = {m.in_features: torch.randn(r, m.in_features, dtype=dtype) for m in layers["panels"]}
         per_pass[r] = {}
         for mode, ls in layers.items():
             run = lambda: [M.linear(xs[m.in_features], m.weight, m.bias, m.prepared()[0]) for m in ls]   # noqa: E731
@@ -260,7 +264,7 @@ def panels_vs_onednn(rows=(1, 8, 64, 256), batches=(16, 64), steps=6, repeats=3,
             for mode, engine in engines.items():
                 times[b, mode].append(decode_steps(engine, b, steps=steps)["step_ms_median"])
     step = {b: {f"{mode}_ms": min(times[b, mode]) for mode in engines} for b in batches}
-    return {"repeats": repeats, "rounds": rounds, "per_pass": per_pass, "step": step}
+    return {"dtype": name, "repeats": repeats, "rounds": rounds, "per_pass": per_pass, "step": step}
 
 
 def compiled_forward_step(batch=64, steps=6, rounds=2, freeze=True) -> dict:

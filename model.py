@@ -209,7 +209,7 @@ def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, st
 # 25.8 / 22.8 / 22.6 / 28.0; bfloat16 kernel 15.9 / 16.0 / 17.0 / 17.7 / 18.5 / 18.9 / 20.8,
 # packed oneDNN 17.4 / 16.9 / 16.0 / 15.1 / 16.6 / 16.9 / 19.1.
 SMALL_M_ROWS = 5
-SMALL_M_ROWS_BF16 = 3   # the bf16 kernel: AVX512_BF16 dot products (shift-and-FMA on AVX2)
+SMALL_M_ROWS_BF16 = 3   # the bf16 kernel, where no bf16 panels run: AMX CPUs (dot products), AVX2 ones (shift and FMA)
 
 
 @functools.cache
@@ -260,22 +260,39 @@ def onednn_bf16_available() -> bool:
 # 2 AVX2 Zen 3 cores, 2026-11-24, at M = 1 / 4 / 8 / 16 / 32 / 64: panels 22.4 / 22.7 / 27.9 / 44.2
 # / 71.5 / 124.8, oneDNN 31.2 / 33.9 / 44.8 / 62.8 / 96.6 / 150.5 (small-M kernel at 1 / 4 rows
 # 21.8 / 24.7). With AVX-512, oneDNN's float32 matmul has 16-lane FMAs and this 8-lane kernel
-# does not, so oneDNN stays there. LINEAR_PANELS = False turns the panels off (bench.py compares).
+# does not, so oneDNN stays there.
+# Where the CPU has AVX512_BF16 and no AMX, bfloat16 layers run the same GEMM in bf16 (panels of
+# 32 columns, AVX-512 BF16 dot products), at every row count. ms per pass over the 121 layers, 2
+# Zen 4 cores, 2026-11-24 20:49 UTC, taking turns, at M = 1 / 8 / 16 / 32 / 64 / 128 / 512: panels
+# 8.4 / 9.3 / 14.4 / 24.9 / 48.4 / 87.6 / 350.1, oneDNN 14.2 / 16.6 / 21.0 / 31.3 / 57.4 / 94.9 /
+# 338.6: the weights stream at memory speed up to ~8 rows, where oneDNN reaches 60% of it; 3%
+# slower at a 512-token prefill, not worth a second copy of every weight. With AMX, oneDNN's tile
+# kernels do the bf16 matmuls (not measured here: no AMX CPU).
+# LINEAR_PANELS = False turns the panels off (bench.py compares).
 LINEAR_PANELS = True
+PANEL_COLUMNS = {torch.float32: 16, torch.bfloat16: 32}   # output columns per panel (N must divide)
 
 
 @functools.cache
-def panels_available() -> bool:
-    return _cpu_linear_kernels()[0] and torch.backends.cpu.get_cpu_capability() == "AVX2"
+def panels_available(dtype: torch.dtype) -> bool:
+    """Whether csrc's panel GEMM runs `dtype` on this CPU: float32 on AVX2 CPUs, bfloat16 on
+    CPUs with AVX512_BF16 and no AMX (see LINEAR_PANELS)."""
+    if not _cpu_linear_kernels()[0]:
+        return False
+    if dtype == torch.float32:
+        return torch.backends.cpu.get_cpu_capability() == "AVX2"
+    flags = _cpu_flags()
+    return dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The copy of a CPU float32/bfloat16 weight [N, K] that linear() reads from a few rows up:
-    panels [N/16, K, 16] for our float32 GEMM (see LINEAR_PANELS), else oneDNN's blocked copy (a
-    mkldnn tensor), or None where neither applies."""
+    """The copy of a CPU float32/bfloat16 weight [N, K] that linear() reads: panels for our GEMM
+    at every row count (see LINEAR_PANELS), else oneDNN's blocked copy (a mkldnn tensor) from a
+    few rows up, or None where neither applies."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if weight.dtype == torch.float32 and LINEAR_PANELS and panels_available() and weight.shape[0] % 16 == 0:
+    if LINEAR_PANELS and panels_available(weight.dtype) and weight.shape[0] % PANEL_COLUMNS[weight.dtype] == 0 \
+            and weight.shape[1] % 2 == 0:
         return torch.ops.nanoserve_linear.pack_panels(weight.detach())
     if not onednn_prepack_available() or (weight.dtype == torch.bfloat16 and not onednn_bf16_available()):
         return None
@@ -285,8 +302,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def cpu_linear_path(dtype: torch.dtype) -> str:
     """Which kernels linear() runs on this CPU at `dtype` (the engine logs it, bench.py prints it)."""
     small_m, onednn = _cpu_linear_kernels()
-    if dtype == torch.float32 and LINEAR_PANELS and panels_available():
-        return "float32: csrc GEMM on weight panels (AVX2) at every row count"
+    if LINEAR_PANELS and dtype in PANEL_COLUMNS and panels_available(dtype):
+        simd = "AVX2" if dtype == torch.float32 else "AVX512_BF16"
+        return f"{str(dtype).removeprefix('torch.')}: csrc GEMM on weight panels ({simd}) at every row count"
     if dtype == torch.bfloat16 and not (onednn and onednn_bf16_available()):
         return "bfloat16: F.linear (no oneDNN bf16 path on this CPU)"
     small = f"csrc small-M kernel below {SMALL_M_ROWS if dtype == torch.float32 else SMALL_M_ROWS_BF16} rows" if small_m else ""
@@ -314,7 +332,8 @@ GGUF_ROWS = 3
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, gguf: GGUFBlocks | None = None) -> torch.Tensor:
     """F.linear, with faster kernels on CPU: the GGUF's blocks at a few rows where the layer has
-    them; on an AVX2 CPU our float32 GEMM on the weight's panels (pack_weight) at any row count;
+    them; our GEMM on the weight's panels (pack_weight) at any row count, in float32 on AVX2
+    CPUs and in bfloat16 on AVX512_BF16 ones without AMX;
     elsewhere our small-M kernel for few rows (oneDNN and MKL are slow there), then oneDNN on the
     prepacked weight, or on the plain one without it."""
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
@@ -325,7 +344,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bf16 = x.dtype == torch.bfloat16
     if small_m and gguf is not None and not bf16 and M < GGUF_ROWS:
         out = torch.ops.nanoserve_linear.linear_small_m_gguf(x2, gguf.qs, gguf.scales, gguf.mins, bias)
-    elif packed is not None and not packed.is_mkldnn:                    # float32 panels, any M
+    elif packed is not None and not packed.is_mkldnn:                    # panels, any M
         out = torch.ops.nanoserve_linear.linear_panels(x2, packed, bias)
     elif small_m and bf16 and M < SMALL_M_ROWS_BF16 and K % 32 == 0 and N % 4 == 0:
         out = torch.ops.nanoserve_linear.linear_small_m_bf16(x2, weight.contiguous(), bias)

@@ -675,11 +675,44 @@ def test_linear_panels_match_float64_on_smollm2_shapes(smollm2_linear_weights, r
             assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), f"{tuple(w.shape)} x {rows} rows"
     if rows == 1:
         w = smollm2_linear_weights[0]
-        uses_panels = M.panels_available() and not M.pack_weight(w).is_mkldnn
+        uses_panels = M.panels_available(torch.float32) and not M.pack_weight(w).is_mkldnn
         assert uses_panels == (torch.backends.cpu.get_cpu_capability() == "AVX2"), "panels: on AVX2 CPUs only"
         shifted = torch.empty(w.numel() + 1)[1:].view(w.shape[0] // 16, w.shape[1], 16)   # 4 bytes off
         with pytest.raises(RuntimeError, match="32-byte aligned"):
             torch.ops.nanoserve_linear.linear_panels(torch.randn(1, w.shape[1]), shifted, None)
+
+
+@pytest.mark.parametrize("rows", [1, 11, 13, 64, 171, 337])   # each side of a 12-row tile; > a row block at K = 1536 and 576
+def test_linear_panels_bfloat16_within_one_rounding_of_float64(smollm2_linear_weights, rows):
+    # csrc/linear_cpu.cpp's bf16 GEMM on weight panels (AVX512_BF16 dot products: exact products,
+    # float32 sums, one rounding to bf16); oracle: the same bf16 inputs multiplied in float64
+    flags = M._cpu_flags()
+    if not M._cpu_linear_kernels()[0] or "avx512_bf16" not in flags:
+        pytest.skip("bfloat16 panels need a CPU with AVX512_BF16 and csrc/linear_cpu.cpp built: "
+                    f"avx512_bf16 {'present' if 'avx512_bf16' in flags else 'absent'}, "
+                    f"linear_cpu.cpp {extensions.failed.get('linear_cpu', 'built')}")
+    g = torch.Generator().manual_seed(rows)
+    for w in smollm2_linear_weights[:4] + smollm2_linear_weights[4:] * (rows <= 64):
+        w16 = w.bfloat16()
+        panels = torch.ops.nanoserve_linear.pack_panels(w16)
+        assert panels.shape == (w.shape[0] // 32, w.shape[1] // 2, 32, 2)
+        x16 = torch.randn(rows, w.shape[1], generator=g).bfloat16()
+        bias = torch.randn(w.shape[0], generator=g).bfloat16()
+        for b in (None, bias):
+            got = torch.ops.nanoserve_linear.linear_panels(x16, panels, b).double()
+            ref = x16.double() @ w16.double().T + (0 if b is None else b.double())
+            # half a bf16 unit of the result (2^-9 relative, 2^-8 to be safe) plus float32 sums
+            bound = 2 ** -8 * ref.abs() + 1e-5 * (x16.double().abs() @ w16.double().abs().T + 1)
+            assert ((got - ref).abs() <= bound).all(), f"{tuple(w.shape)} x {rows} rows, bias {b is not None}"
+    if rows == 1:
+        w16 = smollm2_linear_weights[0].bfloat16()
+        packed = M.pack_weight(w16)
+        uses_panels = packed is not None and not packed.is_mkldnn
+        assert uses_panels == M.panels_available(torch.bfloat16) == ("amx_bf16" not in flags), \
+            "bf16 panels: with AVX512_BF16 and without AMX"
+        shifted = torch.empty(w16.numel() + 16, dtype=torch.bfloat16)[16:].view(30, 288, 32, 2)   # 32 bytes off
+        with pytest.raises(RuntimeError, match="64-byte aligned"):
+            torch.ops.nanoserve_linear.linear_panels(torch.randn(1, 576).bfloat16(), shifted, None)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 64])   # both sides of SMALL_M_ROWS_BF16
@@ -2002,6 +2035,14 @@ def test_paged_attention_decode_path_compiles_for_the_simd_width_this_cpu_lacks(
     # The decode path is one source for AVX-512 (16 floats per register) and AVX2 (8); the tests
     # above run the one this CPU has, so this checks the other still compiles (~10 s).
     syntax_check(["paged_attention_cpu.cpp"], AVX2_FLAGS if "avx512f" in M._cpu_flags() else AVX512_FLAGS)
+
+
+def test_linear_bfloat16_panels_compile_where_the_cpu_lacks_avx512_bf16():
+    # the bf16 panel GEMM is #if'd on AVX512_BF16: where this CPU has it, the tests above build and
+    # run it; elsewhere this checks that it still compiles (~10 s)
+    if "avx512_bf16" in M._cpu_flags():
+        pytest.skip("this CPU has AVX512_BF16: test_linear_panels_bfloat16_within_one_rounding_of_float64 builds and runs the code")
+    syntax_check(["linear_cpu.cpp"], AVX512_FLAGS + ["-mavx512bf16"])
 
 
 def test_cpu_kernels_compile_for_avx2_only_cpus():
@@ -3378,8 +3419,8 @@ def test_bench_quick_reports_every_section(tmp_path):
     # blocks hold float32 values, so where dtype auto picks bfloat16 the section says why it did not run
     assert (("skipped" in gguf) == M.cpu_bf16_native()[0]) and ("skipped" in gguf or all(
         v["gguf_ms"] > 0 and v["float32_ms"] > 0 for part in ("per_pass", "step") for v in gguf[part].values()))
-    panels = r["panels"]                     # float32 panels vs oneDNN: both ran where panels run, else why not
-    assert (("skipped" in panels) != M.panels_available()) and ("skipped" in panels or all(
+    panels = r["panels"]                     # panels vs oneDNN at dtype auto: both ran where panels run, else why not
+    assert (("skipped" in panels) != M.panels_available(M.resolve_dtype("auto", torch.device("cpu"))[0])) and ("skipped" in panels or all(
         v["panels_ms"] > 0 and v["onednn_ms"] > 0 for part in ("per_pass", "step") for v in panels[part].values()))
     cow = r["copy_on_write"]                 # blocks held, against the closed form
     assert cow["cow_peak_blocks"] == cow["one_prompt_plus_4_tails"] < cow["separate_peak_blocks"] == cow["four_copies"]

@@ -6,13 +6,15 @@
 // embeddings cost nothing extra): each work item takes kRows weight rows (a few KB, kept in
 // L1) and computes them against every activation row, kTileM rows at a time with dot
 // products along K. Threads split the output columns (torch's thread count). Past a few rows
-// the work is arithmetic, and the last section is a register-blocked GEMM on a repacked copy
-// of the weight (panels), which model.linear takes at every row count on AVX2 CPUs.
+// the work is arithmetic, and the last sections are a register-blocked GEMM on a repacked copy
+// of the weight (panels), which model.linear takes at every row count: in float32 on AVX2 CPUs,
+// in bfloat16 on CPUs with AVX512_BF16 and no AMX.
 //
 // Registered as torch.ops.nanoserve_linear.linear_small_m (float32; needs K % 8 == 0 and
 // N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0), linear_small_m_gguf (float32
 // activations against a GGUF file's Q4_1 / Q8_0 blocks, a sixth / a quarter of the float32
-// bytes; K % 64 == 0), pack_panels and linear_panels (float32; N % 16 == 0), contiguous inputs
+// bytes; K % 64 == 0), pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
+// AVX512_BF16, N % 32 == 0 and K % 2 == 0), contiguous inputs
 // (model.linear checks). Built with -O3 -march=native: AVX2+FMA at least, AVX512_BF16 used
 // where present.
 #include <ATen/Parallel.h>
@@ -24,10 +26,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -348,26 +352,112 @@ using PanelTile = void (*)(const float*, const float*, const float*, float*, int
 constexpr PanelTile kPanelTiles[kTile + 1] = {nullptr, panel_tile<1>, panel_tile<2>, panel_tile<3>,
                                               panel_tile<4>, panel_tile<5>, panel_tile<6>};
 
-// weight [N, K] float32 -> panels [N / 16, K, 16]; a copy made once per weight (model.pack_weight)
+// ---- bfloat16 GEMM on weight panels: AVX512_BF16 dot products ----------------------------------
+// The same GEMM in bf16, where the CPU has AVX512_BF16 (Zen 4, Cooper Lake and later Xeons):
+// _mm512_dpbf16_ps multiplies 16 pairs of bf16 by 16 pairs and adds each pair's two products to
+// one of 16 float32 sums. So the panels hold 32 output columns with K's values in pairs,
+// [N / 32, K / 2, 32, 2]: one pair of k is two 64-byte lines, 16 columns each. A 12 x 32 tile of
+// the output lives in 24 of the 32 registers while k runs over K: per pair of k, 2 loads of
+// weights, 12 broadcasts of a pair of x and 24 dot products. At a few rows this reads the weight
+// at memory speed, where oneDNN reaches about 60% of it; past 64 rows it runs near the dot
+// products' peak. Sums stay float32 and are rounded to bf16 once, on store.
+constexpr int kPanelBf16 = 32;   // output columns per panel: two 16-float vectors
+constexpr int kTileBf16 = 12;    // rows per register tile: 12 x 2 accumulators + 2 weights + 1 x
+
+#if defined(__AVX512BF16__)
+// out[0:MR, 0:32] = x[0:MR, :] @ panel + bias, rows of x K apart, of out N apart
+template <int MR>
+void panel_tile_bf16(const uint16_t* __restrict x, const uint16_t* __restrict panel, const float* bias,
+                     uint16_t* __restrict out, int64_t K, int64_t N) {
+  __m512 c[MR][2];   // fully unrolled below, so GCC keeps them in registers
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) c[i][0] = c[i][1] = _mm512_setzero_ps();
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);   // x's rows as pairs of bf16, K / 2 per row
+  for (int64_t kk = 0; kk < K / 2; ++kk) {
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(panel + 2 * kPanelBf16 * kk);
+    const __m512bh w1 = (__m512bh)_mm512_load_si512(panel + 2 * kPanelBf16 * kk + 32);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {   // x's pair (k, k + 1) of row i, in every 32-bit lane
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pairs[i * (K / 2) + kk]);
+      c[i][0] = _mm512_dpbf16_ps(c[i][0], a, w0);
+      c[i][1] = _mm512_dpbf16_ps(c[i][1], a, w1);
+    }
+  }
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) {   // round to nearest even, as round_to_bf16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][0], b0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][1], b1)));
+  }
+}
+
+using PanelTileBf16 = void (*)(const uint16_t*, const uint16_t*, const float*, uint16_t*, int64_t, int64_t);
+template <int... MR>
+constexpr std::array<PanelTileBf16, sizeof...(MR)> panel_tiles_bf16(std::integer_sequence<int, MR...>) {
+  return {panel_tile_bf16<MR + 1>...};
+}
+constexpr auto kPanelTilesBf16 = panel_tiles_bf16(std::make_integer_sequence<int, kTileBf16>{});   // [rows - 1]
+
+void linear_panels_bf16(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * kPanelBf16;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(panels.const_data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  // rows per block: x's block within ~384 KB, in L2 beside the panel streaming past
+  const int64_t block = std::max<int64_t>(kTileBf16, 196608 / K / kTileBf16 * kTileBf16);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block);
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t m = m0; m < m1; m += kTileBf16)
+          kPanelTilesBf16[std::min<int64_t>(kTileBf16, m1 - m) - 1](
+              xp + m * K, wp + p * K * kPanelBf16, bias ? bias + p * kPanelBf16 : nullptr, op + m * N + p * kPanelBf16, K, N);
+    });
+  }
+}
+#endif
+
+// weight [N, K] -> panels: float32 [N / 16, K, 16], bfloat16 [N / 32, K / 2, 32, 2]; a copy made
+// once per weight (model.pack_weight)
 at::Tensor pack_panels(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight must be float32 [N, K]");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "weight must be float32 or bfloat16 [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1);
+  // 64-byte aligned by torch's CPU allocator, so each k's (each pair's) 16 weights are one cache line
+  if (weight.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(N % kPanelBf16 == 0 && K % 2 == 0, "bfloat16 panels need N % 32 == 0 and K % 2 == 0");
+    return weight.reshape({N / kPanelBf16, kPanelBf16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
   TORCH_CHECK(N % kPanel == 0, "need N % 16 == 0");
-  // 64-byte aligned by torch's CPU allocator, so each k's 16 weights are one cache line
   return weight.reshape({N / kPanel, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-// x [M, K] float32, panels [N / 16, K, 16], bias [N] or None -> [M, N]
+// x [M, K], panels from pack_panels (same dtype), bias [N] or None -> [M, N]
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
-              panels.size(1) == x.size(1) && panels.size(2) == kPanel, "panels must be float32 [N/16, K, 16]");
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * kPanel;
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
-              "bias must be float32 [N]");
-  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(wp) % 32 == 0, "panels must be 32-byte aligned (aligned loads)");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
+              "x must be contiguous float32 or bfloat16 [M, K]");
+  TORCH_CHECK(panels.scalar_type() == x.scalar_type() && panels.is_contiguous() &&
+              (bf16 ? panels.dim() == 4 && panels.size(1) * 2 == x.size(1) && panels.size(2) == kPanelBf16 && panels.size(3) == 2
+                    : panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == kPanel),
+              "panels must be pack_panels' [N/16, K, 16] (float32) or [N/32, K/2, 32, 2] (bfloat16), in x's dtype");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * (bf16 ? kPanelBf16 : kPanel);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.const_data_ptr()) % (bf16 ? 64 : 32) == 0,
+              "panels must be ", bf16 ? 64 : 32, "-byte aligned (aligned loads)");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == N && (bf16 || (bias->scalar_type() == at::kFloat && bias->is_contiguous()))),
+              "bias must be [N] (float32 for float32 x)");
   at::Tensor out = at::empty({M, N}, x.options());
+  if (bf16) {
+#if defined(__AVX512BF16__)
+    const at::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    linear_panels_bf16(x, panels, bias.has_value() ? b32.const_data_ptr<float>() : nullptr, out);
+    return out;
+#else
+    TORCH_CHECK(false, "bfloat16 panels need a CPU with AVX512_BF16 (this build has none)");
+#endif
+  }
+  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   // rows per block: x's block within ~384 KB, so it stays in a Zen 3 core's 512 KB L2 beside
