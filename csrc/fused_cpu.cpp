@@ -70,12 +70,11 @@ void check_float32_rows(const at::Tensor& x, const char* name) {
               name, " must be float32 [rows, vocab] with contiguous rows");
 }
 
-// out row = src row (+ add row, stored back into add) normalized, times weight.
-template <typename T>
-void norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& out) {
+// out row = src row (+ add row, stored back into add) normalized, times weight (float32 or T,
+// read as stored: converting a bf16 weight per call cost a tensor, 61 per decode step).
+template <typename T, typename W>
+void norm_rows(const at::Tensor& x, at::Tensor* residual, const W* w, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), H = x.size(1);
-  const at::Tensor weight_f32 = weight.to(at::kFloat).contiguous();   // a no-op for float32 weights
-  const float* w = weight_f32.const_data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(H);
     for (int64_t r = begin; r < end; ++r) {
@@ -94,9 +93,16 @@ void norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weig
       for (int64_t i = 0; i < H; ++i) ss += buf[i] * buf[i];
       const float inv = 1.f / std::sqrt(ss / H + float(eps));
       T* o = out.mutable_data_ptr<T>() + r * out.stride(0);
-      for (int64_t i = 0; i < H; ++i) store(o + i, buf[i] * inv * w[i]);
+      for (int64_t i = 0; i < H; ++i) store(o + i, buf[i] * inv * to_float(w[i]));
     }
   });
+}
+
+template <typename T>
+void norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const at::Tensor w = weight.contiguous();   // parameters are: no copy
+  if (w.scalar_type() == at::kFloat) norm_rows<T, float>(x, residual, w.const_data_ptr<float>(), eps, out);
+  else norm_rows<T, T>(x, residual, w.const_data_ptr<T>(), eps, out);
 }
 
 void check_norm(const at::Tensor& x, const at::Tensor& weight) {
