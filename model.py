@@ -291,8 +291,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     few rows up, or None where neither applies."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
+    pair = 2 if weight.dtype == torch.bfloat16 else 1                # bf16 panels hold K's values in pairs
     if LINEAR_PANELS and panels_available(weight.dtype) and weight.shape[0] % PANEL_COLUMNS[weight.dtype] == 0 \
-            and weight.shape[1] % 2 == 0:
+            and weight.shape[1] % pair == 0:
         return torch.ops.nanoserve_linear.pack_panels(weight.detach())
     if not onednn_prepack_available() or (weight.dtype == torch.bfloat16 and not onednn_bf16_available()):
         return None
