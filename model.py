@@ -267,7 +267,7 @@ def onednn_bf16_available() -> bool:
 # 8.4 / 9.3 / 14.4 / 24.9 / 48.4 / 87.6 / 350.1, oneDNN 14.2 / 16.6 / 21.0 / 31.3 / 57.4 / 94.9 /
 # 338.6: the weights stream at memory speed up to ~8 rows, where oneDNN reaches 60% of it. At 512
 # rows (a prefill step) oneDNN is 0-8% faster from one measurement to the next (the 120 layers
-# without lm_head: 303 against 327 ms at 21:52 UTC, 263 against 263 at 22:00): not worth a third
+# without lm_head: 303 against 327 ms at 21:49 UTC, 263 against 263 at 21:52): not worth a third
 # copy of every weight. With AMX, oneDNN's tile kernels do the bf16 matmuls (not measured here:
 # no AMX CPU).
 # LINEAR_PANELS = False turns the panels off (bench.py compares).
