@@ -333,14 +333,17 @@ GGUF_ROWS = 3
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, gguf: GGUFBlocks | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, gguf: GGUFBlocks | None = None,
+           float_out: bool = False) -> torch.Tensor:
     """F.linear, with faster kernels on CPU: the GGUF's blocks at a few rows where the layer has
     them; our GEMM on the weight's panels (pack_weight) at any row count, in float32 on AVX2
     CPUs and in bfloat16 on AVX512_BF16 ones without AMX;
     elsewhere our small-M kernel for few rows (oneDNN and MKL are slow there), then oneDNN on the
-    prepacked weight, or on the plain one without it."""
+    prepacked weight, or on the plain one without it. float_out: return float32 whatever the dtype
+    (the logits); the bf16 panels then skip rounding their float32 sums to bf16 and back."""
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        return out.float() if float_out else out
     x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # [M, K]
     (M, K), N = x2.shape, weight.shape[0]
     small_m, onednn = _cpu_linear_kernels()
@@ -348,7 +351,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if small_m and gguf is not None and not bf16 and M < GGUF_ROWS:
         out = torch.ops.nanoserve_linear.linear_small_m_gguf(x2, gguf.qs, gguf.scales, gguf.mins, bias)
     elif packed is not None and not packed.is_mkldnn:                    # panels, any M
-        out = torch.ops.nanoserve_linear.linear_panels(x2, packed, bias)
+        out = torch.ops.nanoserve_linear.linear_panels(x2, packed, bias, float_out)
     elif small_m and bf16 and M < SMALL_M_ROWS_BF16 and K % 32 == 0 and N % 4 == 0:
         out = torch.ops.nanoserve_linear.linear_small_m_bf16(x2, weight.contiguous(), bias)
     elif small_m and not bf16 and M < SMALL_M_ROWS and K % 8 == 0 and N % 4 == 0:
@@ -359,6 +362,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
     else:
         out = F.linear(x2, weight, bias)
+    out = out.float() if float_out else out                           # a no-op where it already is
     return out.view(*x.shape[:-1], N)                                 # [..., N]
 
 
@@ -370,8 +374,8 @@ class Linear(nn.Linear):
     _packed = (None, None)                    # (which weight it was made from, packed copy)
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
 
-    def forward(self, x):
-        return linear(x, self.weight, self.bias, *self.prepared())
+    def forward(self, x, float_out=False):
+        return linear(x, self.weight, self.bias, *self.prepared(), float_out=float_out)
 
     def weight_key(self):
         w = self.weight
@@ -493,4 +497,4 @@ class Llama(nn.Module):
             keep = logits_indices if i == last else None
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, fused, keep)
         x, _ = self.norm(x, residual, fused)                              # [num_sampled, hidden]
-        return self.lm_head(x).float()                                    # [num_sampled, vocab]
+        return self.lm_head(x, float_out=True)                            # [num_sampled, vocab]

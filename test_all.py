@@ -700,11 +700,18 @@ def test_linear_panels_bfloat16_within_one_rounding_of_float64(smollm2_linear_we
         x16 = torch.randn(rows, w.shape[1], generator=g).bfloat16()
         bias = torch.randn(w.shape[0], generator=g).bfloat16()
         for b in (None, bias):
-            got = torch.ops.nanoserve_linear.linear_panels(x16, panels, b).double()
+            got = torch.ops.nanoserve_linear.linear_panels(x16, panels, b)
             ref = x16.double() @ w16.double().T + (0 if b is None else b.double())
+            sums = 1e-5 * (x16.double().abs() @ w16.double().abs().T + 1)          # float32 summation
             # half a bf16 unit of the result (2^-9 relative, 2^-8 to be safe) plus float32 sums
-            bound = 2 ** -8 * ref.abs() + 1e-5 * (x16.double().abs() @ w16.double().abs().T + 1)
-            assert ((got - ref).abs() <= bound).all(), f"{tuple(w.shape)} x {rows} rows, bias {b is not None}"
+            assert got.dtype == torch.bfloat16
+            assert ((got.double() - ref).abs() <= 2 ** -8 * ref.abs() + sums).all(), \
+                f"{tuple(w.shape)} x {rows} rows, bias {b is not None}"
+            # float_out (the logits): the float32 sums unrounded, so within float32 summation alone
+            got32 = torch.ops.nanoserve_linear.linear_panels(x16, panels, b, True)
+            assert got32.dtype == torch.float32
+            assert ((got32.double() - ref).abs() <= 2 ** -20 * ref.abs() + sums).all(), \
+                f"float_out: {tuple(w.shape)} x {rows} rows, bias {b is not None}"
     if rows == 1:
         w16 = smollm2_linear_weights[0].bfloat16()
         packed = M.pack_weight(w16)

@@ -14,7 +14,7 @@
 // N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0), linear_small_m_gguf (float32
 // activations against a GGUF file's Q4_1 / Q8_0 blocks, a sixth / a quarter of the float32
 // bytes; K % 64 == 0), pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
-// AVX512_BF16, N % 32 == 0 and K % 2 == 0), contiguous inputs
+// AVX512_BF16, N % 32 == 0 and K % 2 == 0; float_out: float32 out from bf16), contiguous inputs
 // (model.linear checks). Built with -O3 -march=native: AVX2+FMA at least, AVX512_BF16 used
 // where present.
 #include <ATen/Parallel.h>
@@ -365,10 +365,11 @@ constexpr int kPanelBf16 = 32;   // output columns per panel: two 16-float vecto
 constexpr int kTileBf16 = 12;    // rows per register tile: 12 x 2 accumulators + 2 weights + 1 x
 
 #if defined(__AVX512BF16__)
-// out[0:MR, 0:32] = x[0:MR, :] @ panel + bias, rows of x K apart, of out N apart
-template <int MR>
+// out[0:MR, 0:32] = x[0:MR, :] @ panel + bias, rows of x K apart, of out N apart; out is bf16
+// (uint16_t) or, for logits, the float32 sums themselves (Out = float)
+template <int MR, typename Out>
 void panel_tile_bf16(const uint16_t* __restrict x, const uint16_t* __restrict panel, const float* bias,
-                     uint16_t* __restrict out, int64_t K, int64_t N) {
+                     Out* __restrict out, int64_t K, int64_t N) {
   __m512 c[MR][2];   // fully unrolled below, so GCC keeps them in registers
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) c[i][0] = c[i][1] = _mm512_setzero_ps();
@@ -386,24 +387,32 @@ void panel_tile_bf16(const uint16_t* __restrict x, const uint16_t* __restrict pa
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
 #pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) {   // round to nearest even, as round_to_bf16
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][0], b0)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][1], b1)));
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm512_storeu_ps(out + i * N, _mm512_add_ps(c[i][0], b0));
+      _mm512_storeu_ps(out + i * N + 16, _mm512_add_ps(c[i][1], b1));
+    } else {   // round to nearest even, as round_to_bf16
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][0], b0)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[i][1], b1)));
+    }
   }
 }
 
-using PanelTileBf16 = void (*)(const uint16_t*, const uint16_t*, const float*, uint16_t*, int64_t, int64_t);
-template <int... MR>
-constexpr std::array<PanelTileBf16, sizeof...(MR)> panel_tiles_bf16(std::integer_sequence<int, MR...>) {
-  return {panel_tile_bf16<MR + 1>...};
+template <typename Out>
+using PanelTileBf16 = void (*)(const uint16_t*, const uint16_t*, const float*, Out*, int64_t, int64_t);
+template <typename Out, int... MR>
+constexpr std::array<PanelTileBf16<Out>, sizeof...(MR)> panel_tiles_bf16(std::integer_sequence<int, MR...>) {
+  return {panel_tile_bf16<MR + 1, Out>...};
 }
-constexpr auto kPanelTilesBf16 = panel_tiles_bf16(std::make_integer_sequence<int, kTileBf16>{});   // [rows - 1]
+template <typename Out>   // [rows - 1]
+constexpr auto kPanelTilesBf16 = panel_tiles_bf16<Out>(std::make_integer_sequence<int, kTileBf16>{});
 
+template <typename Out>
 void linear_panels_bf16(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * kPanelBf16;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(panels.const_data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  auto* op = reinterpret_cast<Out*>(out.mutable_data_ptr());
   // rows per block: x's block within ~384 KB, in L2 beside the panel streaming past
   const int64_t block = std::max<int64_t>(kTileBf16, 196608 / K / kTileBf16 * kTileBf16);
   for (int64_t m0 = 0; m0 < M; m0 += block) {
@@ -411,7 +420,7 @@ void linear_panels_bf16(const at::Tensor& x, const at::Tensor& panels, const flo
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p)
         for (int64_t m = m0; m < m1; m += kTileBf16)
-          kPanelTilesBf16[std::min<int64_t>(kTileBf16, m1 - m) - 1](
+          kPanelTilesBf16<Out>[std::min<int64_t>(kTileBf16, m1 - m) - 1](
               xp + m * K, wp + p * K * kPanelBf16, bias ? bias + p * kPanelBf16 : nullptr, op + m * N + p * kPanelBf16, K, N);
     });
   }
@@ -433,8 +442,10 @@ at::Tensor pack_panels(const at::Tensor& weight) {
   return weight.reshape({N / kPanel, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-// x [M, K], panels from pack_panels (same dtype), bias [N] or None -> [M, N]
-at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
+// x [M, K], panels from pack_panels (same dtype), bias [N] or None -> [M, N] in x's dtype, or in
+// float32 with float_out (bf16 x: the float32 sums unrounded, as logits want them)
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                         bool float_out) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
@@ -447,11 +458,13 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
               "panels must be ", bf16 ? 64 : 32, "-byte aligned (aligned loads)");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == N && (bf16 || (bias->scalar_type() == at::kFloat && bias->is_contiguous()))),
               "bias must be [N] (float32 for float32 x)");
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   if (bf16) {
 #if defined(__AVX512BF16__)
     const at::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    linear_panels_bf16(x, panels, bias.has_value() ? b32.const_data_ptr<float>() : nullptr, out);
+    const float* b = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
+    if (float_out) linear_panels_bf16<float>(x, panels, b, out);
+    else linear_panels_bf16<uint16_t>(x, panels, b, out);
     return out;
 #else
     TORCH_CHECK(false, "bfloat16 panels need a CPU with AVX512_BF16 (this build has none)");
@@ -490,6 +503,6 @@ TORCH_LIBRARY(nanoserve_linear, m) {
   m.impl("linear_small_m_gguf", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_gguf));
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.impl("pack_panels", c10::DispatchKey::CPU, TORCH_FN(pack_panels));
-  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
+  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, bool float_out=False) -> Tensor");
   m.impl("linear_panels", c10::DispatchKey::CPU, TORCH_FN(linear_panels));
 }
