@@ -1651,6 +1651,15 @@ def tiny_llm(tiny, **kw):
     return LLM(str(tiny[0]), **{"kv_cache_memory": 256 * TINY_BLOCK_BYTES, **CPU32, **kw})
 
 
+def test_engine_packs_every_linear_weight_before_the_first_request(tiny):
+    # Engine() makes each linear layer's packed copy for the CPU kernels (pack_weight) at load, so
+    # the first request (the first after serve.py says it is up) does not wait for it
+    llm = tiny_llm(tiny)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, M.Linear)]
+    assert layers and llm.engine.num_steps == 0
+    assert all(layer._packed[0] == layer.weight_key() for layer in layers)
+
+
 SCRIPT = "Sky: 日本語 blue, 😀 fine! 🎉 done."   # 20 distinct tokens; 日, 語, 😀 and 🎉 split across tokens
 
 
