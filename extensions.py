@@ -55,13 +55,14 @@ def cache_root() -> Path:
 
 
 def build_directory(build: dict) -> Path:
-    """Cache dir named by a hash of the sources, flags, torch version and CPU: checkouts with
-    different sources never rebuild over each other, and -march=native code never moves to
-    another CPU."""
+    """Cache dir named by a hash of the sources, flags, torch and Python versions and CPU:
+    checkouts with different sources never rebuild over each other, -march=native code never moves
+    to another CPU, and a library linked against one Python's torch never loads in another's."""
     cpuinfo = Path("/proc/cpuinfo")
     cpu = cpuinfo.read_text() if cpuinfo.exists() else platform.processor()
     cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), cpu)
-    key = hashlib.sha1(f"{platform.machine()} {cpu_flags} {torch.__version__} {sorted(build.items())}".encode())
+    key = hashlib.sha1(f"{platform.machine()} {cpu_flags} {torch.__version__} {sys.version_info[:2]} "
+                       f"{sorted(build.items())}".encode())
     for source in build["sources"]:
         key.update((CSRC / source).read_bytes())
     path = cache_root() / "torch_extensions" / f"{build['name']}-{key.hexdigest()[:12]}"
@@ -70,18 +71,28 @@ def build_directory(build: dict) -> Path:
 
 
 def load(kind: str) -> None:
-    """JIT-build (or load the cached build of) one library; raises if the build fails."""
+    """Load the cached build of one library, or JIT-build it first; raises if the build fails."""
     if kind in _loaded:
         return
-    from torch.utils import cpp_extension
     build = BUILDS[kind]
     build_dir = build_directory(build)
-    already_built = any(build_dir.glob("*.so"))
+    library = build_dir / f"{build['name']}.so"
+    # The directory is named by a hash of everything the library depends on, so a library in it is
+    # this build: load it as is. cpp_extension.load would run ninja, which rebuilds (~10 s, in
+    # whatever call first needs the library) when a source's mtime is newer than the library, as
+    # after a git checkout, or when another checkout of the same sources wrote build.ninja.
+    if library.exists():
+        try:
+            torch.ops.load_library(str(library))
+            _loaded.add(kind)
+            return
+        except OSError as e:     # e.g. a build cut off mid-link: build it again
+            print(f"cannot load {library} ({e}); rebuilding", file=sys.stderr, flush=True)
+    from torch.utils import cpp_extension
     start = time.perf_counter()
     cpp_extension.load(**{**build, "sources": [str(CSRC / s) for s in build["sources"]]},
                        build_directory=str(build_dir), is_python_module=False, verbose=False)
-    if not already_built:
-        print(f"built {build['name']} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    print(f"built {build['name']} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     _loaded.add(kind)
 
 

@@ -1651,6 +1651,26 @@ def tiny_llm(tiny, **kw):
     return LLM(str(tiny[0]), **{"kv_cache_memory": 256 * TINY_BLOCK_BYTES, **CPU32, **kw})
 
 
+def test_engine_loads_cached_cpu_libraries_at_start_without_rebuilding(tiny):
+    # A library already in its cache dir (named by a hash of its sources, flags, torch and CPU) is
+    # loaded as is: cpp_extension.load would run ninja, which rebuilds, silently and for ~10 s,
+    # after a mere change of a source's mtime (a git checkout) or of the checkout's path. And
+    # Engine() loads every CPU library a step uses, so no build waits for the first request.
+    for kind in ("cpu", "linear_cpu", "fused_cpu"):
+        extensions.load(kind)                               # built here if this cache lacks it
+    code = "\n".join([
+        "import torch.utils.cpp_extension as ce, extensions",
+        "def no_build(**kw): raise AssertionError('cpp_extension.load called for ' + kw['name'])",
+        "ce.load = no_build",
+        "from llm import LLM",
+        f"llm = LLM({str(tiny[0])!r}, kv_cache_memory={256 * TINY_BLOCK_BYTES}, **{CPU32!r})",
+        "import json; print(json.dumps([sorted(extensions._loaded), llm.engine.num_steps]))"])
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded, steps = json.loads(out.stdout.strip().splitlines()[-1])
+    assert steps == 0 and {"cpu", "linear_cpu", "fused_cpu"} <= set(loaded), (loaded, steps)
+
+
 def test_engine_packs_every_linear_weight_before_the_first_request(tiny):
     # Engine() makes each linear layer's packed copy for the CPU kernels (pack_weight) at load, so
     # the first request (the first after serve.py says it is up) does not wait for it
