@@ -28,7 +28,7 @@ import torch
 import paged_attention
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
-from model import AttentionMetadata, Linear, cpu_linear_path, fused_ops_available, resolve_dtype
+from model import AttentionMetadata, cpu_linear_path, resolve_dtype
 from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence, Status
 from static_scheduler import StaticScheduler
@@ -227,12 +227,7 @@ class Engine:
         self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: linear layers {cpu_linear_path(dtype)}; {self.model.gguf_log}")
-        # Pack the weights (~0.2 s) and load the fused ops' library (built here on a first run) now,
-        # so neither waits for the first request (the first after serve.py says it is up).
-        for layer in self.model.modules():
-            if isinstance(layer, Linear):
-                layer.prepared()
-        fused_ops_available(self.device, dtype)
+        self.model.prepare()     # not in the first request (the first after serve.py says it is up)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
         config.max_model_len = config.max_model_len or mc.max_position_embeddings
