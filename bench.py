@@ -60,7 +60,7 @@ class Sizes:
     http_prompts: int = 32
     http_len: int = 128                  # vllm bench serve --random-input-len = --random-output-len
     http_rate: float = float("inf")
-    http_rounds: int = 2                 # turns of each server and the engine in process while it is up
+    http_rounds: int = 3                 # rounds of each server (serve.py's in turns with the engine in process)
     peer_requests: int = 64              # 64 random-id prompts (~8.5k tokens), outputs 16-256 (~8.7k tokens)
     peer_out_range: tuple = (16, 256)
     peer_prompt_median: int = 111        # log-normal: mean ~133 tokens
@@ -97,7 +97,7 @@ class Sizes:
 
 FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=100, static_max_requests=(),
              kv_cache_memory="2GiB", mem_requests=32, latency_requests=32, latency_out_range=(16, 512), long_prompt=2000,
-             http_prompts=64, http_rounds=3, hf_requests=64, hf_batch_sizes=(8, 32, 64), decode_prompt=128, kernel_e2e_batch=64,
+             http_prompts=64, http_rounds=4, hf_requests=64, hf_batch_sizes=(8, 32, 64), decode_prompt=128, kernel_e2e_batch=64,
              kernel_e2e_prompt=128, repeats=5, prefix_len=1000, prefix_requests=64, pressure_requests=16)
 
 QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16, static_sizes=(4,), static_max_requests=(),

@@ -216,8 +216,8 @@ def best_round(rounds):
 def bench_http(sz, seed, results):
     """What does a client of `vllm bench serve`'s kind see from serve.py, against the same engine in process and
     against `vllm serve` on the same requests? Host noise on a shared machine moves a run by a fifth from minute to
-    minute, so while a server is up the engine in process and the server take turns, sz.http_rounds each, and each
-    path reports its best round."""
+    minute, so while serve.py is up it and the engine in process take turns, sz.http_rounds each (`vllm serve` runs
+    its rounds alone), and each path reports its best round: the ratio compares rounds taken in the same minutes."""
     engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_seqs=sz.max_num_seqs)
     # every run gets a set of prompts no engine has seen (prefix caching stays on, as served): same lengths, other ids
     variants = iter(range(1000))
@@ -239,7 +239,8 @@ def bench_http(sz, seed, results):
                 rounds = []
                 for _ in range(sz.http_rounds):
                     reqs, prompts = request_set()
-                    inproc.append(in_process(engine, reqs, prompts))
+                    if name == "serve.py":
+                        inproc.append(in_process(engine, reqs, prompts))
                     rounds.append(drive(port, reqs, sz.http_rate, seed))
                 runs[name] = best_round(rounds)
         except (RuntimeError, subprocess.SubprocessError, OSError) as e:
@@ -256,8 +257,8 @@ def bench_http(sz, seed, results):
         "every run sends prompts no engine has seen (same lengths, new random ids), so no prefix cache helps a later round.",
         f"every server runs {model_dtype(engine)} (nanoserve's dtype auto on this machine).",
         "TPOT = (latency - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks; seconds.",
-        f"while each server is up, it and the engine in process take turns, {sz.http_rounds} rounds each; a row is its "
-        "path's best round (the engine in process: best of all its rounds), every round's tok/s in the last column."]
+        f"while serve.py is up, it and the engine in process take turns, {sz.http_rounds} rounds each (vllm serve: "
+        f"{sz.http_rounds} rounds of its own); a row is its path's best round, every round's tok/s in the last column."]
         + [f"{k}: {v['skipped'] if 'skipped' in v else v['first_error']}" for k, v in runs.items()
            if "skipped" in v or v.get("failed")])
     keys = [f"{m}_p{q}_s" for m in ("ttft", "tpot", "itl") for q in loadgen.PERCENTILES]
