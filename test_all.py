@@ -2025,17 +2025,20 @@ def test_cpu_kernel_rejects_block_table_too_short(cpu_backend):
 
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_reshape_and_cache_writes_rows_to_their_slots(cpu_backend, backend, kv_dtype):
-    num_blocks, block_size, kv_heads, head_dim = 6, 4, 3, 64
-    key, value = torch.randn(2, 9, kv_heads, head_dim)
-    slots = torch.randperm(num_blocks * block_size)[:9].tolist()
+@pytest.mark.parametrize("num_rows", [9, 40])     # 40: the CPU kernel splits the rows between threads
+def test_reshape_and_cache_writes_rows_to_their_slots(cpu_backend, backend, kv_dtype, num_rows):
+    num_blocks, block_size, kv_heads, head_dim = 16, 4, 3, 64
+    key, value = torch.randn(2, num_rows, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_rows].tolist()
+    slots[1] = slots[-2] = -1                       # padding rows: not cached
     caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=kv_dtype) for _ in range(2)]
     pa.reshape_and_cache(key, value, *caches, torch.tensor(slots), backend=backend)
     # placed by hand: row i goes to block slot // block_size, offset slot % block_size; nothing else changes
     for cache, rows in zip(caches, (key, value)):
         expected = torch.zeros_like(cache)
         for i, slot in enumerate(slots):
-            expected[slot // block_size, slot % block_size] = rows[i].to(kv_dtype)
+            if slot >= 0:
+                expected[slot // block_size, slot % block_size] = rows[i].to(kv_dtype)
         assert torch.equal(cache, expected)
 
 
