@@ -1932,7 +1932,7 @@ MIXED = ([1, 7, 1, 33, 1], [1, 40, 300, 33, 129])   # decode rows and prefill ch
 
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])   # 32: the generic path, prefill tiles too
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_cpu_kernel_matches_reference_on_mixed_batches(cpu_backend, kv_dtype, block_size, head_dim, group):
     batch = make_batch(*MIXED, num_kv_heads=2, group=group, head_dim=head_dim,
@@ -2071,8 +2071,8 @@ def syntax_check(sources, flags):
         assert proc.returncode == 0, f"{src} with {flags}: {err[-3000:]}"
 
 
-def test_paged_attention_decode_path_compiles_for_the_simd_width_this_cpu_lacks():
-    # The decode path is one source for AVX-512 (16 floats per register) and AVX2 (8); the tests
+def test_paged_attention_simd_paths_compile_for_the_simd_width_this_cpu_lacks():
+    # The decode and prefill paths are one source for AVX-512 (16 floats per register) and AVX2 (8); the tests
     # above run the one this CPU has, so this checks the other still compiles (~10 s).
     syntax_check(["paged_attention_cpu.cpp"], AVX2_FLAGS if "avx512f" in M._cpu_flags() else AVX512_FLAGS)
 

@@ -11,11 +11,12 @@
 // x heads] buffer is ever materialized. The block table scatters blocks, which defeats the
 // hardware prefetcher, so the kernel prefetches the blocks it reads next itself.
 //
-// Two paths. Decode-sized tiles (fewer than 16 query vectors, head_dim 64 or 128) take the SIMD
-// decode path, written once for AVX-512 and AVX2 ("decode tiles in SIMD registers" below: 64 keys
-// per softmax step, 16 or 8 keys per score register). Everything else, and every tile on a CPU
-// without AVX2 + FMA, takes the generic path (attend_tile): decode rows score keys with dot
-// products, prefill tiles (>= 16 query vectors) with q transposed, vectorized over the queries.
+// Three paths. Decode-sized tiles (fewer than 16 query vectors, head_dim 64 or 128) take the
+// SIMD decode path, written once for AVX-512 and AVX2 ("decode tiles in SIMD registers" below:
+// 64 keys per softmax step, 16 or 8 keys per score register). Prefill tiles (16 or more query
+// vectors) of those head sizes take the SIMD prefill path ("prefill tiles in SIMD registers":
+// query vectors across the lanes, softmax and both products on whole registers). Other head
+// sizes, and every tile on a CPU without AVX2 + FMA, take the generic path (attend_tile).
 // Registered as torch.ops.nanoserve_cpu.{paged_attention, reshape_and_cache}; built by
 // paged_attention.py with -O3 -march=native -fopenmp. Lean headers keep the build ~10 s.
 #include <ATen/Parallel.h>
@@ -39,6 +40,7 @@ namespace {
 
 constexpr int kTileRows = 16;  // query rows per work item; a tile shares every K/V load
 constexpr int kLanes = 16;     // head_dim granule: one AVX-512 / two AVX2 registers of floats
+constexpr int kStepKeys = 64;   // keys per online-softmax step of the SIMD paths
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // std::bit_cast is C++20, and torch before 2.13 builds extensions as C++17
@@ -172,11 +174,14 @@ struct WorkItem {
 };
 
 struct Scratch {                    // per thread, reused across items
-  std::vector<float> q, q_t, acc, score, row_max, row_sum, k, v;
+  std::vector<float> q, q_t, acc, score, row_max, row_sum, last, corr, k, v;
+  // query vectors of a tile, padded to a register; keys of a block or of a SIMD prefill step
+  static int padded(const Batch& b) { return kTileRows * b.group + kLanes; }
+  static int keys(const Batch& b) { return std::max(b.block_size, kStepKeys); }
   Scratch(const Batch& b)
-      : q(kTileRows * b.group * b.head_dim), q_t((kTileRows * b.group + kLanes) * b.head_dim), acc(q.size()),
-        score((kTileRows * b.group + kLanes) * b.block_size), row_max(kTileRows * b.group),
-        row_sum(row_max.size()), k(b.block_size * b.head_dim), v(k.size()) {}
+      : q(kTileRows * b.group * b.head_dim), q_t(padded(b) * b.head_dim), acc(q_t.size()),
+        score(padded(b) * keys(b)), row_max(padded(b)), row_sum(row_max.size()), last(row_max.size()),
+        corr(row_max.size()), k(keys(b) * b.head_dim), v(k.size()) {}
 };
 
 // Query vector m of a tile is (row m / group, head kv_head * group + m % group).
@@ -278,9 +283,9 @@ void attend_tile(const Batch& b, const KV* key_cache, const KV* value_cache, con
 // Built where the compiler targets AVX-512 or AVX2 + FMA + F16C (-march=native); elsewhere the
 // generic path runs. Exactly the same math as the generic path, in another summation order.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#define NANOSERVE_SIMD_DECODE 1
+#define NANOSERVE_SIMD_TILES 1
 
-// The few register operations the decode path needs, for the widest registers the CPU has.
+// The few register operations the decode and prefill paths need, for the widest registers the CPU has.
 #if defined(__AVX512F__)
 struct Simd {
   using V = __m512;
@@ -304,6 +309,9 @@ struct Simd {
   static V first_n(V x, int n, float fill) {     // lanes < n of x, the rest `fill`
     return _mm512_mask_mov_ps(_mm512_set1_ps(fill), __mmask16((1u << n) - 1), x);
   }
+  static V keep_if_le(V x, V a, V b, float fill) {   // x where a <= b, else fill
+    return _mm512_mask_mov_ps(_mm512_set1_ps(fill), _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), x);
+  }
   static float reduce_max(V x) { return _mm512_reduce_max_ps(x); }
   static float reduce_add(V x) { return _mm512_reduce_add_ps(x); }
   static V load_half(const at::Half* p) {
@@ -315,6 +323,30 @@ struct Simd {
     const __m512i x = _mm512_loadu_si512(p);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
     *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xffff0000u))));
+  }
+  // r[i][j] <- r[j][i] for a 16 x 16 tile: pairs of rows interleaved, then quads, then
+  // 128-bit lanes gathered in two rounds of shuffles
+  static void transpose(V* r) {
+    V t[16];
+    for (int i = 0; i < 8; ++i) {          // per 128-bit lane k: elements 4k, 4k+1 | 4k+2, 4k+3 of rows 2i, 2i+1
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i)            // r[4i + j], lane k: element 4k + j of rows 4i .. 4i+3
+      for (int h = 0; h < 2; ++h) {
+        const __m512d a = _mm512_castps_pd(t[4 * i + h]), b = _mm512_castps_pd(t[4 * i + 2 + h]);
+        r[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+      }
+    for (int j = 0; j < 4; ++j) {          // column 4k + j takes lane k of r[j], r[4+j], r[8+j], r[12+j]
+      const V u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+      const V v0 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), v1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+      t[j] = _mm512_shuffle_f32x4(u0, v0, 0x88);
+      t[8 + j] = _mm512_shuffle_f32x4(u0, v0, 0xdd);
+      t[4 + j] = _mm512_shuffle_f32x4(u1, v1, 0x88);
+      t[12 + j] = _mm512_shuffle_f32x4(u1, v1, 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
   }
   // out[i] = sum of the lanes of v[i], for W vectors: pairs, then quads, then 128-bit lanes
   static V sum_lanes(const V* v) {
@@ -357,6 +389,9 @@ struct Simd {
     const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     return _mm256_blendv_ps(_mm256_set1_ps(fill), x, _mm256_castsi256_ps(live));
   }
+  static V keep_if_le(V x, V a, V b, float fill) {
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), x, _mm256_cmp_ps(a, b, _CMP_LE_OQ));
+  }
   static float reduce_max(V x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -375,6 +410,23 @@ struct Simd {
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
     *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xffff0000u))));
   }
+  // r[i][j] <- r[j][i] for an 8 x 8 tile
+  static void transpose(V* r) {
+    V t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i)            // u[4i + j], per 128-bit lane: element j of rows 4i .. 4i+3
+      for (int h = 0; h < 2; ++h) {
+        u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
+        u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xee);
+      }
+    for (int j = 0; j < 4; ++j) {
+      r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+      r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+  }
   // out[i] = sum of the lanes of v[i], for 8 vectors: horizontal adds within 128-bit lanes,
   // then the two lanes added
   static V sum_lanes(const V* v) {
@@ -387,7 +439,6 @@ struct Simd {
 
 using Vec = Simd::V;
 constexpr int W = Simd::W;
-constexpr int kStepKeys = 64;            // keys per online-softmax step
 constexpr int kSpans = kStepKeys / W;    // spans per step
 
 // A K/V row of D = W * C elements as C float vectors, and where element d lands. float and
@@ -657,22 +708,196 @@ void attend_small(const Batch& b, const KV* key_cache, const KV* value_cache, co
     }
 }
 
+// ---- prefill tiles in SIMD registers --------------------------------------------------------
+// A prefill tile is 16 rows x the GQA group (48 query vectors in SmolLM2) against every key
+// before it: two small matrix products, q k^T and then p v. The generic path runs them at 17-23
+// G multiply-adds/s on a Zen 4 core, because its softmax goes one query vector at a time: per
+// query vector and 16-key block a scalar max, a scalar exp and a rescale of the accumulators.
+// Here the query vectors lie across the lanes (q transposed once per item), so the scores come
+// out as S[key][query] and the online softmax is elementwise work on W query vectors at once:
+// a running max per lane, one vector exp per register of scores, no horizontal sums. Both
+// products are register tiles of kPQ registers of query vectors by kPK keys or dims, in which
+// each broadcast K or V element feeds kPQ FMAs:
+//   S[t][m]    = sum_d qT[d][m] * k[t][d]
+//   accT[d][m] = corr[m] * accT[d][m] + sum_t P[t][m] * v[t][d]
+// Keys go kStepKeys at a time, gathered across blocks and widened to float once per step into a
+// buffer (a prefill chunk's KV was written this step, so it is still in cache); the output is
+// transposed back W x W at the end. Same math as the generic path, in float32, in another
+// summation order. (Keeping the sums as acc[m][d], with d across the lanes and no transposes,
+// measured 1.3x slower.)
+constexpr int kPQ = W == 16 ? 3 : 2;    // 24 sums in registers on AVX-512, 8 on AVX2
+constexpr int kPK = W == 16 ? 8 : 4;
+
+// S[t * Mp + m] for keys t < nk_pad (a multiple of kPK) and the QB registers of query vectors
+// from m0 on. k is [nk_pad][D] floats, qT [D][Mp].
+template <int QB>
+void prefill_scores(const float* qT, int Mp, int m0, const float* k, int nk_pad, int D, float* S) {
+  for (int t0 = 0; t0 < nk_pad; t0 += kPK) {
+    Vec a[QB][kPK];
+    for (int i = 0; i < QB; ++i)
+      for (int j = 0; j < kPK; ++j) a[i][j] = Simd::zero();
+    for (int d = 0; d < D; ++d) {
+      Vec q[QB];
+      for (int i = 0; i < QB; ++i) q[i] = Simd::load(qT + d * Mp + m0 + i * W);
+      for (int j = 0; j < kPK; ++j) {
+        const Vec kj = Simd::set1(k[(t0 + j) * D + d]);
+        for (int i = 0; i < QB; ++i) a[i][j] = Simd::fmadd(q[i], kj, a[i][j]);
+      }
+    }
+    for (int j = 0; j < kPK; ++j)
+      for (int i = 0; i < QB; ++i) Simd::store(S + (t0 + j) * Mp + m0 + i * W, a[i][j]);
+  }
+}
+
+// accT[d][m] = corr[m] * accT[d][m] + sum_{t < nk} P[t][m] * v[t][d] for the QB registers of
+// query vectors from m0 on; the rescale rides on the load of the sums. v is [nk][D] floats.
+template <int QB>
+void prefill_values(const float* P, int Mp, int m0, const float* v, int nk, int D, const float* corr,
+                    float* accT) {
+  Vec c[QB];
+  for (int i = 0; i < QB; ++i) c[i] = Simd::load(corr + m0 + i * W);
+  for (int d0 = 0; d0 < D; d0 += kPK) {
+    Vec a[QB][kPK];
+    for (int j = 0; j < kPK; ++j)
+      for (int i = 0; i < QB; ++i) a[i][j] = Simd::mul(Simd::load(accT + (d0 + j) * Mp + m0 + i * W), c[i]);
+    for (int t = 0; t < nk; ++t) {
+      Vec p[QB];
+      for (int i = 0; i < QB; ++i) p[i] = Simd::load(P + t * Mp + m0 + i * W);
+      for (int j = 0; j < kPK; ++j) {
+        const Vec vj = Simd::set1(v[t * D + d0 + j]);
+        for (int i = 0; i < QB; ++i) a[i][j] = Simd::fmadd(p[i], vj, a[i][j]);
+      }
+    }
+    for (int j = 0; j < kPK; ++j)
+      for (int i = 0; i < QB; ++i) Simd::store(accT + (d0 + j) * Mp + m0 + i * W, a[i][j]);
+  }
+}
+
+// tile(QB, m0) over all Mp query vectors, kPQ registers at a time (the last group smaller);
+// QB comes as a std::integral_constant so that the tile can take it as a template argument.
+template <class Tile>
+void over_query_registers(int Mp, Tile tile) {
+  for (int m0 = 0; m0 < Mp; m0 += kPQ * W) {
+    const int regs = std::min(kPQ, (Mp - m0) / W);
+    if (regs == 1) tile(std::integral_constant<int, 1>(), m0);
+    else if (regs == 2) tile(std::integral_constant<int, 2>(), m0);
+    else if constexpr (kPQ >= 3) tile(std::integral_constant<int, kPQ>(), m0);
+  }
+}
+
+// The online softmax step for every query vector at once, keys [key_pos, key_pos + nk): masks
+// keys past each query's position (last[m]: the last position query vector m sees) to -inf,
+// turns S into P = exp(S - new max), and leaves in corr[m] the factor exp(old max - new max)
+// that the sums so far take. Every query sees key 0, so after the first step no max is -inf.
+void prefill_softmax(float* S, int Mp, int nk, int key_pos, bool causal, const float* last, float* row_max,
+                     float* row_sum, float* corr) {
+  for (int m = 0; m < Mp; m += W) {
+    const Vec sees = Simd::load(last + m);
+    Vec top = Simd::load(row_max + m);
+    for (int t = 0; t < nk; ++t) {
+      Vec x = Simd::load(S + t * Mp + m);
+      if (causal) {
+        x = Simd::keep_if_le(x, Simd::set1(float(key_pos + t)), sees, kNegInf);
+        Simd::store(S + t * Mp + m, x);
+      }
+      top = Simd::max(top, x);
+    }
+    const Vec c = exp_nonpositive_simd(Simd::sub(Simd::load(row_max + m), top));   // 0 on the first step
+    Vec sum = Simd::zero();
+    for (int t = 0; t < nk; ++t) {
+      const Vec e = exp_nonpositive_simd(Simd::sub(Simd::load(S + t * Mp + m), top));
+      Simd::store(S + t * Mp + m, e);
+      sum = Simd::add(sum, e);
+    }
+    Simd::store(corr + m, c);
+    Simd::store(row_sum + m, Simd::fmadd(Simd::load(row_sum + m), c, sum));
+    Simd::store(row_max + m, top);
+  }
+}
+
+// Rows [pos, pos + n) of item w's KV head as floats, n rows of D at dst, across blocks.
+template <typename KV>
+void gather_rows(const Batch& b, const KV* cache, const WorkItem& w, int pos, int n, float* dst) {
+  const int D = b.head_dim, bs = b.block_size;
+  const int* block_table = b.block_tables + w.seq * b.max_blocks;
+  const int64_t row_stride = (int64_t)b.num_kv_heads * D;
+  for (int t = 0; t < n;) {
+    const int p = pos + t, run = std::min(bs - p % bs, n - t);   // rows left in this block
+    const KV* src = cache + ((int64_t)block_table[p / bs] * bs + p % bs) * row_stride + (int64_t)w.kv_head * D;
+    for (int r = 0; r < run; ++r, ++t) {
+      if constexpr (std::is_same_v<KV, float>) std::memcpy(dst + t * D, src + r * row_stride, D * sizeof(float));
+      else load_row(src + r * row_stride, dst + t * D, D);
+    }
+  }
+}
+
+// One prefill tile (>= kLanes query vectors) of one KV head. Query vector m is (row m / G,
+// head kv_head * G + m % G), as in attend_tile; vectors past M (padding to a register) have
+// zero queries that see every key, and are never written out.
+template <typename KV>
+void attend_prefill(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w, Scratch& s) {
+  const int D = b.head_dim, G = b.group;
+  const int rows = w.row_end - w.row_begin, M = rows * G, Mp = (M + W - 1) / W * W;
+  const int kv_len = w.first_pos + rows;
+  auto query_row = [&](int m) { return (int64_t)(w.row_begin + m / G) * b.num_heads + w.kv_head * G + m % G; };
+  float *qT = s.q_t.data(), *accT = s.acc.data(), *S = s.score.data(), *k = s.k.data(), *v = s.v.data();
+  for (int m0 = 0; m0 < Mp; m0 += W)       // qT [D][Mp]: W x W tiles of q transposed, scale folded in
+    for (int d0 = 0; d0 < D; d0 += W) {
+      Vec r[W];
+      for (int i = 0; i < W; ++i)
+        r[i] = m0 + i < M ? Simd::mul(Simd::load(b.query + query_row(m0 + i) * D + d0), Simd::set1(b.scale))
+                          : Simd::zero();
+      Simd::transpose(r);
+      for (int i = 0; i < W; ++i) Simd::store(qT + (d0 + i) * Mp + m0, r[i]);
+    }
+  for (int m = 0; m < Mp; ++m) {
+    s.last[m] = m < M ? float(w.first_pos + m / G) : float(kv_len);
+    s.row_max[m] = kNegInf;
+    s.row_sum[m] = 0.f;
+  }
+  std::fill(accT, accT + (int64_t)D * Mp, 0.f);
+  for (int start = 0; start < kv_len; start += kStepKeys) {
+    const int nk = std::min(kStepKeys, kv_len - start), nk_pad = (nk + kPK - 1) / kPK * kPK;
+    gather_rows(b, key_cache, w, start, nk, k);          // [nk][D]
+    gather_rows(b, value_cache, w, start, nk, v);        // [nk][D]
+    std::fill(k + nk * D, k + nk_pad * D, 0.f);          // scored, never weighed
+    over_query_registers(Mp, [&](auto QB, int m0) {      // S [nk_pad][Mp]
+      prefill_scores<decltype(QB)::value>(qT, Mp, m0, k, nk_pad, D, S);
+    });
+    const bool causal = start + nk - 1 > w.first_pos;    // some key here is past some query
+    prefill_softmax(S, Mp, nk, start, causal, s.last.data(), s.row_max.data(), s.row_sum.data(), s.corr.data());
+    over_query_registers(Mp, [&](auto QB, int m0) {
+      prefill_values<decltype(QB)::value>(S, Mp, m0, v, nk, D, s.corr.data(), accT);
+    });
+  }
+  for (int m = 0; m < Mp; ++m) s.corr[m] = 1.f / s.row_sum[m];   // row_sum >= 1: a row always sees itself
+  for (int m0 = 0; m0 < M; m0 += W)        // out = accT / row_sum, transposed back W x W
+    for (int d0 = 0; d0 < D; d0 += W) {
+      Vec r[W];
+      for (int i = 0; i < W; ++i) r[i] = Simd::mul(Simd::load(accT + (d0 + i) * Mp + m0), Simd::load(&s.corr[m0]));
+      Simd::transpose(r);
+      for (int i = 0; i < W && m0 + i < M; ++i) Simd::store(b.out + query_row(m0 + i) * D + d0, r[i]);
+    }
+}
+
 // Can decode tiles of this batch take the SIMD path with one item per sequence (all KV
 // heads)? Only with enough sequences to keep every thread busy, and state that fits Scratch.
 bool whole_sequence_items(const Batch& b, int num_seqs, int rows) {
   return (b.head_dim == 64 || b.head_dim == 128) && rows * b.group < kLanes && rows * b.num_kv_heads <= kTileRows &&
          num_seqs >= 4 * at::get_num_threads();
 }
-#endif  // NANOSERVE_SIMD_DECODE
+#endif  // NANOSERVE_SIMD_TILES
 
-// The SIMD path for decode-sized tiles of the usual head sizes, else the generic one.
+// The SIMD paths for decode-sized and prefill tiles of the usual head sizes, else the generic one.
 template <typename KV>
 void attend(const Batch& b, const KV* key_cache, const KV* value_cache, const WorkItem& w, const WorkItem* next,
             Scratch& s) {
-#if defined(NANOSERVE_SIMD_DECODE)
+#if defined(NANOSERVE_SIMD_TILES)
   if ((w.row_end - w.row_begin) * b.group < kLanes) {
     if (b.head_dim == 64) return attend_small<KV, 64 / W>(b, key_cache, value_cache, w, next, s);
     if (b.head_dim == 128) return attend_small<KV, 128 / W>(b, key_cache, value_cache, w, next, s);
+  } else if (b.head_dim == 64 || b.head_dim == 128) {
+    return attend_prefill<KV>(b, key_cache, value_cache, w, s);
   }
 #else
   (void)next;
@@ -762,7 +987,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
     for (int r = 0; r < q_len; r += kTileRows) {
       const int rows = std::min(kTileRows, q_len - r), first_pos = cl[i] - q_len + r;
       const int64_t cost = (int64_t)rows * (first_pos + rows);
-#if defined(NANOSERVE_SIMD_DECODE)
+#if defined(NANOSERVE_SIMD_TILES)
       if (whole_sequence_items(b, num_seqs, rows)) {
         items.push_back({i, 0, num_kv_heads, qs[i] + r, qs[i] + r + rows, first_pos, cost * num_kv_heads});
         continue;
