@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-import bench_batching
-import bench_hardware
-import bench_online
-import bench_peers
+from benchmarks import batching as bench_batching
+from benchmarks import hardware as bench_hardware
+from benchmarks import online as bench_online
+from benchmarks import peers as bench_peers
 import model as M
-from bench_engine import make_engine, md_table, model_dtype, section_header
+from benchmarks.harness import make_engine, md_table, model_dtype, section_header
 
 
 @dataclass
@@ -138,7 +138,7 @@ def print_flat(title, d, prefix=""):
 
 def bench_hot_path(sz, seed, results):
     """Does the paged-attention kernel read KV at memory speed (bench_hot.py's measurement)?"""
-    fn, why = optional("bench_hot", "bench_kernel_bandwidth")
+    fn, why = optional("benchmarks.hot", "bench_kernel_bandwidth")
     if why:
         section_header("Hot path (bench_hot.py)", [f"skipped: {why}"])
         results["hot"] = {"skipped": why}
@@ -146,16 +146,16 @@ def bench_hot_path(sz, seed, results):
     out = fn(batch=sz.kernel_batch, contexts=sz.kernel_contexts, repeats=sz.repeats)
     print_flat("Hot path: KV read speed of the paged-attention kernel (bench_hot.py)", out)
     results["hot"] = out
-    fused, why = optional("bench_hot", "fused_ops_vs_compile")
+    fused, why = optional("benchmarks.hot", "fused_ops_vs_compile")
     results["fused_ops"] = {"skipped": why} if why else fused(
         rows=(sz.kernel_batch, 8 * sz.kernel_batch), batch=sz.kernel_batch, repeats=sz.repeats + 2,
         rounds=sz.fused_rounds, compile_ops=sz.fused_compile)
     print_fused_ops(results["fused_ops"])
-    gguf, why = optional("bench_hot", "gguf_blocks_vs_float32")
+    gguf, why = optional("benchmarks.hot", "gguf_blocks_vs_float32")
     results["gguf_blocks"] = {"skipped": why} if why else gguf(
         rows=sz.gguf_rows, batches=sz.gguf_batches, repeats=sz.repeats, rounds=sz.fused_rounds)
     print_gguf_blocks(results["gguf_blocks"])
-    panels, why = optional("bench_hot", "panels_vs_onednn")
+    panels, why = optional("benchmarks.hot", "panels_vs_onednn")
     results["panels"] = {"skipped": why} if why else panels(
         rows=sz.panel_rows, batches=sz.panel_batches, repeats=sz.repeats, rounds=sz.fused_rounds)
     print_panels(results["panels"])
@@ -221,9 +221,9 @@ def bench_api_costs(sz, seed, results):
     results["api"] = {}
     for key, names in (("structured_output", ("bench_structured_output_cost",)),
                        ("sampling", ("bench_sampling_overhead",))):
-        fn, why = optional("bench_structured", *names)
+        fn, why = optional("benchmarks.structured", *names)
         if why:
-            fn, why = optional("bench_sampler", *names)
+            fn, why = optional("benchmarks.sampler", *names)
         if why:
             section_header(f"API cost: {key}", [f"skipped: {why}"])
             results["api"][key] = {"skipped": why}
@@ -371,7 +371,7 @@ SECTIONS = list(EXPERIMENTS)
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["soak"]:                       # the server soak owns its own flags (--minutes N)
-        fn, why = optional("soak", "main")
+        fn, why = optional("benchmarks.soak", "main")
         if why:
             sys.exit(f"soak: skipped: {why}")
         return fn(argv[1:])

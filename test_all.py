@@ -57,7 +57,7 @@ from sampler import SamplingState, make_generator, sample
 from scheduler import Status
 import paged_attention as pa
 import serve
-import soak
+from benchmarks import soak
 from serve import build_app
 
 

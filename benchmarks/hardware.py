@@ -8,7 +8,7 @@ changes a kernel or the engine, and batching experiments live in bench_batching.
 """
 import torch
 
-from bench_engine import bench_device, decode_kernel_inputs, make_engine, md_table, model_dtype, section_header, steady_decode, time_fn, warm_up
+from benchmarks.harness import bench_device, decode_kernel_inputs, make_engine, md_table, model_dtype, section_header, steady_decode, time_fn, warm_up
 
 
 def model_linear_shapes(engine):

@@ -9,7 +9,7 @@ and bench_engine.py; hardware ceilings live in bench_hardware.py and HTTP in ben
 import random
 import statistics
 
-from bench_engine import (greedy, make_engine, make_workload, md_table, pct, random_prompt, run_interleaved,
+from benchmarks.harness import (greedy, make_engine, make_workload, md_table, pct, random_prompt, run_interleaved,
                           run_timed, section_header, vocab_of, warm_up)
 
 

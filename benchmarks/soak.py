@@ -204,7 +204,7 @@ def free_port() -> int:
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str, object]:
     port, log = free_port(), tempfile.TemporaryFile()
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root, where serve.py is
     proc = subprocess.Popen([sys.executable, "serve.py", "--host", "127.0.0.1", "--port", str(port), *extra],
                             cwd=here, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -21,7 +21,7 @@ import torch
 
 import extensions
 import model as M
-from bench_engine import bench_device, decode_kernel_inputs, random_prompt, time_fn
+from benchmarks.harness import bench_device, decode_kernel_inputs, random_prompt, time_fn
 import paged_attention as pa
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict
 import torch
 
 from llm import LLM, SamplingParams, StructuredOutputsParams
-from bench_engine import time_fn
+from benchmarks.harness import time_fn
 from sampler import SamplingState, sample, top_p_reference
 from structured_output import (apply_token_bitmask_, apply_token_bitmask_reference,
                                fill_bitmasks)

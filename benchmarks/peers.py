@@ -119,7 +119,7 @@ def load_hf_model(model_dir):
     (what our dtype "auto" picks on an AVX2 CPU and on CUDA)."""
     import torch
     from transformers import AutoModelForCausalLM
-    from bench_engine import bench_device
+    from benchmarks.harness import bench_device
     dev = bench_device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     return AutoModelForCausalLM.from_pretrained(export_hf_layout(model_dir, tokenizer=False), dtype=dtype).to(dev).eval()
@@ -194,7 +194,7 @@ def nanoserve_runs(sz, reqs, b1_prompt):
     bfloat16 runs beside a float32 default only where oneDNN has a bf16 path: elsewhere (AVX2-only CPUs) it
     is emulated, several times slower than float32, and took most of a quick-start bench there."""
     import torch
-    from bench_engine import greedy, make_engine, model_dtype, run_interleaved, run_timed, warm_up
+    from benchmarks.harness import greedy, make_engine, model_dtype, run_interleaved, run_timed, warm_up
     engines = {"default": make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
                                       enable_prefix_caching=False)}
     if model_dtype(engines["default"]) != "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -257,7 +257,7 @@ def bench_peers(sz, seed, results):
     """How does nanoserve at its defaults compare with vLLM's CPU build and with transformers, same weights and requests?"""
     import random
     import torch
-    from bench_engine import make_workload, md_table, random_prompt, section_header
+    from benchmarks.harness import make_workload, md_table, random_prompt, section_header
     reqs = make_workload(sz.peer_requests, seed + 3, sz.peer_out_range, sz.peer_prompt_median, 49152)
     b1_prompt = random_prompt(random.Random(seed), 32, 49152)
     ours, model_dir = nanoserve_runs(sz, reqs, b1_prompt)

@@ -19,13 +19,14 @@ import urllib.request
 
 import numpy as np
 
-import loadgen
-from bench_engine import (drain, greedy, latency_stats, make_engine, make_workload, md_table, model_dtype,
+from benchmarks import loadgen
+from benchmarks.harness import (drain, greedy, latency_stats, make_engine, make_workload, md_table, model_dtype,
                           new_id, pct, random_prompt, run_arrivals, run_offline, section_header, vocab_of, warm_up)
 
 TTFT_TARGET_S = 2.0      # latency target for goodput: p90 time to first token ...
 TPOT_TARGET_S = 0.25     # ... and p90 time per output token (4 tok/s per user, faster than reading)
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)                     # serve.py runs from the repository root
 
 
 def bench_latency(sz, seed, results):
@@ -145,7 +146,7 @@ def in_process(engine, reqs, prompts):
 def server(cmd, port, env, startup_s):
     """Start a server process, wait for /health, yield, then stop it (SIGTERM, then kill)."""
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + startup_s
         while True:
@@ -191,7 +192,7 @@ def drive(port, reqs, rate, seed):
 
 def serve_commands(sz, port, engine):
     """(name, command, env, startup seconds) of each server to measure, or (name, reason skipped)."""
-    from bench_peers import export_hf_layout, vllm_env, vllm_unavailable
+    from benchmarks.peers import export_hf_layout, vllm_env, vllm_unavailable
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}     # serve.py picks its own wait policy
     yield "serve.py", [sys.executable, "serve.py", "--port", str(port), "--max-num-seqs", str(sz.max_num_seqs),
                        "--kv-cache-memory", sz.kv_cache_memory, "--dtype", engine.config.dtype], env, 300
