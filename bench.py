@@ -30,7 +30,7 @@ from benchmarks import batching as bench_batching
 from benchmarks import hardware as bench_hardware
 from benchmarks import online as bench_online
 from benchmarks import peers as bench_peers
-import model as M
+from cpu_linear import cpu_linear_path
 from benchmarks.harness import make_engine, md_table, model_dtype, section_header
 
 
@@ -259,7 +259,7 @@ def machine_info():
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
             "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": str(getattr(engine, "dtype", model_dtype(engine))).removeprefix("torch."),
-            "linear layers": f"{M.cpu_linear_path(engine.dtype)}; {engine.model.gguf_log}", "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
+            "linear layers": f"{cpu_linear_path(engine.dtype)}; {engine.model.gguf_log}", "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "vLLM": bench_peers.vllm_unavailable() or os.environ["VLLM_PYTHON"],
             "load avg at start": os.getloadavg()[0]}
     return info

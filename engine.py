@@ -28,7 +28,9 @@ import torch
 import paged_attention
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
-from model import AttentionMetadata, cpu_linear_path, resolve_dtype
+from cpu_linear import cpu_linear_path
+from model import resolve_dtype
+from paged_attention import AttentionMetadata
 from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence, Status
 from static_scheduler import StaticScheduler

@@ -1,29 +1,26 @@
 """
 The Llama-family decoder, run on a ragged batch.
 
-forward() takes the tokens of many sequences packed into one flat tensor [num_tokens]
-with their positions: no padding anywhere. Each layer writes its new K/V into the paged
-pool and attends through paged_attention.py; logits are computed only for the rows the
-engine will sample from (the last token of each sequence that finishes its chunk).
-This file owns the math, the layers and the compute dtype ("auto": bfloat16 where the CPU
-multiplies bf16 natively, see cpu_bf16_native). On CPU the linear layers and the fused
-per-layer ops (residual add + RMSNorm, RoPE, SwiGLU) run C++ kernels from csrc/, each
-with a plain-PyTorch reference beside it. It does not know about blocks, queues or
-sampling: the engine hands it flat tensors (input ids, positions, an AttentionMetadata).
-
-weights.py loads the weights (and the GGUF blocks linear() reads at a few rows).
+forward() takes the tokens of many sequences packed into one flat tensor [num_tokens] with their
+positions: no padding anywhere. Each layer writes its new K/V into the paged pool and attends
+through paged_attention.py; logits are computed only for the rows the engine will sample from
+(the last token of each sequence that finishes its chunk).
+This file owns the math and the layers (Llama, Qwen2 and Mistral share them), the RoPE tables
+and the compute dtype ("auto": bfloat16 where the CPU multiplies bf16 natively). The linear
+layers' CPU kernels live in cpu_linear.py and the fused per-layer ops in fused_ops.py. It does
+not know about blocks, queues or sampling: model_runner.py hands it flat tensors (input ids,
+positions, an AttentionMetadata); weights.py loads the weights.
 """
-import functools
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-import extensions
 import paged_attention
+from cpu_linear import Linear, cpu_bf16_native
+from fused_ops import fused_ops_available, rms_norm, rope_, silu_and_mul
+from paged_attention import AttentionMetadata
 
 
 @dataclass
@@ -69,16 +66,6 @@ class ModelConfig:
             eos_token_id=[] if eos is None else (eos if isinstance(eos, list) else [eos]))
 
 
-@dataclass
-class AttentionMetadata:
-    """What every layer's attention needs to find its sequences in the flat batch and the pool."""
-    slot_mapping: torch.Tensor      # [num_tokens] int64: where each new token's K/V is written
-    block_tables: torch.Tensor      # [num_seqs, max_blocks] int32
-    context_lens: torch.Tensor      # [num_seqs] int32, cached tokens including this step's
-    query_start_loc: torch.Tensor   # [num_seqs + 1] int32
-    backend: str = "torch"
-
-
 # ---------------------------------------------------------------------------- RoPE
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -100,91 +87,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return out.float()
 
 
-def apply_rope(x, cos, sin):
-    """Rotate-half RoPE (Hugging Face layout). x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, 1, head_dim/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-# ---------------------------------------------------------------------------- fused ops
-# Each layer's small elementwise ops (residual add + RMSNorm, RoPE, SwiGLU) cost a PyTorch
-# dispatch and a temporary each: ~10 per layer, 300 per decode step. csrc/fused_cpu.cpp does
-# each group in one pass over the rows. The plain-PyTorch versions below are the references
-# (and what runs on GPUs, in float16, or where the C++ build failed, after one warning).
-
-@functools.cache
-def _fused_cpu_built() -> bool:
-    return extensions.try_load("fused_cpu", "RMSNorm, RoPE and SwiGLU run as separate PyTorch ops (slower)")
-
-
-def fused_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _fused_cpu_built()
-
-
-def rms_norm_reference(x, weight, eps):
-    # normalise in float32 like transformers, whatever the compute dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
-
-
-def rms_norm(x, weight, eps, residual=None, fused=False):
-    """RMSNorm of x, or of residual + x when residual is given. -> (normed, new residual).
-    The new residual is x itself, or the sum; fused, the sum is written into `residual` and
-    the norm into `x` (both are this step's own temporaries)."""
-    if residual is None:
-        out = torch.ops.nanoserve_fused.rms_norm(x, weight, eps) if fused else rms_norm_reference(x, weight, eps)
-        return out, x
-    if fused:
-        torch.ops.nanoserve_fused.add_rms_norm_(x, residual, weight, eps)
-        return x, residual
-    residual = residual + x
-    return rms_norm_reference(residual, weight, eps), residual
-
-
-def rope_(qkv, cos, sin, num_heads, head_dim, fused=False):
-    """Rotate the first num_heads heads (q, then k) of every row of qkv [T, width] in place.
-    cos/sin: float32 [T, head_dim/2]."""
-    if fused:
-        return torch.ops.nanoserve_fused.rope_(qkv, cos, sin, num_heads, head_dim)
-    x = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)               # [T, heads, hd]
-    x.copy_(apply_rope(x, cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)))
-
-
-def silu_and_mul(gate_up, fused=False):
-    """SwiGLU's middle: silu(gate) * up, for gate_up = [gate | up] [T, 2 * intermediate]."""
-    if fused:
-        return torch.ops.nanoserve_fused.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)                                          # [T, intermediate] each
-    return F.silu(gate) * up
-
-
 # ---------------------------------------------------------------------------- dtype
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((l for l in f if l.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
-
-
-@functools.cache
-def cpu_bf16_native() -> tuple[bool, str]:
-    """(does this CPU multiply bfloat16 natively, why we think so). AMX tiles or AVX-512 BF16
-    dot products make bf16 matmuls run at twice fp32's rate (or more); without them oneDNN
-    emulates bf16 by converting to fp32 and bf16 only adds conversions."""
-    flags = _cpu_flags()
-    native = sorted(flags & {"amx_bf16", "avx512_bf16"})
-    if native:
-        return True, f"CPU flags {', '.join(native)}"
-    if not flags:   # no /proc/cpuinfo (macOS, Windows): ask oneDNN, which checks CPUID itself
-        ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        cap = torch.backends.cpu.get_cpu_capability()
-        return (ok and cap == "AVX512"), f"no /proc/cpuinfo; oneDNN bf16 support {ok}, torch CPU capability {cap}"
-    return False, "no amx_bf16 or avx512_bf16 in the CPU flags"
-
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -201,202 +104,6 @@ def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, st
 
 
 # ---------------------------------------------------------------------------- layers
-
-# Below this many rows csrc/linear_cpu.cpp streams the weight once and beats oneDNN on its
-# prepacked weight (see PACK_ROWS_HINT); from it on oneDNN wins. ms per pass over SmolLM2-135M's
-# 30 layers, cold cache, 2 Zen 4 cores, quiet (2026-11-23), at M = 1 / 2 / 3 / 4 / 5 / 6 / 8:
-# float32 kernel 21.6 / 19.1 / 20.9 / 23.4 / 25.6 / 27.2 / 31.1, packed oneDNN 26.1 / 26.1 / 24.5 /
-# 25.8 / 22.8 / 22.6 / 28.0; bfloat16 kernel 15.9 / 16.0 / 17.0 / 17.7 / 18.5 / 18.9 / 20.8,
-# packed oneDNN 17.4 / 16.9 / 16.0 / 15.1 / 16.6 / 16.9 / 19.1.
-SMALL_M_ROWS = 5
-SMALL_M_ROWS_BF16 = 3   # the bf16 kernel, where no bf16 panels run: AMX CPUs (dot products), AVX2 ones (shift and FMA)
-
-
-@functools.cache
-def _cpu_linear_kernels() -> tuple[bool, bool]:
-    """(small-M kernel built, oneDNN linear present); warns once for each that is missing."""
-    small_m = extensions.try_load("linear_cpu", "small-batch linear layers use oneDNN or F.linear (slower)")
-    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    if not onednn:
-        warnings.warn("torch has no oneDNN (mkldnn) linear; CPU linear layers use F.linear (slower)",
-                      RuntimeWarning)
-    return small_m, onednn
-
-
-# F.linear hands oneDNN a plain [N, K] weight, and oneDNN reorders it into its blocked layout on
-# every call: at 64 rows that reorder is a third of the matmul. Reordering once, at a layer's
-# first call (into the layout oneDNN picks for PACK_ROWS_HINT rows, which suits 16-512 rows
-# here), and calling _linear_pointwise on the packed copy removes it: a batch-64 pass over all SmolLM2-135M weights
-# took 84 ms plain and 55 ms packed in bfloat16, 151 and 106 ms in float32 (2 Zen 4 cores,
-# 2026-11-23; hints 128-1024 were within noise of each other, 64 was slower). The cost is a
-# second copy of each weight, since the small-M kernel reads the plain one.
-PACK_ROWS_HINT = 512
-
-
-@functools.cache
-def onednn_prepack_available() -> bool:
-    ok = _cpu_linear_kernels()[1] and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    if _cpu_linear_kernels()[1] and not ok:
-        warnings.warn("this torch cannot prepack oneDNN weights; CPU linear layers reorder them on "
-                      "every call (slower)", RuntimeWarning)
-    return ok
-
-
-@functools.cache
-def onednn_bf16_available() -> bool:
-    """oneDNN runs bfloat16 only where the CPU has AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an
-    AVX2-only CPU its bf16 reorder raises, and bf16 layers there run F.linear (slower; dtype auto
-    never picks bf16 on such a CPU)."""
-    ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if not ok:
-        warnings.warn("oneDNN has no bfloat16 path on this CPU; bfloat16 linear layers use F.linear "
-                      "(slower: float32 is the fast dtype here)", RuntimeWarning)
-    return ok
-
-
-# On an AVX2 CPU (no AVX-512) float32 layers run csrc/linear_cpu.cpp's register-blocked GEMM on
-# the weight repacked into panels of 16 columns, at every row count, instead of oneDNN on its
-# prepacked copy and the small-M kernel. ms per pass over all 121 of SmolLM2-135M's linear layers,
-# 2 AVX2 Zen 3 cores, 2026-11-24, at M = 1 / 4 / 8 / 16 / 32 / 64: panels 22.4 / 22.7 / 27.9 / 44.2
-# / 71.5 / 124.8, oneDNN 31.2 / 33.9 / 44.8 / 62.8 / 96.6 / 150.5 (small-M kernel at 1 / 4 rows
-# 21.8 / 24.7). With AVX-512, oneDNN's float32 matmul has 16-lane FMAs and this 8-lane kernel
-# does not, so oneDNN stays there.
-# Where the CPU has AVX512_BF16 and no AMX, bfloat16 layers run the same GEMM in bf16 (panels of
-# 32 columns, AVX-512 BF16 dot products), at every row count. ms per pass over the 121 layers, 2
-# Zen 4 cores, 2026-11-24 20:49 UTC, taking turns, at M = 1 / 8 / 16 / 32 / 64 / 128 / 512: panels
-# 8.4 / 9.3 / 14.4 / 24.9 / 48.4 / 87.6 / 350.1, oneDNN 14.2 / 16.6 / 21.0 / 31.3 / 57.4 / 94.9 /
-# 338.6: the weights stream at memory speed up to ~8 rows, where oneDNN reaches 60% of it. At 512
-# rows (a prefill step) oneDNN is 0-8% faster from one measurement to the next (the 120 layers
-# without lm_head: 303 against 327 ms at 21:49 UTC, 263 against 263 at 21:52): not worth a third
-# copy of every weight. With AMX, oneDNN's tile kernels do the bf16 matmuls (not measured here:
-# no AMX CPU).
-# LINEAR_PANELS = False turns the panels off (bench.py compares).
-LINEAR_PANELS = True
-PANEL_COLUMNS = {torch.float32: 16, torch.bfloat16: 32}   # output columns per panel (N must divide)
-
-
-@functools.cache
-def panels_available(dtype: torch.dtype) -> bool:
-    """Whether csrc's panel GEMM runs `dtype` on this CPU: float32 on AVX2 CPUs, bfloat16 on
-    CPUs with AVX512_BF16 and no AMX (see LINEAR_PANELS)."""
-    if not _cpu_linear_kernels()[0]:
-        return False
-    if dtype == torch.float32:
-        return torch.backends.cpu.get_cpu_capability() == "AVX2"
-    flags = _cpu_flags()
-    return dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The copy of a CPU float32/bfloat16 weight [N, K] that linear() reads: panels for our GEMM
-    at every row count (see LINEAR_PANELS), else oneDNN's blocked copy (a mkldnn tensor) from a
-    few rows up, or None where neither applies."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    pair = 2 if weight.dtype == torch.bfloat16 else 1                # bf16 panels hold K's values in pairs
-    if LINEAR_PANELS and panels_available(weight.dtype) and weight.shape[0] % PANEL_COLUMNS[weight.dtype] == 0 \
-            and weight.shape[1] % pair == 0:
-        return torch.ops.nanoserve_linear.pack_panels(weight.detach())
-    if not onednn_prepack_available() or (weight.dtype == torch.bfloat16 and not onednn_bf16_available()):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-
-
-def cpu_linear_path(dtype: torch.dtype) -> str:
-    """Which kernels linear() runs on this CPU at `dtype` (the engine logs it, bench.py prints it)."""
-    small_m, onednn = _cpu_linear_kernels()
-    if LINEAR_PANELS and dtype in PANEL_COLUMNS and panels_available(dtype):
-        simd = "AVX2" if dtype == torch.float32 else "AVX512_BF16"
-        return f"{str(dtype).removeprefix('torch.')}: csrc GEMM on weight panels ({simd}) at every row count"
-    if dtype == torch.bfloat16 and not (onednn and onednn_bf16_available()):
-        return "bfloat16: F.linear (no oneDNN bf16 path on this CPU)"
-    small = f"csrc small-M kernel below {SMALL_M_ROWS if dtype == torch.float32 else SMALL_M_ROWS_BF16} rows" if small_m else ""
-    return f"{str(dtype).removeprefix('torch.')}: " + ", ".join(filter(None, [small, "oneDNN on prepacked weights" if onednn else "F.linear"]))
-
-
-@dataclass
-class GGUFBlocks:
-    """A linear weight [N, K] from a GGUF file's Q4_1 or Q8_0 blocks (32 values along K each),
-    in the lane layout csrc/linear_cpu.cpp reads (described there; weights.write_gguf_blocks makes it):
-    Q4_1: qs uint8 [N, K/2], scales and mins float32 [N, K/32];  Q8_0: qs int8 [N, K], scales."""
-    qs: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None = None
-
-
-# Below this many rows a float32 layer with GGUF blocks reads them instead of its float32 weight
-# (a sixth of the bytes, more arithmetic to unpack them; the kernel takes rows in pairs, so 3 rows
-# cost two passes over the blocks). ms per pass over all 121 of SmolLM2-135M's linear layers, 2
-# AVX2 Zen 3 cores, 2026-11-24 (bench_hot.py gguf), at M = 1 / 2 / 3 / 4 / 8: blocks 18.1 / 17.6 /
-# 27.1 / 26.4 / 49.6, the float32 panels (LINEAR_PANELS) 27.3 / 26.1 / 24.7 / 25.1 / 32.2.
-GGUF_ROWS = 3
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, gguf: GGUFBlocks | None = None,
-           float_out: bool = False) -> torch.Tensor:
-    """F.linear, with faster kernels on CPU: the GGUF's blocks at a few rows where the layer has
-    them; our GEMM on the weight's panels (pack_weight) at any row count, in float32 on AVX2
-    CPUs and in bfloat16 on AVX512_BF16 ones without AMX;
-    elsewhere our small-M kernel for few rows (oneDNN and MKL are slow there), then oneDNN on the
-    prepacked weight, or on the plain one without it. float_out: return float32 whatever the dtype
-    (the logits); the bf16 panels then skip rounding their float32 sums to bf16 and back."""
-    if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
-        out = F.linear(x, weight, bias)
-        return out.float() if float_out else out
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # [M, K]
-    (M, K), N = x2.shape, weight.shape[0]
-    small_m, onednn = _cpu_linear_kernels()
-    bf16 = x.dtype == torch.bfloat16
-    if small_m and gguf is not None and not bf16 and M < GGUF_ROWS:
-        out = torch.ops.nanoserve_linear.linear_small_m_gguf(x2, gguf.qs, gguf.scales, gguf.mins, bias)
-    elif packed is not None and not packed.is_mkldnn:                    # panels, any M
-        out = torch.ops.nanoserve_linear.linear_panels(x2, packed, bias, float_out)
-    elif small_m and bf16 and M < SMALL_M_ROWS_BF16 and K % 32 == 0 and N % 4 == 0:
-        out = torch.ops.nanoserve_linear.linear_small_m_bf16(x2, weight.contiguous(), bias)
-    elif small_m and not bf16 and M < SMALL_M_ROWS and K % 8 == 0 and N % 4 == 0:
-        out = torch.ops.nanoserve_linear.linear_small_m(x2, weight.contiguous(), bias)
-    elif packed is not None:
-        out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
-    elif onednn and not bf16:
-        out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
-    else:
-        out = F.linear(x2, weight, bias)
-    out = out.float() if float_out else out                           # a no-op where it already is
-    return out.view(*x.shape[:-1], N)                                 # [..., N]
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) whose forward is linear() above, with the
-    weight's packed copy (pack_weight) made at the first call and remade if the weight is
-    replaced or changed, and the GGUF blocks weights.attach_gguf_blocks gave it (dropped if the
-    weight changes)."""
-    _packed = (None, None)                    # (which weight it was made from, packed copy)
-    _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
-
-    def forward(self, x, float_out=False):
-        return linear(x, self.weight, self.bias, *self.prepared(), float_out=float_out)
-
-    def weight_key(self):
-        w = self.weight
-        # inference tensors keep no version counter: for them only a new weight is noticed
-        return (w.data_ptr(), w.dtype, w.device, None if w.is_inference() else w._version)
-
-    def prepared(self) -> tuple[torch.Tensor | None, GGUFBlocks | None]:
-        """(the packed copy, GGUF blocks) for the current weight, checked with one key per
-        call (at batch 1 a step makes 121 of these calls): the copy is remade and the blocks
-        dropped once the weight is replaced or changed."""
-        key = self.weight_key()
-        if self._packed[0] != key:
-            self._packed = (key, pack_weight(self.weight))
-        return self._packed[1], (self._gguf[1] if self._gguf[0] == key else None)
-
-    def packed_weight(self) -> torch.Tensor | None:
-        return self.prepared()[0]
-
-    def gguf_blocks(self) -> GGUFBlocks | None:
-        return self.prepared()[1]
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):

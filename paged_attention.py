@@ -22,11 +22,23 @@ Query row j of sequence i sits at absolute position context_len - q_len + j and 
 attend to cached positions 0..that position (causal). Decode is simply q_len == 1.
 """
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import extensions
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs to find its sequences in the flat batch and the pool
+    (model_runner.py builds it once per step; every layer reads the same one)."""
+    slot_mapping: torch.Tensor      # [num_tokens] int64: where each new token's K/V is written (-1: nowhere)
+    block_tables: torch.Tensor      # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor      # [num_seqs] int32, cached tokens including this step's
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32
+    backend: str = "torch"
 
 
 def reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping):
@@ -81,7 +93,6 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, conte
             attn_mask=mask, scale=scale)
         out[qsl[i]:qsl[i + 1]] = o.transpose(0, 1)
     return out
-
 
 
 # ---- compiled backends ------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import errors
-from model import fused_ops_available
+from fused_ops import fused_ops_available
 from structured_output import StructuredOutputsParams, apply_grammar_masks
 
 MAX_LOGPROBS = 20

@@ -48,6 +48,8 @@ import errors
 import extensions
 import kv_cache
 from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer, write_gguf_tokenizer
+import cpu_linear as CL
+import fused_ops as FO
 import model as M
 import weights as W
 from engine import Engine, SamplingParams
@@ -395,7 +397,7 @@ def ragged_forward(net, seqs, block_size=16, kv_dtype=torch.float32, backend="to
         slots += [table[p // block_size] * block_size + p % block_size for p in range(len(s))]
         positions += range(len(s))
     qsl = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).int()
-    meta = M.AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
+    meta = pa.AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
                                torch.tensor([len(s) for s in seqs], dtype=torch.int32), qsl, backend)
     ids = torch.tensor([t for s in seqs for t in s])
     return net(ids, torch.tensor(positions), kv, meta, torch.arange(total))
@@ -425,9 +427,9 @@ def test_gguf_blocks_match_gguf_dequantize_and_transformers(hf_smollm, gguf_read
     # the default model's linear layers read the GGUF's own Q4_1/Q8_0 blocks at few rows
     # (csrc/linear_cpu.cpp); oracles: gguf-py's dequantize times x in float64, and transformers' logits
     from gguf import quants
-    monkeypatch.setattr(M, "GGUF_ROWS", 9)        # the blocks at up to 8 rows: odd tails, many row pairs
+    monkeypatch.setattr(CL, "GGUF_ROWS", 9)        # the blocks at up to 8 rows: odd tails, many row pairs
     net, cfg, _ = W.load_model(None)
-    linears = [m for m in net.modules() if isinstance(m, M.Linear)]
+    linears = [m for m in net.modules() if isinstance(m, CL.Linear)]
     assert net.gguf_log.startswith(f"{len(linears)} of {len(linears)} linear layers")
     assert all(m.gguf_blocks() is not None for m in linears)
     tensors = {t.name: t for t in gguf_reader.tensors}
@@ -441,10 +443,10 @@ def test_gguf_blocks_match_gguf_dequantize_and_transformers(hf_smollm, gguf_read
         w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy()).double()
         if "attn_k" in name:
             w = W._unpermute_rope_rows(w, cfg.num_key_value_heads)
-        for rows in (1, 3, M.GGUF_ROWS - 1):
+        for rows in (1, 3, CL.GGUF_ROWS - 1):
             x = torch.randn(rows, w.shape[1], generator=g)
             bias = torch.randn(lin.out_features, generator=g) if rows == 3 else None
-            got = M.linear(x, lin.weight, bias, None, lin.gguf_blocks())[:, lo:hi].double()
+            got = CL.linear(x, lin.weight, bias, None, lin.gguf_blocks())[:, lo:hi].double()
             ref = x.double() @ w.T + (0 if bias is None else bias[lo:hi].double())
             assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), f"{name} x {rows} rows"
     # end to end at few rows (8 rows: every linear reads the blocks) against transformers
@@ -465,8 +467,8 @@ BF16_LOGIT_ATOL, BF16_LOGIT_MEAN_ATOL, BF16_TOP1_FLOOR = 2.5, 0.3, 0.9
 
 
 def test_bfloat16_logits_match_transformers_in_bfloat16(hf_smollm):
-    if not M.cpu_bf16_native()[0]:
-        print(f"note: {M.cpu_bf16_native()[1]}: bfloat16 runs emulated here (slow, still checked)")
+    if not CL.cpu_bf16_native()[0]:
+        print(f"note: {CL.cpu_bf16_native()[1]}: bfloat16 runs emulated here (slow, still checked)")
     hf_bf16 = copy.deepcopy(hf_smollm).to(torch.bfloat16)
     net, _, _ = W.load_model(None, dtype=torch.bfloat16)
     assert net.gguf_log == "GGUF blocks unused: they serve float32 on CPU"
@@ -510,7 +512,7 @@ def test_logits_match_transformers_on_tiny_random_configs(tmp_path, arch):
 
 @pytest.fixture(scope="module")
 def fused_ops():
-    if not M._fused_cpu_built():
+    if not FO._fused_cpu_built():
         pytest.skip(f"csrc/fused_cpu.cpp could not be built: {extensions.failed.get('fused_cpu')}")
 
 
@@ -524,13 +526,13 @@ def test_fused_add_rms_norm_matches_reference(fused_ops, dtype):
     g = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(37, 576, generator=g) * 3).to(dtype), torch.randn(37, 576, generator=g).to(dtype)
     weight = torch.rand(576, generator=g).to(dtype) + 0.5
-    want_norm = M.rms_norm_reference(x, weight, 1e-5)
-    got_norm, same = M.rms_norm(x.clone(), weight, 1e-5, fused=True)
+    want_norm = FO.rms_norm_reference(x, weight, 1e-5)
+    got_norm, same = FO.rms_norm(x.clone(), weight, 1e-5, fused=True)
     torch.testing.assert_close(got_norm, want_norm, **FUSED_TOL[dtype])
     want_sum = residual + x
-    want = M.rms_norm_reference(want_sum, weight, 1e-5)
+    want = FO.rms_norm_reference(want_sum, weight, 1e-5)
     got, got_sum = \
-        M.rms_norm(x.clone(), weight, 1e-5, residual.clone(), fused=True)
+        FO.rms_norm(x.clone(), weight, 1e-5, residual.clone(), fused=True)
     assert torch.equal(got_sum, want_sum)                      # one rounded add, as PyTorch's
     torch.testing.assert_close(got, want, **FUSED_TOL[dtype])
 
@@ -542,9 +544,9 @@ def test_fused_rope_in_place_matches_reference(fused_ops, dtype):
     qkv = torch.randn(21, (9 + 2 * 3) * 64, generator=g).to(dtype)            # [T, (nh + 2 nkv) hd]
     freqs = torch.randint(0, 2048, (21, 1)).float() * M.rope_inv_freq(cfg)     # [T, hd/2]
     want = qkv.clone()
-    M.rope_(want, freqs.cos(), freqs.sin(), 12, 64)                             # q and k heads
+    FO.rope_(want, freqs.cos(), freqs.sin(), 12, 64)                             # q and k heads
     got = qkv.clone()
-    M.rope_(got, freqs.cos(), freqs.sin(), 12, 64, fused=True)
+    FO.rope_(got, freqs.cos(), freqs.sin(), 12, 64, fused=True)
     torch.testing.assert_close(got, want, **FUSED_TOL[dtype])
     assert torch.equal(got[:, 12 * 64:], qkv[:, 12 * 64:])                      # v untouched
     q = qkv[:, :64].view(21, 1, 64).float()                                     # hand-written rotate-half
@@ -558,7 +560,7 @@ def test_fused_silu_and_mul_matches_reference(fused_ops, dtype):
     g = torch.Generator().manual_seed(2)
     gate_up = (torch.randn(19, 2 * 1536, generator=g) * 6).to(dtype)           # covers both sigmoid branches
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])                   # saturated and zero
-    torch.testing.assert_close(M.silu_and_mul(gate_up, fused=True), M.silu_and_mul(gate_up), **FUSED_TOL[dtype])
+    torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=True), FO.silu_and_mul(gate_up), **FUSED_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -642,28 +644,28 @@ def smollm2_linear_weights():
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 300])   # both sides of SMALL_M_ROWS, odd counts
 def test_cpu_linear_matches_f_linear_on_smollm2_shapes(smollm2_linear_weights, rows):
-    small_m, onednn = M._cpu_linear_kernels()
-    if not (onednn or (small_m and rows < M.SMALL_M_ROWS)):   # M.linear would be F.linear itself
+    small_m, onednn = CL._cpu_linear_kernels()
+    if not (onednn or (small_m and rows < CL.SMALL_M_ROWS)):   # CL.linear would be F.linear itself
         pytest.skip(f"no fast linear for {rows} rows: linear_cpu.cpp {extensions.failed.get('linear_cpu', 'built')}, "
                     f"oneDNN {'present' if onednn else 'missing'}")
     for w in smollm2_linear_weights:
         x = torch.randn(rows, w.shape[1])
         ref = torch.nn.functional.linear(x, w)
-        assert torch.allclose(M.linear(x, w), ref, rtol=1e-4, atol=1e-4), f"{tuple(w.shape)} x {rows} rows"
+        assert torch.allclose(CL.linear(x, w), ref, rtol=1e-4, atol=1e-4), f"{tuple(w.shape)} x {rows} rows"
         if onednn:                                             # the engine's path: oneDNN's prepacked copy
-            got = M.linear(x, w, packed=M.pack_weight(w))
+            got = CL.linear(x, w, packed=CL.pack_weight(w))
             assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), f"packed {tuple(w.shape)} x {rows} rows"
     bias = torch.randn(960)                                    # qkv bias (Qwen2), 3-D input
     x = torch.randn(1, rows, 576)
     ref = torch.nn.functional.linear(x, smollm2_linear_weights[0], bias)
-    assert torch.allclose(M.linear(x, smollm2_linear_weights[0], bias), ref, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(CL.linear(x, smollm2_linear_weights[0], bias), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 171])   # each tile height; 171 > a row block at K = 576
 def test_linear_panels_match_float64_on_smollm2_shapes(smollm2_linear_weights, rows):
     # csrc/linear_cpu.cpp's float32 GEMM on weight panels (the AVX2 path of model.linear);
     # oracle: the same product in float64
-    if not M._cpu_linear_kernels()[0]:
+    if not CL._cpu_linear_kernels()[0]:
         pytest.skip(f"csrc/linear_cpu.cpp unavailable: {extensions.failed.get('linear_cpu')}")
     g = torch.Generator().manual_seed(rows)
     for w in smollm2_linear_weights:
@@ -676,7 +678,7 @@ def test_linear_panels_match_float64_on_smollm2_shapes(smollm2_linear_weights, r
             assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), f"{tuple(w.shape)} x {rows} rows"
     if rows == 1:
         w = smollm2_linear_weights[0]
-        uses_panels = M.panels_available(torch.float32) and not M.pack_weight(w).is_mkldnn
+        uses_panels = CL.panels_available(torch.float32) and not CL.pack_weight(w).is_mkldnn
         assert uses_panels == (torch.backends.cpu.get_cpu_capability() == "AVX2"), "panels: on AVX2 CPUs only"
         shifted = torch.empty(w.numel() + 1)[1:].view(w.shape[0] // 16, w.shape[1], 16)   # 4 bytes off
         with pytest.raises(RuntimeError, match="32-byte aligned"):
@@ -687,8 +689,8 @@ def test_linear_panels_match_float64_on_smollm2_shapes(smollm2_linear_weights, r
 def test_linear_panels_bfloat16_within_one_rounding_of_float64(smollm2_linear_weights, rows):
     # csrc/linear_cpu.cpp's bf16 GEMM on weight panels (AVX512_BF16 dot products: exact products,
     # float32 sums, one rounding to bf16); oracle: the same bf16 inputs multiplied in float64
-    flags = M._cpu_flags()
-    if not M._cpu_linear_kernels()[0] or "avx512_bf16" not in flags:
+    flags = CL.cpu_flags()
+    if not CL._cpu_linear_kernels()[0] or "avx512_bf16" not in flags:
         pytest.skip("bfloat16 panels need a CPU with AVX512_BF16 and csrc/linear_cpu.cpp built: "
                     f"avx512_bf16 {'present' if 'avx512_bf16' in flags else 'absent'}, "
                     f"linear_cpu.cpp {extensions.failed.get('linear_cpu', 'built')}")
@@ -714,9 +716,9 @@ def test_linear_panels_bfloat16_within_one_rounding_of_float64(smollm2_linear_we
                 f"float_out: {tuple(w.shape)} x {rows} rows, bias {b is not None}"
     if rows == 1:
         w16 = smollm2_linear_weights[0].bfloat16()
-        packed = M.pack_weight(w16)
+        packed = CL.pack_weight(w16)
         uses_panels = packed is not None and not packed.is_mkldnn
-        assert uses_panels == M.panels_available(torch.bfloat16) == ("amx_bf16" not in flags), \
+        assert uses_panels == CL.panels_available(torch.bfloat16) == ("amx_bf16" not in flags), \
             "bf16 panels: with AVX512_BF16 and without AMX"
         shifted = torch.empty(w16.numel() + 16, dtype=torch.bfloat16)[16:].view(30, 288, 32, 2)   # 32 bytes off
         with pytest.raises(RuntimeError, match="64-byte aligned"):
@@ -731,15 +733,15 @@ def test_cpu_linear_bfloat16_matches_float32_math_on_smollm2_shapes(smollm2_line
     for w in smollm2_linear_weights[:4]:
         w16, x16 = w.bfloat16(), torch.randn(rows, w.shape[1], generator=g).bfloat16()
         ref = torch.nn.functional.linear(x16.float(), w16.float())
-        for packed in (None, M.pack_weight(w16)):              # plain, and the engine's prepacked copy
-            got = M.linear(x16, w16, packed=packed)
+        for packed in (None, CL.pack_weight(w16)):              # plain, and the engine's prepacked copy
+            got = CL.linear(x16, w16, packed=packed)
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=2e-3,
                                        msg=f"{tuple(w.shape)} x {rows} rows, packed {packed is not None}")
     bias = torch.randn(960, generator=g).bfloat16()
     x16 = torch.randn(rows, 576, generator=g).bfloat16()
     ref = torch.nn.functional.linear(x16.float(), smollm2_linear_weights[0].bfloat16().float(), bias.float())
-    torch.testing.assert_close(M.linear(x16, smollm2_linear_weights[0].bfloat16(), bias).float(), ref,
+    torch.testing.assert_close(CL.linear(x16, smollm2_linear_weights[0].bfloat16(), bias).float(), ref,
                                rtol=8e-3, atol=2e-3)
 
 
@@ -747,13 +749,13 @@ def test_cpu_linear_bfloat16_matches_float32_math_on_smollm2_shapes(smollm2_line
 def test_linear_module_repacks_when_its_weight_changes(dtype):
     # the packed copy is a cache of the weight: after an in-place edit or a new weight, the
     # output must follow the weight (oracle: F.linear in float32 on the current weight)
-    if not M.onednn_prepack_available():
-        pytest.skip("this torch has no oneDNN weight prepacking: M.Linear runs on the plain weight")
-    if dtype == torch.bfloat16 and not M.onednn_bf16_available():
-        assert M.pack_weight(torch.randn(960, 576).bfloat16()) is None       # F.linear instead: no raise
+    if not CL.onednn_prepack_available():
+        pytest.skip("this torch has no oneDNN weight prepacking: CL.Linear runs on the plain weight")
+    if dtype == torch.bfloat16 and not CL.onednn_bf16_available():
+        assert CL.pack_weight(torch.randn(960, 576).bfloat16()) is None       # F.linear instead: no raise
         pytest.skip("oneDNN has no bfloat16 path on this CPU (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     torch.manual_seed(0)
-    layer = M.Linear(576, 960, bias=False).to(dtype)
+    layer = CL.Linear(576, 960, bias=False).to(dtype)
     x = torch.randn(64, 576).to(dtype)                          # 64 rows: the oneDNN path
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=4e-3)
     with torch.inference_mode():
@@ -768,27 +770,27 @@ def test_linear_module_repacks_when_its_weight_changes(dtype):
 
 
 def test_cpu_linear_without_fast_kernels_warns_once_and_uses_f_linear(monkeypatch):
-    if not M._cpu_linear_kernels()[0]:
+    if not CL._cpu_linear_kernels()[0]:
         pytest.skip("no C++ compiler: csrc/linear_cpu.cpp could not be built")
     def broken(kind):
         raise RuntimeError("no compiler")
     monkeypatch.setattr(extensions, "load", broken)
     monkeypatch.setattr(extensions, "failed", {})
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    M._cpu_linear_kernels.cache_clear()
-    M.onednn_prepack_available.cache_clear()
+    CL._cpu_linear_kernels.cache_clear()
+    CL.onednn_prepack_available.cache_clear()
     try:
         x, w = torch.randn(3, 64), torch.randn(32, 64)
         with pytest.warns(RuntimeWarning) as record:
-            assert torch.equal(M.linear(x, w), torch.nn.functional.linear(x, w))
+            assert torch.equal(CL.linear(x, w), torch.nn.functional.linear(x, w))
         messages = " ".join(str(r.message) for r in record)
         assert "linear_cpu.cpp unavailable" in messages and "no oneDNN" in messages
         with warnings.catch_warnings():
             warnings.simplefilter("error")                    # a second warning would raise
-            M.linear(x, w)
+            CL.linear(x, w)
     finally:
-        M._cpu_linear_kernels.cache_clear()                    # later tests rebuild the real answer
-        M.onednn_prepack_available.cache_clear()
+        CL._cpu_linear_kernels.cache_clear()                    # later tests rebuild the real answer
+        CL.onednn_prepack_available.cache_clear()
 
 
 # ============================================================================ engine.py / scheduler.py
@@ -1675,7 +1677,7 @@ def test_engine_packs_every_linear_weight_before_the_first_request(tiny):
     # Engine() makes each linear layer's packed copy for the CPU kernels (pack_weight) at load, so
     # the first request (the first after serve.py says it is up) does not wait for it
     llm = tiny_llm(tiny)
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, M.Linear)]
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, CL.Linear)]
     assert layers and llm.engine.num_steps == 0
     assert all(layer._packed[0] == layer.weight_key() for layer in layers)
 
@@ -1848,7 +1850,7 @@ def test_static_mode_under_memory_pressure_runs_smaller_batches(tiny):
 
 SEEDED_CASES = {   # engine settings, unseeded neighbours, what must have happened (rows and tokens per step)
     "alone": (dict(), 0, lambda eng, rows, tokens: max(rows) == 2),
-    "past_small_m_rows": (dict(), 32, lambda eng, rows, tokens: max(rows) > M.SMALL_M_ROWS > min(rows)),
+    "past_small_m_rows": (dict(), 32, lambda eng, rows, tokens: max(rows) > CL.SMALL_M_ROWS > min(rows)),
     "preemption": (dict(kv_cache_memory=6 * TINY_BLOCK_BYTES), 4,
                    lambda eng, rows, tokens: eng.scheduler.num_preemptions > 0),
     "chunking": (dict(max_num_batched_tokens=4), 2, lambda eng, rows, tokens: max(tokens) == 4),
@@ -2074,13 +2076,13 @@ def syntax_check(sources, flags):
 def test_paged_attention_simd_paths_compile_for_the_simd_width_this_cpu_lacks():
     # The decode and prefill paths are one source for AVX-512 (16 floats per register) and AVX2 (8); the tests
     # above run the one this CPU has, so this checks the other still compiles (~10 s).
-    syntax_check(["paged_attention_cpu.cpp"], AVX2_FLAGS if "avx512f" in M._cpu_flags() else AVX512_FLAGS)
+    syntax_check(["paged_attention_cpu.cpp"], AVX2_FLAGS if "avx512f" in CL.cpu_flags() else AVX512_FLAGS)
 
 
 def test_linear_bfloat16_panels_compile_where_the_cpu_lacks_avx512_bf16():
     # the bf16 panel GEMM is #if'd on AVX512_BF16: where this CPU has it, the tests above build and
     # run it; elsewhere this checks that it still compiles (~10 s)
-    if "avx512_bf16" in M._cpu_flags():
+    if "avx512_bf16" in CL.cpu_flags():
         pytest.skip("this CPU has AVX512_BF16: test_linear_panels_bfloat16_within_one_rounding_of_float64 builds and runs the code")
     syntax_check(["linear_cpu.cpp"], AVX512_FLAGS + ["-mavx512bf16"])
 
@@ -2098,17 +2100,17 @@ AVX2_NUMERICS = """
 import sys, torch, extensions
 for build in extensions.BUILDS.values():   # this process builds and loads the AVX2-only variants
     build["extra_cflags"] = [f for f in build.get("extra_cflags", []) if f != "-march=native"] + sys.argv[1:]
-import model as M, paged_attention as pa, test_all as T
+import cpu_linear as CL, fused_ops as FO, paged_attention as pa, test_all as T
 for kind in ("cpu", "linear_cpu", "fused_cpu", "grammar_cpu"):
     extensions.load(kind)
 for kv in (torch.float32, torch.bfloat16):
     T.check_against_reference(lambda *b: pa.paged_attention(*b, backend="cpu"), T.make_batch(*T.MIXED, kv_dtype=kv), T.ATOL[kv])
 x, w = torch.randn(3, 576), torch.randn(960, 576)
-torch.testing.assert_close(M.linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
-got = M.linear(x.bfloat16(), w.bfloat16()).float()
+torch.testing.assert_close(CL.linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+got = CL.linear(x.bfloat16(), w.bfloat16()).float()
 torch.testing.assert_close(got, torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float()), rtol=8e-3, atol=2e-2)
 gu = torch.randn(5, 64) * 4
-torch.testing.assert_close(M.silu_and_mul(gu, fused=True), M.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(FO.silu_and_mul(gu, fused=True), FO.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
 import structured_output as so
 bits, logits = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32), torch.randn(4, 1000)
 got, want = logits.clone(), logits.clone()
@@ -3457,10 +3459,10 @@ def test_bench_quick_reports_every_section(tmp_path):
                                   and fused["fastest_step"] in ("csrc", "plain"))
     gguf = r["gguf_blocks"]                  # the default model's layers on its GGUF blocks, and without; the
     # blocks hold float32 values, so where dtype auto picks bfloat16 the section says why it did not run
-    assert (("skipped" in gguf) == M.cpu_bf16_native()[0]) and ("skipped" in gguf or all(
+    assert (("skipped" in gguf) == CL.cpu_bf16_native()[0]) and ("skipped" in gguf or all(
         v["gguf_ms"] > 0 and v["float32_ms"] > 0 for part in ("per_pass", "step") for v in gguf[part].values()))
     panels = r["panels"]                     # panels vs oneDNN at dtype auto: both ran where panels run, else why not
-    assert (("skipped" in panels) != M.panels_available(M.resolve_dtype("auto", torch.device("cpu"))[0])) and ("skipped" in panels or all(
+    assert (("skipped" in panels) != CL.panels_available(M.resolve_dtype("auto", torch.device("cpu"))[0])) and ("skipped" in panels or all(
         v["panels_ms"] > 0 and v["onednn_ms"] > 0 for part in ("per_pass", "step") for v in panels[part].values()))
     cow = r["copy_on_write"]                 # blocks held, against the closed form
     assert cow["cow_peak_blocks"] == cow["one_prompt_plus_4_tails"] < cow["separate_peak_blocks"] == cow["four_copies"]

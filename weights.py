@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import extensions
-from model import GGUF_ROWS, GGUFBlocks, Linear, Llama, ModelConfig, _cpu_linear_kernels
+from cpu_linear import GGUF_ROWS, GGUFBlocks, Linear, _cpu_linear_kernels
+from model import Llama, ModelConfig
 
 
 def embedded_gguf_path() -> str:

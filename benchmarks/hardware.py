@@ -24,7 +24,7 @@ def model_linear_shapes(engine):
 def matmul_gflops(m, k, n, dtype, repeats):
     """GFLOP/s of y = a @ w.T: the faster of torch.mm and model.linear on the weight's packed copy
     (the engine's path: on an AVX2 CPU in float32, our GEMM on weight panels)."""
-    from model import linear, pack_weight
+    from cpu_linear import linear, pack_weight
     dev = bench_device()
     a, w = torch.randn(m, k, dtype=dtype, device=dev), torch.randn(n, k, dtype=dtype, device=dev)
     packed = pack_weight(w)
@@ -41,7 +41,7 @@ def matmul_forward_time(engine, shapes, batch, dtype, repeats):
     """Seconds for only the linear layers of one forward at `batch` tokens: the attainable floor, taken as
     the faster of torch.mm on the same shapes and dtype and the engine's own layers (model.Linear: its
     prepacked weights, and the GGUF blocks below model.GGUF_ROWS rows where it has them)."""
-    from model import Linear
+    from cpu_linear import Linear
     dev = bench_device()
     ws = [torch.randn(n, k, dtype=dtype, device=dev) for k, n in shapes]
     layers = [m for m in engine.model.modules() if isinstance(m, Linear)]

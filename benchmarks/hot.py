@@ -20,6 +20,8 @@ import time
 import torch
 
 import extensions
+import cpu_linear as CL
+import fused_ops as FO
 import model as M
 from benchmarks.harness import bench_device, decode_kernel_inputs, random_prompt, time_fn
 import paged_attention as pa
@@ -114,9 +116,9 @@ def matmul_only_ms(engine, batch, repeats=3) -> float:
     """Time of only the model's linear layers at `batch` rows, in the engine's dtype, through
     model.linear on each layer's prepacked weight and GGUF blocks (the path the engine takes): the
     matmul roofline of a decode step."""
-    layers = [m for m in engine.model.modules() if isinstance(m, M.Linear)]
+    layers = [m for m in engine.model.modules() if isinstance(m, CL.Linear)]
     xs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in layers}
-    run = lambda: [M.linear(xs[m.in_features], m.weight, m.bias, *m.prepared()) for m in layers]   # noqa: E731
+    run = lambda: [CL.linear(xs[m.in_features], m.weight, m.bias, *m.prepared()) for m in layers]   # noqa: E731
     run()
     return time_fn(run, repeats, warmup=0)[0] * 1e3
 
@@ -140,10 +142,10 @@ def fused_op_cases(rows, dtype, hidden=576, inter=1536, heads=9, kv_heads=3, hea
     ang = torch.rand(rows, head_dim // 2, generator=g) * 6.28
     cos, sin = ang.cos(), ang.sin()                                                        # float32 [T, head_dim/2]
     gate_up = torch.randn(rows, 2 * inter, generator=g).to(dtype)                           # [T, 2 * inter]
-    return {"residual add + RMSNorm": (lambda: M.rms_norm(x, w, eps, res), lambda: M.rms_norm(x, w, eps, res, True)),
-            "RoPE on q and k (in place)": (lambda: M.rope_(qkv, cos, sin, heads + kv_heads, head_dim),
-                                           lambda: M.rope_(qkv, cos, sin, heads + kv_heads, head_dim, True)),
-            "SwiGLU": (lambda: M.silu_and_mul(gate_up), lambda: M.silu_and_mul(gate_up, True))}
+    return {"residual add + RMSNorm": (lambda: FO.rms_norm(x, w, eps, res), lambda: FO.rms_norm(x, w, eps, res, True)),
+            "RoPE on q and k (in place)": (lambda: FO.rope_(qkv, cos, sin, heads + kv_heads, head_dim),
+                                           lambda: FO.rope_(qkv, cos, sin, heads + kv_heads, head_dim, True)),
+            "SwiGLU": (lambda: FO.silu_and_mul(gate_up), lambda: FO.silu_and_mul(gate_up, True))}
 
 
 def _compile_fused_ops(rows, dtype) -> tuple[dict, str | None, float | None]:
@@ -170,7 +172,7 @@ def fused_ops_vs_compile(rows=(64, 512), batch=64, engine=None, steps=6, calls=2
     compile_ops=False, or a compile that fails, leaves torch.compile out and says why."""
     engine = engine or _engine()
     dtype = engine.dtype
-    if not M.fused_ops_available(engine.device, dtype):
+    if not FO.fused_ops_available(engine.device, dtype):
         return {"skipped": f"csrc/fused_cpu.cpp does not run here ({engine.device.type}, {dtype}, or its build failed)"}
     compiled, why_not, compile_s = ({}, "not run (--quick: compiling takes tens of seconds)", None) if not compile_ops \
         else _compile_fused_ops(rows, dtype)
@@ -206,15 +208,15 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, s
     model at each row count, then a decode step at each batch, the engine with and without
     blocks taking turns `rounds` times."""
     engine = engine or _engine()
-    layers = [m for m in engine.model.modules() if isinstance(m, M.Linear)]
+    layers = [m for m in engine.model.modules() if isinstance(m, CL.Linear)]
     if not any(m.gguf_blocks() is not None for m in layers):
         return {"skipped": engine.model.gguf_log or "no layer has GGUF blocks"}
     off = {"GGUF_ROWS": 0}                                    # linear() never takes the blocks
     per_pass = {}
     for r in rows:
         xs = {m.in_features: torch.randn(r, m.in_features) for m in layers}
-        run = lambda: [M.linear(xs[m.in_features], m.weight, m.bias, *m.prepared()) for m in layers]   # noqa: E731
-        with _swapped({"GGUF_ROWS": max(r + 1, M.GGUF_ROWS)}):   # the blocks at every row count here
+        run = lambda: [CL.linear(xs[m.in_features], m.weight, m.bias, *m.prepared()) for m in layers]   # noqa: E731
+        with _swapped({"GGUF_ROWS": max(r + 1, CL.GGUF_ROWS)}, CL):   # the blocks at every row count here
             run()
             blocks_ms = time_fn(run, repeats, warmup=0)[0] * 1e3
         with _swapped(off):
@@ -228,7 +230,7 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, s
                 with _swapped({} if mode == "gguf" else off):
                     times[b, mode].append(decode_steps(engine, b, steps=steps)["step_ms_median"])
     step = {b: {f"{mode}_ms": min(times[b, mode]) for mode in ("gguf", "float32")} for b in batches}
-    return {"log": engine.model.gguf_log, "gguf_rows": M.GGUF_ROWS, "repeats": repeats, "rounds": rounds,
+    return {"log": engine.model.gguf_log, "gguf_rows": CL.GGUF_ROWS, "repeats": repeats, "rounds": rounds,
             "per_pass": per_pass, "step": step}
 
 
@@ -240,7 +242,7 @@ def panels_vs_onednn(rows=(1, 8, 64, 256), batches=(16, 64), steps=6, repeats=3,
     turns `rounds` times."""
     dtype, why = M.resolve_dtype("auto", torch.device("cpu"))
     name = str(dtype).removeprefix("torch.")
-    if not M.panels_available(dtype):
+    if not CL.panels_available(dtype):
         return {"skipped": f"no {name} panels here (dtype {why}; float32 panels run on AVX2 only, bfloat16 "
                            f"ones with AVX512_BF16 and no AMX): torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
                            f"linear_cpu.cpp {extensions.failed.get('linear_cpu', 'built')}"}
@@ -249,13 +251,13 @@ def panels_vs_onednn(rows=(1, 8, 64, 256), batches=(16, 64), steps=6, repeats=3,
         with _swapped({"LINEAR_PANELS": mode == "panels"}):   # the engine's layers pack at their first call
             engines[mode] = _engine(dtype=name)
             decode_steps(engines[mode], 1, steps=1)
-    layers = {mode: [m for m in e.model.modules() if isinstance(m, M.Linear)] for mode, e in engines.items()}
+    layers = {mode: [m for m in e.model.modules() if isinstance(m, CL.Linear)] for mode, e in engines.items()}
     per_pass = {}
     for r in rows:
         xs = {m.in_features: torch.randn(r, m.in_features, dtype=dtype) for m in layers["panels"]}
         per_pass[r] = {}
         for mode, ls in layers.items():
-            run = lambda: [M.linear(xs[m.in_features], m.weight, m.bias, m.prepared()[0]) for m in ls]   # noqa: E731
+            run = lambda: [CL.linear(xs[m.in_features], m.weight, m.bias, m.prepared()[0]) for m in ls]   # noqa: E731
             run()
             per_pass[r][f"{mode}_ms"] = time_fn(run, repeats, warmup=0)[0] * 1e3
     times = {(b, mode): [] for b in batches for mode in engines}
@@ -279,7 +281,7 @@ def compiled_forward_step(batch=64, steps=6, rounds=2, freeze=True) -> dict:
     model = compiled.model
     model.use_fused_ops = False                  # inductor fuses the plain references itself
     for mod in model.modules():
-        if isinstance(mod, M.Linear):
+        if isinstance(mod, CL.Linear):
             mod.__class__ = torch.nn.Linear      # same parameters, F.linear forward
     inner = torch.compile(M.Llama.forward.__wrapped__, dynamic=True)   # inference_mode tensors trip dynamo
 
@@ -311,16 +313,16 @@ def _register_fake_attention_ops(backend):
 
 
 @contextlib.contextmanager
-def _swapped(replacements):
-    """model.py's functions replaced by `replacements` (name -> fn) for the duration."""
-    saved = {name: getattr(M, name) for name in replacements}
+def _swapped(replacements, module=M):
+    """A module's globals (model.py's by default) replaced by `replacements` (name -> value) for the duration."""
+    saved = {name: getattr(module, name) for name in replacements}
     for name, fn in replacements.items():
-        setattr(M, name, fn)
+        setattr(module, name, fn)
     try:
         yield
     finally:
         for name, fn in saved.items():
-            setattr(M, name, fn)
+            setattr(module, name, fn)
 
 
 # ---------------------------------------------------------------------------- the offline peer workload
@@ -356,12 +358,12 @@ def bf16_linear_table(rows=(1, 8, 32, 64, 128, 512), repeats=3) -> dict:
     import torch.nn.functional as F
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
     ws = {dt: [torch.randn(n, k).to(dt) for k, n in shapes] for dt in (torch.float32, torch.bfloat16)}
-    packs = {id(w): M.pack_weight(w) for dt in ws for w in ws[dt]}
-    prepacked = lambda x, w: M.linear(x, w, packed=packs[id(w)])   # noqa: E731
+    packs = {id(w): CL.pack_weight(w) for dt in ws for w in ws[dt]}
+    prepacked = lambda x, w: CL.linear(x, w, packed=packs[id(w)])   # noqa: E731
     paths = {"float32 model.linear": (torch.float32, prepacked),
-             "float32 unpacked": (torch.float32, M.linear),
+             "float32 unpacked": (torch.float32, CL.linear),
              "bfloat16 model.linear": (torch.bfloat16, prepacked),
-             "bfloat16 unpacked": (torch.bfloat16, M.linear),
+             "bfloat16 unpacked": (torch.bfloat16, CL.linear),
              "bfloat16 F.linear": (torch.bfloat16, F.linear),
              "bfloat16 onednn": (torch.bfloat16,
                                  lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))}
