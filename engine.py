@@ -1,38 +1,38 @@
 """
-The engine: one step of continuous batching.
+The engine: one step of continuous batching, and the requests it serves.
 
-Engine.step() is the whole loop body, in the order data flows:
-  scheduler.schedule()  -> which sequences run and how many tokens each (scheduler.py)
-  build the flat batch  -> input ids, positions, slot mapping, block tables, context lens,
-                           query offsets (no padding: tokens of all sequences packed)
-  model forward         -> logits for the last token of each sequence that completes its chunk
-  sample                -> next tokens (sampler.py: penalties, logit_bias, min_tokens and grammar
-                           masks from structured_output.py, each on just the rows that ask)
-  update                -> append tokens, detokenize, check stop conditions, retire finished
-                           sequences (their blocks return to the pool this very step)
-llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from engine_core.py,
-in a process of its own.
-Owns requests, their outputs and metrics (prompt logprobs included: extra logits rows of the
-prefill the request already does); validates input at the edge (add_request).
+Engine.step() is the loop body, three calls in the order data flows (as nano-vllm's):
+  schedule()     -> scheduler.py picks the rows: which sequences run, how many tokens each,
+                    which block copies run first and which rows sample a token
+  run_model()    -> model_runner.py packs the rows into flat tensors (no padding between rows)
+                    and runs the model: logits for the rows that sample (and prompt-logprob rows)
+  postprocess()  -> sampler.py draws the next tokens (penalties, logit_bias, min_tokens and
+                    grammar masks on just the rows that ask); then append tokens, detokenize,
+                    check stop conditions and retire finished sequences (their blocks return to
+                    the pool this very step), and build each touched request's RequestOutput
+llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from
+engine_core.py, in a process of its own. Owns requests and their outputs (sequence.py holds the
+records); validates input once, at the edge (add_request).
 """
+import contextlib
 import functools
 import itertools
 import os
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 
 import paged_attention
+from cpu_linear import cpu_linear_path
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
-from cpu_linear import cpu_linear_path
 from model import resolve_dtype
-from paged_attention import AttentionMetadata
+from model_runner import ModelRunner
 from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
-from scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence, Status
+from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
@@ -80,17 +80,16 @@ class EngineStats:
     num_steps: int
     prompt_tokens_total: int            # prompt tokens computed (cache hits are not)
     generation_tokens_total: int
-    num_seqs_last_step: int             # real rows of the last step (padding rows are counted below)
+    num_seqs_last_step: int             # real rows of the last step (scratch rows are counted below)
     num_batched_tokens_last_step: int   # their tokens
-    num_padding_last_step: int          # static batching: finished members still computed
-    num_prompt_padding_last_step: int   # static batching: left-padding rows of short prompts
+    num_padding_last_step: int = 0      # static_scheduler.py's scratch rows: finished members still computed
+    num_prompt_padding_last_step: int = 0   # and left padding of short prompts
 
 
 @dataclass(frozen=True)
 class PromptLimits:
-    """What any prompt must fit on this engine. The engine checks it at add_request; serve.py's front
-    end, which has no Engine, checks the same numbers before queueing, so a bad request fails before
-    its stream starts."""
+    """What any prompt must fit on this engine, checked at add_request. serve.py's front end reads
+    the numbers (its default max_tokens, /v1/models) from the copy the engine core sends it."""
     vocab_size: int
     max_model_len: int
     block_size: int
@@ -107,11 +106,11 @@ class PromptLimits:
         total, limit = len(ids) + max_tokens, self.max_model_len
         if len(ids) >= limit:
             raise InvalidRequest("prompt", f"prompt has {len(ids)} tokens; the context length is "
-                                           f"max_model_len={limit}")
+                                           f"max_model_len={limit}", "context_length_exceeded")
         if total > limit:
             raise InvalidRequest("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} "
                                                f"exceeds the context length max_model_len={limit}; use at most "
-                                               f"{limit - len(ids)}")
+                                               f"{limit - len(ids)}", "context_length_exceeded")
         if -(-total // self.block_size) > self.usable_blocks:
             raise InvalidRequest("prompt", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
                                            f"({self.usable_blocks} blocks of {self.block_size}); raise "
@@ -120,93 +119,21 @@ class PromptLimits:
 
 @dataclass
 class PhaseTimes:
-    """Seconds spent in each phase of Engine.step, summed over steps (bench.py reads it).
+    """Seconds spent in each phase of Engine.step, summed over steps (bench.py reads them).
     On a GPU `forward` only counts the launch unless the sampler's .tolist() syncs first."""
     schedule: float = 0.0
-    prepare: float = 0.0                # block ops and building the flat batch tensors
+    prepare: float = 0.0                # block copies and building the flat batch tensors
     forward: float = 0.0
     sample: float = 0.0
     update: float = 0.0                 # append tokens, detokenize, stop checks, outputs
 
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-
-    @property
-    def ttft(self):
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_latency(self):
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-    @property
-    def tpot(self):
-        """Mean time per output token after the first."""
-        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
-            return None
-        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[dict] | None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    stop_reason: str | int | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-    prompt_logprobs: list[dict[int, float] | None] | None = None   # None for the first prompt token
-
-
-@dataclass
-class Completion:
-    """One of a request's n samples as it is being generated."""
-    index: int
-    seq: Sequence | None
-    detok: IncrementalDetokenizer
-    sampling: SamplingState           # its seed's generator, token counts for penalties, its grammar
-    text: str = ""
-    emitted_text: int = 0             # chars of text already sent as deltas
-    emitted_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list | None = None
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    completions: list[Completion]
-    metrics: RequestMetrics
-    prompt_logprobs: list | None = None   # filled chunk by chunk during prefill; entry j is token j's
-    cache_salt: str | None = None         # prefix-cache blocks are shared only between requests with the same salt
-
-    @property
-    def finished(self):
-        return all(c.finish_reason is not None for c in self.completions)
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
 
 
 class Engine:
@@ -239,6 +166,7 @@ class Engine:
         self.eos_token_ids = set(mc.eos_token_id) | {self.tokenizer.eos_token_id} - {None}
         self.attention_backend = paged_attention.resolve_backend(config.attention_backend, self.device.type)
         self._init_kv_cache(dtype)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, self.device, self.attention_backend)
         self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
@@ -247,7 +175,7 @@ class Engine:
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
         self.grammars: GrammarCompiler | None = None                   # built at the first structured request
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
-        self.last_step = step_counts(ScheduledBatch([], []))
+        self.last_step = self.scheduler.step_counts(ScheduledBatch([], []))
         self.phase_times = PhaseTimes()
 
     def _init_kv_cache(self, dtype):
@@ -267,7 +195,9 @@ class Engine:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None):
-        """Validate and queue a request. Raises InvalidRequest (naming the field) and changes nothing on bad input."""
+        """Validate and queue a request: the one place input is checked. Raises InvalidRequest
+        (naming the field) and changes nothing on bad input. arrival_time (time.monotonic(), which
+        every process shares) lets a front end count TTFT from when its client's request arrived."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
         need(request_id not in self.requests, "request_id", "unused", request_id)
@@ -320,72 +250,57 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()   # the sampler edits the model's logits in place: they are inference tensors
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        self.last_step = step_counts(batch)
-        t1 = time.perf_counter()
-        self.kv_pool.run(batch.block_ops)                   # swaps and copy-on-write, before the forward
+        batch = self.schedule()
         if not batch.seqs:
             return []
-        input_ids, positions, meta, logits_indices = self._build_batch(batch)
-        prompt_indices, prompt_plan = self._prompt_logprob_rows(batch)
-        num_sampled = len(logits_indices)
-        if prompt_indices:                                  # prompt logprobs: more rows of the same forward
-            logits_indices = torch.cat([logits_indices, torch.tensor(prompt_indices, device=self.device)])
-        t2 = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_pool.kv_caches, meta, logits_indices)  # [num_sampled (+ prompt rows), vocab]
-        if prompt_indices:
-            self._record_prompt_logprobs(logits[num_sampled:], prompt_plan)
+        prompt_rows = self.prompt_logprob_rows(batch)       # prompt logprobs: more logits rows of this forward
+        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: an extra forward
+            self.record_prompt_logprobs(self.runner.forward_cached(seq, lo, hi), [(seq.request, lo, hi)])
+        logits = self.run_model(batch, prompt_rows.rows)    # [num_sampled + prompt rows, vocab]
+        return self.postprocess(batch, logits, prompt_rows)
+
+    def schedule(self) -> ScheduledBatch:
+        with self.phase_times.phase("schedule"):
+            batch = self.scheduler.schedule()
+            self.last_step = self.scheduler.step_counts(batch)
+        return batch
+
+    def run_model(self, batch: ScheduledBatch, extra_rows: list[int]) -> torch.Tensor:
+        with self.phase_times.phase("prepare"):
+            inputs = self.runner.prepare(batch, extra_rows)
+        with self.phase_times.phase("forward"):
+            return self.runner.forward(inputs)
+
+    def postprocess(self, batch: ScheduledBatch, logits, prompt_rows: "PromptLogprobRows") -> list[RequestOutput]:
+        """Record prompt logprobs, mark the scheduled tokens computed, sample one token for every
+        completion whose sequence finished its chunk, and apply each token."""
+        num_sampled = len(batch.sample_rows)
+        if prompt_rows.rows:
+            self.record_prompt_logprobs(logits[num_sampled:], prompt_rows.plan)
             logits = logits[:num_sampled]
-        t3 = time.perf_counter()
         self.num_steps += 1
+        real = batch.num_real_rows
         self.num_prompt_tokens += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
-                                      for s, n in zip(batch.seqs, batch.num_tokens) if not s.is_padding)
+                                      for s, n in zip(batch.seqs[:real], batch.num_tokens[:real]))
         ready = self.scheduler.finish_step(batch)           # the sequences that sample a token now
-        outputs = self._sample_and_update(logits, ready)
-        p = self.phase_times
-        p.schedule, p.prepare, p.forward = p.schedule + t1 - t0, p.prepare + t2 - t1, p.forward + t3 - t2
-        return outputs
+        with self.phase_times.phase("sample"):
+            completions, tokens, logprobs = self._sample(logits, ready)
+        with self.phase_times.phase("update"):
+            now, touched = time.monotonic(), {}
+            for c, tok, lp in zip(completions, tokens, logprobs):
+                self._append_token(c, tok, lp, now)
+                touched[c.seq.request.request_id] = c.seq.request
+            return [self._make_output(req) for req in touched.values()]
 
-    def _build_batch(self, batch):
-        """Pack the scheduled tokens of every row into flat tensors (no padding between rows).
-        Per-row Python only: positions and slots for all tokens are computed as tensors."""
-        bs, seqs = self.config.block_size, batch.seqs
-        starts = [s.num_computed_tokens for s in seqs]
-        input_ids = [t for s, a, n in zip(seqs, starts, batch.num_tokens) for t in s.token_ids[a:a + n]]
-        q_lens = torch.tensor(batch.num_tokens)                                   # [num_rows]
-        ctx_lens = torch.tensor(starts) + q_lens                                  # [num_rows]
-        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=qsl[1:])                                      # [num_rows + 1]
-        # numpy's repeat: ~3 us; torch.repeat_interleave on CPU takes 0.3-2 ms (it goes parallel)
-        row = torch.from_numpy(np.repeat(np.arange(len(seqs)), batch.num_tokens))   # [num_tokens] row of each token
-        positions = ctx_lens[row] - q_lens[row] + (torch.arange(len(row)) - qsl[row])   # [num_tokens]
-        # padding rows (static batching) may read past their own table: width covers every context
-        width = max(max(len(s.block_table) for s in seqs), -(-int(ctx_lens.max()) // bs))
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                              dtype=torch.int64)                                  # [num_rows, width]
-        slots = tables[row, positions // bs] * bs + positions % bs              # [num_tokens]
-        padding = torch.tensor([s.is_padding for s in seqs])
-        if padding.any():
-            slots[padding[row]] = -1                                             # computed, never cached
-        sampled = [i for i, s in enumerate(seqs)
-                   if not s.is_padding and starts[i] + batch.num_tokens[i] == len(s.token_ids)]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev), block_tables=tables.to(dev, torch.int32),
-            context_lens=ctx_lens.to(dev, torch.int32), query_start_loc=qsl.to(dev, torch.int32),
-            backend=self.attention_backend)
-        logits_indices = qsl[1:][sampled] - 1                                    # last token of each sampled row
-        return torch.tensor(input_ids).to(dev), positions.to(dev), meta, logits_indices.to(dev)
-
-    def _sample_and_update(self, logits, seqs):
-        t0 = time.perf_counter()
-        rows, completions = [], []                          # one sampled row per completion
+    def _sample(self, logits, seqs: list[Sequence]):
+        """One sampled row per completion: a sequence that just finished its prompt's prefill with
+        n > 1 forks its other samples here, and all n draw from the same row of logits."""
+        rows, completions = [], []
         for i, seq in enumerate(seqs):
             req = seq.request
             if req.params.n > 1 and req.completions[1].seq is None:
                 self._fork_samples(req, seq)
-                targets = req.completions                   # all n sample from the prompt's logits
+                targets = req.completions
             else:
                 targets = [c for c in req.completions if c.seq is seq]
             rows += [i] * len(targets)
@@ -393,51 +308,29 @@ class Engine:
         if rows != list(range(len(logits))):                # n > 1 repeats rows; else skip the [rows, vocab] copy
             logits = logits[rows]
         tokens, logprobs = sample(logits, [c.sampling for c in completions], self.generator)
-        t1 = time.perf_counter()
-        now = time.monotonic()
-        touched = {}
-        for c, tok, lp in zip(completions, tokens, logprobs):
-            self._append_token(c, tok, lp, now)
-            touched[c.seq.request.request_id] = c.seq.request
-        outputs = [self._make_output(req) for req in touched.values()]
-        self.phase_times.sample += t1 - t0
-        self.phase_times.update += time.perf_counter() - t1
-        return outputs
+        return completions, tokens, logprobs
 
-    def _prompt_logprob_rows(self, batch):
+    def prompt_logprob_rows(self, batch: ScheduledBatch) -> "PromptLogprobRows":
         """Prompt logprobs ride on the prefill the request already does: the logits of prompt
         position p give token p+1's logprob. Returns the flat-batch rows to add to this step's
-        logits and, per request, the positions [lo, hi) they cover. Positions a prefix-cache hit
-        skipped are recomputed here first (`_forward_cached_positions`); a recompute after
-        preemption finds them already recorded and adds nothing."""
-        rows, plan, offset = [], [], 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        logits with, per request, the positions [lo, hi) they cover, and the positions a prefix-cache
+        hit skipped (they need a forward of their own). A recompute after preemption finds its
+        positions already recorded and adds nothing."""
+        out, offset = PromptLogprobRows([], [], []), 0
+        for seq, n in zip(batch.seqs[:batch.num_real_rows], batch.num_tokens):
             req, start = seq.request, seq.num_computed_tokens
-            if not seq.is_padding and req is not None and req.prompt_logprobs is not None:
+            if req.prompt_logprobs is not None:
                 needed, last = len(req.prompt_logprobs) - 1, seq.num_prompt_tokens - 1   # next position; end
                 if needed < min(start, last):               # a cache hit skipped [needed, start)
-                    hi = min(start, last)
-                    self._record_prompt_logprobs(self._forward_cached_positions(seq, needed, hi), [(req, needed, hi)])
-                lo, hi = max(start, len(req.prompt_logprobs) - 1), min(start + n, last)
+                    out.skipped.append((seq, needed, min(start, last)))
+                lo, hi = max(start, needed), min(start + n, last)
                 if lo < hi:
-                    rows += range(offset + lo - start, offset + hi - start)
-                    plan.append((req, lo, hi))
+                    out.rows += range(offset + lo - start, offset + hi - start)
+                    out.plan.append((req, lo, hi))
             offset += n
-        return rows, plan
+        return out
 
-    def _forward_cached_positions(self, seq, lo: int, hi: int):
-        """Logits at positions [lo, hi) of seq, whose K/V already sit in its cached blocks: one extra
-        forward that reads the cache and writes nothing (slot -1)."""
-        dev, q = self.device, hi - lo
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((q,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([seq.block_table], dtype=torch.int32, device=dev),
-            context_lens=torch.tensor([hi], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=dev), backend=self.attention_backend)
-        return self.model(torch.tensor(seq.token_ids[lo:hi], device=dev), torch.arange(lo, hi, device=dev),
-                          self.kv_pool.kv_caches, meta, torch.arange(q, device=dev))    # [q, vocab]
-
-    def _record_prompt_logprobs(self, logits, plan):
+    def record_prompt_logprobs(self, logits, plan):
         """logits: [rows, vocab], the rows of plan's (request, lo, hi) ranges in order."""
         logprobs = logits.float().log_softmax(dim=-1).cpu()                             # [rows, vocab]
         offset = 0
@@ -514,14 +407,8 @@ class Engine:
                              prompt_logprobs)
 
     # ------------------------------------------------------------------ introspection
-    def all_sequences(self):
-        """Every sequence that may hold blocks (finished static-batch members included)."""
-        s = self.scheduler
-        return (list(s.running) + list(s.waiting) + list(s.swapped)
-                + list(getattr(s, "finished_members", [])))
-
     def check_invariants(self):
-        self.blocks.check_invariants(self.all_sequences())
+        self.blocks.check_invariants(self.scheduler.all_sequences())
         for seq in self.scheduler.running:
             assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens
 
@@ -540,10 +427,9 @@ def _log_once(message: str):
     print(message, file=sys.stderr, flush=True)
 
 
-def step_counts(batch: ScheduledBatch) -> dict:
-    """The last step's rows, as EngineStats names them (taken before the step retires anyone)."""
-    rows = list(zip(batch.seqs, batch.num_tokens))
-    return dict(num_seqs_last_step=sum(1 for s, _ in rows if not s.is_padding),
-                num_batched_tokens_last_step=sum(n for s, n in rows if not s.is_padding),
-                num_padding_last_step=sum(n for s, n in rows if s.is_padding and s.status is Status.FINISHED),
-                num_prompt_padding_last_step=sum(n for s, n in rows if s.is_padding and s.status is not Status.FINISHED))
+@dataclass
+class PromptLogprobRows:
+    """Where one step's prompt logprobs come from (Engine.prompt_logprob_rows)."""
+    rows: list[int]                                  # flat-batch rows whose logits give prompt logprobs
+    plan: list[tuple[Request, int, int]]             # per request, the positions [lo, hi) those rows cover
+    skipped: list[tuple[Sequence, int, int]]         # positions [lo, hi) a prefix-cache hit skipped

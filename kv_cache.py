@@ -8,8 +8,9 @@ and verified token for token on a hit, kept evictable in LRU order once nobody h
 copy-on-write for blocks shared by forked samples, and the host pool that swap preemption
 copies blocks into.
 Does not decide *when* to allocate, evict or swap: scheduler.py does, by calling in here.
-Methods that move data (copy-on-write, swap) return the block operations for the engine to
-run on the tensors (KVCachePool.run) before the next forward pass; they copy nothing themselves.
+Methods that move data (copy-on-write, swap) return block operations (CopyBlock, SwapOut,
+SwapIn) for the engine to run on the tensors (KVCachePool.run) before the next forward pass;
+they copy nothing themselves.
 The invariants are written down as code in check_invariants().
 """
 import array
@@ -19,6 +20,7 @@ import itertools
 import math
 import re
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +49,30 @@ def block_hash(parent_hash: bytes | None, token_ids, cache_salt: str | None) -> 
 def cache_salt_of(seq) -> str | None:
     # getattr: sequences built outside the engine (simulate.py, tests) carry requests without a salt
     return getattr(seq.request, "cache_salt", None)
+
+
+@dataclass(frozen=True)
+class CopyBlock:
+    """Copy-on-write: device block src's contents into device block dst."""
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class SwapOut:
+    """Swap preemption: device block src into host block dst."""
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """Back from the host: host block src into device block dst."""
+    src: int
+    dst: int
+
+
+BlockOp = CopyBlock | SwapOut | SwapIn
 
 
 HUGE_PAGE = 2 << 20          # x86-64's transparent huge page
@@ -101,24 +127,19 @@ class KVCachePool:
         self.host_caches = [(torch.zeros(host_shape, dtype=dtype), torch.zeros(host_shape, dtype=dtype))
                             for _ in range(num_layers)] if num_host_blocks else []
 
-    def run(self, ops):
-        """Execute block operations in the order the block manager issued them: ("copy", src, dst)
-        within the device pool, ("out", device, host) and ("in", host, device) for swapping.
-        Order matters: a block freed by one op may be the destination of a later one."""
-        i = 0
-        while i < len(ops):
-            j = i
-            while j < len(ops) and ops[j][0] == ops[i][0]:    # batch a run of the same kind
-                j += 1
-            kind = ops[i][0]
-            src = torch.tensor([op[1] for op in ops[i:j]])
-            dst = torch.tensor([op[2] for op in ops[i:j]])
-            for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_caches or self.kv_caches):
-                src_k, src_v = (hk, hv) if kind == "in" else (dk, dv)
-                dst_k, dst_v = (hk, hv) if kind == "out" else (dk, dv)
-                dst_k[dst.to(dst_k.device)] = src_k[src.to(src_k.device)].to(dst_k.device)
-                dst_v[dst.to(dst_v.device)] = src_v[src.to(src_v.device)].to(dst_v.device)
-            i = j
+    def run(self, ops: list[BlockOp]):
+        """Execute block operations in the order the block manager issued them, a run of the same
+        kind at a time. Order matters: a block freed by one op may be the destination of a later one."""
+        device, host = self.kv_caches, self.host_caches or self.kv_caches
+        for kind, group in itertools.groupby(ops, key=type):
+            group = list(group)
+            src = torch.tensor([op.src for op in group])
+            dst = torch.tensor([op.dst for op in group])
+            for (dk, dv), (hk, hv) in zip(device, host):
+                src_kv = (hk, hv) if kind is SwapIn else (dk, dv)
+                dst_kv = (hk, hv) if kind is SwapOut else (dk, dv)
+                for a, b in zip(src_kv, dst_kv):
+                    b[dst.to(b.device)] = a[src.to(a.device)].to(b.device)
 
 
 def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -196,7 +217,7 @@ class BlockManager:
     def can_allocate(self, seq, num_new_tokens: int, reserve: int = 0) -> bool:
         return self.new_blocks_for(seq, num_new_tokens) + reserve <= self.num_free_blocks()
 
-    def allocate_slots(self, seq, num_new_tokens: int) -> list[tuple]:
+    def allocate_slots(self, seq, num_new_tokens: int) -> list[BlockOp]:
         """Grow seq's block table (one block at a time, as tokens arrive) to hold num_new_tokens more.
         Returns the copy-on-write op, if the block written next was shared."""
         ops = []
@@ -204,7 +225,7 @@ class BlockManager:
             i = seq.num_computed_tokens // self.block_size
             old = seq.block_table[i]
             seq.block_table[i] = self._take_block()
-            ops.append(("copy", old, seq.block_table[i]))
+            ops.append(CopyBlock(old, seq.block_table[i]))
             self._release(old)
         total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         while len(seq.block_table) < total:
@@ -303,21 +324,21 @@ class BlockManager:
     def can_swap_out(self, seq) -> bool:
         return len(seq.block_table) <= len(self.free_host_blocks)
 
-    def swap_out(self, seq) -> list[tuple]:
+    def swap_out(self, seq) -> list[BlockOp]:
         """Move seq's blocks to host blocks; returns the copies to run."""
         seq.host_block_table = [self.free_host_blocks.popleft() for _ in seq.block_table]
         self.num_swapped_out += 1
-        ops = [("out", d, h) for d, h in zip(seq.block_table, seq.host_block_table)]
+        ops = [SwapOut(d, h) for d, h in zip(seq.block_table, seq.host_block_table)]
         self.free(seq)
         return ops
 
     def can_swap_in(self, seq, reserve: int = 0) -> bool:
         return len(seq.host_block_table) + reserve <= self.num_free_blocks()
 
-    def swap_in(self, seq) -> list[tuple]:
+    def swap_in(self, seq) -> list[BlockOp]:
         """Bring seq back into fresh device blocks (no token is recomputed); returns the copies to run."""
         seq.block_table = [self._take_block() for _ in seq.host_block_table]
-        ops = [("in", h, d) for h, d in zip(seq.host_block_table, seq.block_table)]
+        ops = [SwapIn(h, d) for h, d in zip(seq.host_block_table, seq.block_table)]
         self.free_host(seq)
         return ops
 

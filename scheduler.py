@@ -20,45 +20,10 @@ The request-level baseline that this loop replaces lives apart, in static_schedu
 """
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 
 from errors import need
-from kv_cache import BlockManager
-
-
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)   # a sequence is itself, not its field values: queue look-ups compare identity, not token lists
-class Sequence:
-    seq_id: int
-    token_ids: list[int]                  # prompt + generated so far
-    num_prompt_tokens: int
-    max_tokens: int
-    priority: int = 0                     # lower runs first
-    arrival_time: float = 0.0
-    status: Status = Status.WAITING
-    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
-    host_block_table: list[int] = field(default_factory=list)   # where it sits while swapped
-    block_hashes: list[int] = field(default_factory=list)       # prefix-cache hash of each full block
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache at admission
-    waited_steps: int = 0                 # lpm: times it was passed over
-    request: object = None                # engine.Request this sequence belongs to
-    is_padding: bool = False              # static batching's throwaway rows: computed, never cached or sampled
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+from kv_cache import BlockManager, BlockOp
+from sequence import Sequence, Status
 
 
 @dataclass
@@ -89,10 +54,18 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    seqs: list[Sequence]                  # in batch order
+    """One step's work, in batch order. The engine computes every row; it writes the K/V of all
+    but the scratch rows and samples a token for each of sample_rows."""
+    seqs: list[Sequence]
     num_tokens: list[int]                 # tokens of each to compute this step
-    block_ops: list[tuple] = field(default_factory=list)   # copies and swaps to run before the forward
+    block_ops: list[BlockOp] = field(default_factory=list)   # copies and swaps to run before the forward
     num_preempted: int = 0
+    sample_rows: list[int] = field(default_factory=list)     # rows whose chunk reaches the end of their tokens
+    num_scratch_rows: int = 0             # trailing rows computed and thrown away: no K/V written, never sampled
+
+    @property
+    def num_real_rows(self) -> int:
+        return len(self.seqs) - self.num_scratch_rows
 
 
 class Scheduler:
@@ -126,12 +99,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
-        if batch.num_preempted:
-            return batch                                   # memory is short: admit nobody this step
-        # swapped sequences come back before new ones are admitted
-        budget = self._swap_in(batch, budget)
-        self._admit_waiting(batch, budget)
+        if not batch.num_preempted:                        # memory is short: admit nobody this step
+            budget = self._swap_in(batch, budget)          # swapped sequences come back before new ones
+            self._admit_waiting(batch, budget)
+        batch.sample_rows = self._rows_to_sample(batch)
         return batch
+
+    def _rows_to_sample(self, batch) -> list[int]:
+        return [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                if seq.num_computed_tokens + n == len(seq.token_ids)]
 
     def _schedule_running(self, batch, budget) -> int:
         """Running sequences, best first: decodes (1 token) before chunks of prefill."""
@@ -152,16 +128,21 @@ class Scheduler:
 
     def finish_step(self, batch: ScheduledBatch) -> list[Sequence]:
         """After the forward pass: the scheduled tokens are in the cache. Returns the sequences
-        whose chunk reached the end of their tokens: each samples its next token now."""
-        ready = []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.is_padding:
-                continue
+        of sample_rows: each samples its next token now."""
+        real = batch.num_real_rows
+        for seq, n in zip(batch.seqs[:real], batch.num_tokens[:real]):
             seq.num_computed_tokens += n
             self.blocks.cache_full_blocks(seq)
-            if seq.num_computed_tokens == len(seq.token_ids):
-                ready.append(seq)
-        return ready
+        return [batch.seqs[i] for i in batch.sample_rows]
+
+    def step_counts(self, batch: ScheduledBatch) -> dict:
+        """The step's rows and tokens, as EngineStats names them (taken before the step retires anyone)."""
+        real = batch.num_real_rows
+        return dict(num_seqs_last_step=real, num_batched_tokens_last_step=sum(batch.num_tokens[:real]))
+
+    def all_sequences(self) -> list[Sequence]:
+        """Every sequence that may hold blocks (check_invariants counts their tables)."""
+        return list(self.running) + list(self.waiting) + list(self.swapped)
 
     def _rank(self, seq):
         """Order for running and for picking victims: lower priority value and earlier arrival win."""

@@ -26,8 +26,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from kv_cache import BlockManager
-from scheduler import Scheduler, SchedulerConfig, Sequence
+from kv_cache import BlockManager, SwapIn, SwapOut
+from scheduler import Scheduler, SchedulerConfig
+from sequence import Sequence
 from static_scheduler import StaticScheduler
 
 
@@ -255,7 +256,7 @@ def simulate(args) -> dict:
             clock = max(clock, seqs[arrived].arrival_time)      # idle until the next arrival
             continue
         rows = [(n, seq.num_computed_tokens) for seq, n in zip(batch.seqs, batch.num_tokens)]
-        swapped = sum(1 for op in batch.block_ops if op[0] in ("in", "out"))
+        swapped = sum(1 for op in batch.block_ops if isinstance(op, (SwapIn, SwapOut)))
         dt = step_time(gpu, model, rows, tp) + swapped * block_bytes / (tp * gpu.pcie_bandwidth)
         clock += dt
         for seq in sched.finish_step(batch):                    # their chunk reached the end: one token each
