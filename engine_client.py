@@ -22,8 +22,9 @@ import time
 from fastapi import Request
 
 from engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from engine_core import STOP, AbortRequests, AddRequests, CoreDied, CoreUpdate, EngineCore, EngineInfo, \
+from engine_core import AbortRequests, AddRequests, CoreDied, CoreUpdate, EngineCore, EngineInfo, Stop, \
     run_core_process
+from errors import EngineError
 from openai_api import APIError
 from tokenizer import Tokenizer
 
@@ -76,6 +77,31 @@ class ClientGone(Exception):
     """The client of a non-streamed request hung up; nobody is left to answer."""
 
 
+@dataclasses.dataclass
+class Admitted:
+    """Notice to a Run: the engine core added all of its prompts."""
+
+
+@dataclasses.dataclass
+class Failed:
+    """Notice to a Run: it ends with this error (refused at add, engine failure, shutdown)."""
+    error: Exception
+
+
+@dataclasses.dataclass
+class Left:
+    """Notice to a Run: its client hung up."""
+
+
+Notice = Admitted | Failed | Left
+
+
+def api_error(exc: Exception) -> Exception:
+    """An engine failure as the HTTP error it becomes; bad input (InvalidRequest) stays as it is, for the
+    Exchange to name the field as its endpoint does."""
+    return APIError(500, str(exc), code=exc.code) if isinstance(exc, EngineError) else exc
+
+
 class Run:
     """One HTTP request's sequences (one engine request per prompt) and what the engine sent them.
 
@@ -87,7 +113,7 @@ class Run:
                  params: SamplingParams, priority: int, cache_salt: str | None, active: set):
         self.client, self.request_ids, self.prompts = client, request_ids, prompts
         self.params, self.priority, self.cache_salt = params, priority, cache_salt
-        self.notices = collections.deque()         # ("admitted" | "error" | "gone", payload), in order
+        self.notices: collections.deque[Notice] = collections.deque()   # in order
         self.pending: dict[int, RequestOutput] = {}  # prompt index -> newest unread output
         self.ready = asyncio.Event()
         self.arrival = time.monotonic()
@@ -97,34 +123,35 @@ class Run:
         self.closed = False
         active.add(self)
 
-    def put(self, kind: str, payload) -> None:
-        """On the event loop: one message from the engine core (or a watcher, or shutdown)."""
-        if kind == "output":
-            index, out = payload
-            self.pending[index] = merge_unread(self.pending.get(index), out)
-        else:
-            self.notices.append((kind, payload))
+    def notify(self, notice: Notice) -> None:
+        """On the event loop: admission, an error or a hang-up (from the core, a watcher or shutdown)."""
+        self.notices.append(notice)
         self.ready.set()
 
-    async def next(self) -> tuple[str, object]:
+    def deliver(self, index: int, out: RequestOutput) -> None:
+        """On the event loop: prompt `index`'s newest output, merged with what is still unread."""
+        self.pending[index] = merge_unread(self.pending.get(index), out)
+        self.ready.set()
+
+    async def next(self) -> Notice | tuple[int, RequestOutput]:
         while not (self.notices or self.pending):
             self.ready.clear()
             await self.ready.wait()
         if self.notices:
             return self.notices.popleft()
         index = next(iter(self.pending))
-        return "output", (index, self.pending.pop(index))
+        return index, self.pending.pop(index)
 
     async def outputs(self):
         """Every (prompt index, RequestOutput) until all prompts have finished; raises what the engine sent."""
         while self.unfinished:
-            kind, payload = await self.next()
-            if kind == "gone":
+            item = await self.next()
+            if isinstance(item, Left):
                 raise ClientGone()
-            if kind == "error":
-                self.error = payload
-                raise payload
-            index, out = payload
+            if isinstance(item, Failed):
+                self.error = item.error
+                raise item.error
+            index, out = item
             if out.finished:
                 self.unfinished.discard(out.request_id)
             yield index, out
@@ -133,12 +160,12 @@ class Run:
         """For non-streamed requests, which Starlette does not cancel when the client leaves."""
         while not await request.is_disconnected():
             await asyncio.sleep(DISCONNECT_POLL_S)
-        self.put("gone", None)
+        self.notify(Left())
 
     async def admitted(self) -> None:
-        kind, payload = await self.next()
-        if kind == "error":
-            raise payload
+        notice = await self.next()
+        if isinstance(notice, Failed):
+            raise notice.error
 
     def close(self, outcome: str | None = None) -> None:
         """Abort whatever has not finished (client gone, error, shutdown) and count how the request
@@ -172,7 +199,7 @@ def merge_unread(unread: RequestOutput | None, new: RequestOutput) -> RequestOut
 class Tracked:
     run: Run
     index: int                         # which prompt of the run
-    first_token_time: float | None = None
+    first_token_seen: bool = False
 
 
 # ----------------------------------------------------------------------------- the engine core's client
@@ -232,7 +259,7 @@ class EngineClient:
     def stop(self) -> None:
         """Stop the core (requests still in it are aborted) and wait for it."""
         self.stopping = True
-        self.outbox.put(STOP)
+        self.outbox.put(Stop())
         self.core.join(timeout=30)
         if isinstance(self.core, multiprocessing.process.BaseProcess) and self.core.is_alive():
             log.warning("the engine core did not stop in 30 s; killing it")
@@ -252,7 +279,8 @@ class EngineClient:
         self.num_pending_adds += len(run.request_ids)
         for index, request_id in enumerate(run.request_ids):
             self.tracked[request_id] = Tracked(run, index)
-        self.outbox.put(AddRequests(key, run.request_ids, run.prompts, run.params, run.priority, run.cache_salt))
+        self.outbox.put(AddRequests(key, run.request_ids, run.prompts, run.params, run.priority, run.cache_salt,
+                                    arrival_time=run.arrival))
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -267,7 +295,7 @@ class EngineClient:
                 self.conn.send(command)
             except OSError:
                 return                     # the core is gone; the reader reports it
-            if command is STOP:
+            if isinstance(command, Stop):
                 return
 
     def _read(self) -> None:
@@ -295,42 +323,42 @@ class EngineClient:
         for key in update.admitted:
             run = self.adding.pop(key)
             self.num_pending_adds -= len(run.request_ids)
-            run.put("admitted", None)
+            run.notify(Admitted())
         for key, exc in update.rejected:
             run = self.adding.pop(key)
             self.num_pending_adds -= len(run.request_ids)
             for request_id in run.request_ids:
                 self.tracked.pop(request_id, None)
-            run.put("error", exc)
-        now = time.monotonic()
+            run.notify(Failed(api_error(exc)))
         for out in update.outputs:
             entry = self.tracked.get(out.request_id)
             if entry is None:
                 continue  # aborted while the step ran
             try:
-                self._route(entry, out, now)
+                self._route(entry, out)
             except Exception as exc:  # a bug with one output fails that request, not the server
                 log.exception("routing output of %s failed", out.request_id)
                 self.abort([out.request_id])
-                entry.run.put("error", APIError(500, f"output processing failed: {exc!r}"))
+                entry.run.notify(Failed(APIError(500, f"output processing failed: {exc!r}")))
         for request_id, exc in update.failed:
             entry = self.tracked.pop(request_id, None)
             if entry is not None:
-                entry.run.put("error", exc)
+                entry.run.notify(Failed(api_error(exc)))
 
-    def _route(self, entry: Tracked, out: RequestOutput, now: float) -> None:
-        metrics = self.metrics
-        if entry.first_token_time is None and any(c.token_ids for c in out.outputs):
-            entry.first_token_time = now
-            metrics.ttft.observe(now - entry.run.arrival)
-        entry.run.put("output", (entry.index, out))
+    def _route(self, entry: Tracked, out: RequestOutput) -> None:
+        """Hand the output to its Run; the latency histograms take the engine's own RequestMetrics,
+        which count from when the HTTP request arrived (AddRequests.arrival_time)."""
+        metrics, m = self.metrics, out.metrics
+        if not entry.first_token_seen and m.ttft is not None:
+            entry.first_token_seen = True
+            metrics.ttft.observe(m.ttft)
+        entry.run.deliver(entry.index, out)
         if not out.finished:
             return
         del self.tracked[out.request_id]
-        metrics.e2e.observe(now - entry.run.arrival)
-        num_tokens = max(len(c.token_ids) for c in out.outputs)
-        if entry.first_token_time is not None and num_tokens > 1:
-            metrics.tpot.observe((now - entry.first_token_time) / (num_tokens - 1))
+        metrics.e2e.observe(m.e2e_latency)
+        if m.tpot is not None:
+            metrics.tpot.observe(m.tpot)
         metrics.finished.update(c.finish_reason for c in out.outputs)
 
     def died(self, reason: str) -> None:
@@ -343,4 +371,4 @@ class EngineClient:
         self.adding.clear()
         self.num_pending_adds = 0
         for run in runs:
-            run.put("error", error)
+            run.notify(Failed(error))

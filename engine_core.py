@@ -20,8 +20,8 @@ import signal
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from engine import Engine, EngineConfig, EngineStats, InvalidRequest, PromptLimits, RequestOutput, SamplingParams
-from openai_api import APIError
+from engine import Engine, EngineConfig, EngineStats, PromptLimits, RequestOutput, SamplingParams
+from errors import EngineError, InvalidRequest
 
 log = logging.getLogger("nanoserve.engine_core")
 MAX_STEP_FAILURES = 3      # consecutive engine.step() exceptions before the core gives up
@@ -39,6 +39,7 @@ class AddRequests:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    arrival_time: float | None = None   # time.monotonic() when the HTTP request arrived: TTFT counts from it
 
 
 @dataclass
@@ -47,7 +48,9 @@ class AbortRequests:
     request_ids: list[str]
 
 
-STOP = None                             # front end -> core: abort what is left and exit
+@dataclass
+class Stop:
+    """Front end -> core: abort what is left and exit."""
 
 
 @dataclass
@@ -88,7 +91,7 @@ class EngineCore:
         self.engine, self.conn = engine, conn
 
     def run(self) -> None:
-        """Serve until the front end sends STOP or hangs up; then abort whatever is left."""
+        """Serve until the front end sends Stop or hangs up; then abort whatever is left."""
         try:
             self.serve()
         except BaseException as exc:    # the loop must never die silently: say why, then end
@@ -130,7 +133,7 @@ class EngineCore:
                 self.conn.poll(None)
             while self.conn.poll(0):
                 command = self.conn.recv()
-                if command is STOP:
+                if isinstance(command, Stop):
                     return False
                 if isinstance(command, AbortRequests):
                     for request_id in command.request_ids:
@@ -146,12 +149,12 @@ class EngineCore:
         try:
             for request_id, prompt in zip(command.request_ids, command.prompts):
                 self.engine.add_request(request_id, prompt, command.params, priority=command.priority,
-                                        cache_salt=command.cache_salt)
+                                        arrival_time=command.arrival_time, cache_salt=command.cache_salt)
                 added.append(request_id)
         except Exception as exc:    # InvalidRequest: bad input (400); anything else fails only this request
             if not isinstance(exc, InvalidRequest):
                 log.exception("add_request failed")
-                exc = APIError(500, f"add_request failed: {exc!r}", code="engine_error")
+                exc = EngineError(f"add_request failed: {exc!r}")
             for request_id in added:
                 self.engine.abort_request(request_id)
             update.rejected.append((command.key, exc))
@@ -162,7 +165,7 @@ class EngineCore:
         # We cannot tell which sequences the failing batch held, so every request in the engine fails.
         log.exception("engine.step() failed (%d in a row); failing %d requests", failures,
                       len(self.engine.requests))
-        error = APIError(500, f"engine step failed: {exc!r}", code="engine_error")
+        error = EngineError(f"engine step failed: {exc!r}")
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
             update.failed.append((request_id, error))

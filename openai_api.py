@@ -4,8 +4,10 @@ The OpenAI protocol of nanoserve: what /v1/completions and /v1/chat/completions 
 It owns the request schemas, their validation into prompts and SamplingParams, OpenAI's error
 body (APIError, with `param` naming the offending field, the engine's InvalidRequest included), and the
 builders of response bodies, SSE chunks, logprobs and usage. Input that the engine validates
-(prompt ids, context length, sampling ranges) is checked by the engine's own code, whose
-InvalidRequest names the field; this file only renames fields to the endpoint's (`aliases`).
+(prompt ids, context length, sampling ranges) is checked once, by Engine.add_request in the
+engine core; its InvalidRequest names the field and its OpenAI code, and this file only renames
+the field to the endpoint's (`aliases`). What is checked here is the protocol's own: the schema,
+the model name, and the fields the engine has no notion of.
 It starts no threads, never steps
 the engine and holds no HTTP connections: serve.py owns those and hands outputs in here.
 """
@@ -18,7 +20,8 @@ from typing import AsyncIterator, Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine import InvalidRequest, PromptLimits, RequestOutput, SamplingParams, StructuredOutputsParams
+from engine import PromptLimits, RequestOutput, SamplingParams, StructuredOutputsParams
+from errors import InvalidRequest
 from tokenizer import Tokenizer
 
 MAX_N = 16  # choices per prompt; more would let one request crowd out the batch
@@ -57,9 +60,9 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, f"{where}: {err['msg']}", loc[0] if loc else None)
 
 
-def invalid(exc: InvalidRequest, aliases: dict[str, str], code: str | None = None) -> APIError:
+def invalid(exc: InvalidRequest, aliases: dict[str, str]) -> APIError:
     """The engine's error as a 400 naming the field as this endpoint calls it."""
-    return APIError(400, str(exc), aliases.get(exc.field, exc.field), code=code)
+    return APIError(400, str(exc), aliases.get(exc.field, exc.field), code=exc.code)
 
 
 # ----------------------------------------------------------------------------- request schemas
@@ -195,17 +198,9 @@ class OpenAIProtocol:
     def token_ids(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def check_prompts(self, prompts: list[list[int]], max_tokens: int, aliases: dict[str, str]):
-        """The engine's own checks (vocabulary, context length, KV cache), before anything is queued."""
-        for ids in prompts:
-            try:
-                self.limits.check(ids, max_tokens)
-            except InvalidRequest as exc:
-                code = "context_length_exceeded" if "context length" in str(exc) else None
-                raise invalid(exc, aliases, code) from None
-
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                        aliases: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's SamplingParams; their ranges are the engine's to check (at add)."""
         if req.n is not None and req.n > MAX_N:
             raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", "n")
         if req.seed is not None and not 0 <= req.seed < 2**32:  # the engine overflows on huge seeds
@@ -213,15 +208,10 @@ class OpenAIProtocol:
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
         given = {name: getattr(req, name) for name in names if getattr(req, name) is not None}
-        if req.response_format is not None:
-            aliases = {**aliases, "structured_outputs": "response_format"}
         try:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
                                     prompt_logprobs=prompt_logprobs, logit_bias=logit_bias(req),
                                     structured_outputs=structured_outputs(req), **given)
-            params.validate(self.vocab_size)
-        except InvalidRequest as exc:
-            raise invalid(exc, aliases) from None
         except TypeError as exc:    # StructuredOutputsParams(**body) with a wrong shape
             raise APIError(400, f"structured_outputs: {exc}", "structured_outputs") from None
         if req.priority and self.scheduling_policy != "priority":
@@ -284,16 +274,17 @@ class Exchange:
 
     def __init__(self, api: OpenAIProtocol, req: SamplingRequest, prompts: list[list[int]], max_tokens: int,
                  logprobs: int | None, aliases: dict[str, str], echoes: list[str], prompt_logprobs: int | None = None):
+        if req.response_format is not None:
+            aliases = {**aliases, "structured_outputs": "response_format"}
         self.api, self.req, self.prompts, self.aliases, self.echoes = api, req, prompts, aliases, echoes
-        self.params = api.sampling_params(req, max_tokens, logprobs, aliases, prompt_logprobs)
-        api.check_prompts(prompts, max_tokens, aliases)
+        self.params = api.sampling_params(req, max_tokens, logprobs, prompt_logprobs)
         self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.head = {"id": self.request_id, "object": self.object_name, "created": int(time.time()),
                      "model": api.model_name}
         self.cursors: dict[int, ChoiceCursor] = {}
 
     def engine_error(self, exc: InvalidRequest) -> APIError:
-        """The engine rejected the input at add time."""
+        """The engine rejected the input at add time: a 400 naming the field as this endpoint does."""
         return invalid(exc, self.aliases)
 
     def body(self, outs: list[RequestOutput]) -> dict:

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import Engine, EngineConfig, InvalidRequest
-from engine_client import ClientGone, EngineClient, Run
+from engine_client import ClientGone, EngineClient, Failed, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
     OpenAIProtocol
 
@@ -121,7 +121,7 @@ class OpenAIServer:
     def abort_all(self, error: APIError) -> None:
         """Shutdown's last word: every run still in flight ends with this error."""
         for run in list(self.runs):
-            run.put("error", error)
+            run.notify(Failed(error))
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(time.time()),
