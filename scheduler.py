@@ -196,8 +196,10 @@ class Scheduler:
     def _admit_waiting(self, batch, budget):
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_waiting()
-            if not self._fits(seq, budget) and not self._preempt_for(seq, budget, batch):
-                break
+            if not self._fits(seq, budget):
+                budget = self._preempt_for(seq, budget, batch)
+                if budget is None:
+                    break
             self.waiting.remove(seq)
             cached = self.blocks.take_cached_prefix(seq)
             if seq.num_preemptions == 0:
@@ -215,17 +217,24 @@ class Scheduler:
         needed = self.blocks.admission_cost(seq, min(len(seq.token_ids) - cached, budget))
         return needed + self.watermark_blocks <= self.blocks.num_free_blocks()
 
-    def _preempt_for(self, seq, budget, batch) -> bool:
-        """Priority policy: a waiting request may push out running ones of lower priority
-        (not yet scheduled this step) to make room."""
+    def _preempt_for(self, seq, budget, batch) -> int | None:
+        """Priority policy: a waiting request may push out running ones of lower priority to make
+        room. A victim already scheduled this step leaves the batch and gives its tokens back to the
+        budget (its block ops still run: they copy into blocks nobody reads). Returns the budget
+        once seq fits, None if it cannot be made to."""
         if self.config.scheduling_policy != "priority":
-            return False
+            return None
         while not self._fits(seq, budget):
-            victims = [s for s in self.running if s not in batch.seqs and s.priority > seq.priority]
+            victims = [s for s in self.running if s.priority > seq.priority]
             if not victims:
-                return False
-            self._preempt(max(victims, key=self._rank), batch)
-        return True
+                return None
+            victim = max(victims, key=self._rank)
+            if victim in batch.seqs:
+                row = batch.seqs.index(victim)
+                budget += batch.num_tokens.pop(row)
+                batch.seqs.pop(row)
+            self._preempt(victim, batch)
+        return budget
 
     def _next_waiting(self) -> Sequence:
         policy = self.config.scheduling_policy

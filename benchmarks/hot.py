@@ -211,7 +211,7 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, s
     layers = [m for m in engine.model.modules() if isinstance(m, CL.Linear)]
     if not any(m.gguf_blocks() is not None for m in layers):
         return {"skipped": engine.model.gguf_log or "no layer has GGUF blocks"}
-    off = {"GGUF_ROWS": 0}                                    # linear() never takes the blocks
+    off = {"GGUF_ROWS": 0}                                    # cpu_linear.linear() never takes the blocks
     per_pass = {}
     for r in rows:
         xs = {m.in_features: torch.randn(r, m.in_features) for m in layers}
@@ -219,7 +219,7 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, s
         with _swapped({"GGUF_ROWS": max(r + 1, CL.GGUF_ROWS)}, CL):   # the blocks at every row count here
             run()
             blocks_ms = time_fn(run, repeats, warmup=0)[0] * 1e3
-        with _swapped(off):
+        with _swapped(off, CL):
             run()
             float32_ms = time_fn(run, repeats, warmup=0)[0] * 1e3
         per_pass[r] = {"gguf_ms": blocks_ms, "float32_ms": float32_ms}
@@ -227,7 +227,7 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, s
     for _ in range(rounds):                                   # interleaved: the same load on each
         for b in batches:
             for mode in ("gguf", "float32"):
-                with _swapped({} if mode == "gguf" else off):
+                with _swapped({} if mode == "gguf" else off, CL):
                     times[b, mode].append(decode_steps(engine, b, steps=steps)["step_ms_median"])
     step = {b: {f"{mode}_ms": min(times[b, mode]) for mode in ("gguf", "float32")} for b in batches}
     return {"log": engine.model.gguf_log, "gguf_rows": CL.GGUF_ROWS, "repeats": repeats, "rounds": rounds,
@@ -248,7 +248,7 @@ def panels_vs_onednn(rows=(1, 8, 64, 256), batches=(16, 64), steps=6, repeats=3,
                            f"linear_cpu.cpp {extensions.failed.get('linear_cpu', 'built')}"}
     engines = {}
     for mode in ("panels", "onednn"):
-        with _swapped({"LINEAR_PANELS": mode == "panels"}):   # the engine's layers pack at their first call
+        with _swapped({"LINEAR_PANELS": mode == "panels"}, CL):   # the engine's layers pack at their first call
             engines[mode] = _engine(dtype=name)
             decode_steps(engines[mode], 1, steps=1)
     layers = {mode: [m for m in e.model.modules() if isinstance(m, CL.Linear)] for mode, e in engines.items()}
