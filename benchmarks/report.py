@@ -130,6 +130,10 @@ class Tee(io.TextIOBase):
     def isatty(self):
         return self.stream.isatty()
 
+    @property
+    def encoding(self):
+        return self.stream.encoding
+
 
 def json_safe(x):
     if isinstance(x, dict):
