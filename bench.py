@@ -1,28 +1,32 @@
 """
 bench.py: every performance claim nanoserve makes, measured side by side in one run.
 
-`python bench.py [SECTION ...] [--quick | --full] [--out results.json] [--plot DIR]` runs the experiments
-(default: all) and prints a markdown table for each, then the machine and the targets; `python bench.py soak
---minutes N` runs the server soak (soak.py). Each experiment is one function that states its question, its
-workload and its table, in the file of its concept: bench_batching.py (batching, KV memory, caching),
-bench_online.py (arrivals, chunked prefill, HTTP through loadgen.py), bench_hardware.py (roofline, kernel),
-bench_peers.py (vLLM and transformers). This file owns the sizes, the machine table, the targets, the
-charts and the command line; it never changes what the engine does, and every number it prints is measured.
+`python bench.py [SECTION ...] [--quick | --full] [--out results/ | --out FILE.json] [--plot DIR]` runs the
+experiments (default: all) and prints a markdown table for each, then the targets; `--out results/` also writes
+the run as results/<date>-<machine>-<commit>.md/.json/.png (benchmarks/report.py), and `python bench.py --readme`
+rewrites the README's table from the newest of them. `python bench.py soak --minutes N` runs the server soak.
+Each experiment is one function that states its question, its workload and its table, in the file of its
+concept under benchmarks/: batching.py (batching, KV memory, caching), online.py (arrivals, chunked prefill,
+HTTP through loadgen.py), hardware.py (roofline, kernel), peers.py (vLLM and transformers), hot.py and
+structured.py. This file owns the sizes, the machine table, the targets and the command line; it never
+changes what the engine does, and every number it prints is measured.
 """
 import os
 # OpenMP threads that spin without bound steal the other core from anything else running (2 shared cores),
 # while a fully passive wait makes every small op pay a thread wake-up: measured here, an RMSNorm of a
 # batch-64 decode step took 770 us passive vs 100 us with this short spin, and the whole step 1.3x longer.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+import sys
+if not sys.stderr.isatty():
+    # a progress bar in a log file: at most one update every 10 s from the bars of other libraries too
+    # (transformers', vLLM's); tqdm reads TQDM_* defaults once, when it is first imported
+    os.environ.setdefault("TQDM_MININTERVAL", "10")
 
 import argparse
 import importlib
-import json
-import math
 import platform
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -30,6 +34,7 @@ from benchmarks import batching as bench_batching
 from benchmarks import hardware as bench_hardware
 from benchmarks import online as bench_online
 from benchmarks import peers as bench_peers
+from benchmarks import report
 from cpu_linear import cpu_linear_path
 from benchmarks.harness import make_engine, md_table, model_dtype, section_header
 
@@ -250,19 +255,18 @@ def cpu_flags_path():
 
 
 def machine_info():
-    cpu = platform.processor() or ""
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    """(the run's header: date, machine, CPU model and flags, commit, dtype; the machine table bench.py prints)."""
     engine = make_engine(kv_cache_memory="16MiB")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
-            "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": str(getattr(engine, "dtype", model_dtype(engine))).removeprefix("torch."),
+    dtype = str(getattr(engine, "dtype", model_dtype(engine))).removeprefix("torch.")
+    h = report.run_header(gpu, dtype)
+    info = {"date": h["date"], "machine": h["machine"], "commit": h["commit"] + (" (uncommitted changes)" if h["dirty"] else ""),
+            "cpu": h["cpu_model"] or platform.processor(), "cores": h["cores"], "gpu": gpu, "cpu flags": " ".join(h["cpu_flags"]),
+            "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": dtype,
             "linear layers": f"{cpu_linear_path(engine.dtype)}; {engine.model.gguf_log}", "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "vLLM": bench_peers.vllm_unavailable() or os.environ["VLLM_PYTHON"],
             "load avg at start": os.getloadavg()[0]}
-    return info
+    return h, info
 
 
 def targets(results):
@@ -310,54 +314,7 @@ def targets(results):
     return [{"target": n, "measured": m, "needed": need, "met": isinstance(m, float) and m >= need} for n, m, need in rows]
 
 
-# ----------------------------------------------------------------------------- charts, JSON, command line
-
-def plot(results, out_dir):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    os.makedirs(out_dir, exist_ok=True)
-    written = []
-    t, r, lat = results.get("throughput"), results.get("roofline"), results.get("latency")
-    if t or r:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        if r:
-            bs = sorted(int(b) for b in r["decode"])
-            ax.plot(bs, [r["decode"][str(b)]["decode_tok_s"] for b in bs], "o-", label="steady decode tok/s")
-        if t:
-            st = sorted((int(k.split("=")[1]), v["useful_tok_s"]) for k, v in t["modes"].items() if k.startswith("static"))
-            ax.plot([b for b, _ in st], [v for _, v in st], "s--", label="static batching, useful tok/s")
-            ax.axhline(t["modes"]["continuous"]["useful_tok_s"], color="g", label="continuous batching, useful tok/s")
-        ax.set(xscale="log", xlabel="concurrent sequences", ylabel="output tokens/s", title="throughput vs concurrency")
-        ax.legend()
-        written.append(os.path.join(out_dir, "throughput.png"))
-        fig.tight_layout()
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
-    if lat:                      # distributions: the empirical CDF of each request's latency, one line per rate
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-        for ax, key in zip(axes, ("ttft", "tpot", "e2e")):
-            for st in lat["rates"]:
-                v = st[f"{key}_values"]
-                ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=f"{st['rate_rps']:.2f} req/s")
-            ax.set(xlabel=f"{key} (s)", ylabel="share of requests", title=key)
-            ax.legend(fontsize=8)
-        written.append(os.path.join(out_dir, "latency.png"))
-        fig.tight_layout()
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
-    return written
-
-
-def json_safe(x):
-    if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
+# ----------------------------------------------------------------------------- command line
 
 EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_batching.bench_memory,
                "latency": bench_online.bench_latency, "chunked_prefill": bench_online.bench_chunked_prefill,
@@ -379,23 +336,52 @@ def main(argv=None):
     ap.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {SECTIONS}, or soak; default: all")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for the smoke test (about a minute)")
     ap.add_argument("--full", action="store_true", help="every workload at full size (about 1.5 hours on 2 cores)")
-    ap.add_argument("--out", default=None, help="write results as JSON here")
+    ap.add_argument("--out", default=None, metavar="DIR | FILE.json",
+                    help="a directory (e.g. results/): write <date>-<machine>-<commit>.md (the printed tables), .json "
+                         "(every figure) and PNG charts there; a path ending in .json: write only the JSON, there")
     ap.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts here")
+    ap.add_argument("--readme", action="store_true",
+                    help="run nothing: rewrite README.md's results table from the newest results/*.json (not --quick)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.readme:
+        if args.sections or args.out or args.quick or args.full:
+            ap.error("--readme runs nothing: run the bench with --out results/ first, then --readme alone")
+        print(f"README.md: results table from {os.path.relpath(report.update_readme(), report.ROOT)}")
+        return 0
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
         ap.error(f"section must be one of {SECTIONS} or soak, got {unknown}")
     if args.quick and args.full:
         ap.error("--quick and --full exclude each other")
     sz = QUICK if args.quick else FULL if args.full else Sizes()
+    to_dir = args.out is not None and not args.out.endswith(".json")
+    stdout = sys.stdout
+    if to_dir:                                     # the .md is exactly what this run prints
+        sys.stdout = report.Tee(stdout)
+    try:
+        results = run(args, sz, "python bench.py " + " ".join(argv))
+    finally:
+        printed, sys.stdout = getattr(sys.stdout, "copy", None), stdout
+    if to_dir:
+        print("results: " + ", ".join(report.write_run(results, printed.getvalue(), args.out)))
+    elif args.out:
+        report.write_json(results, args.out)
+    return results
+
+
+def run(args, sz, command):
+    """Every section asked for, printed as it goes; returns every figure, headed by the run's date, machine
+    and commit."""
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    results = {"machine": machine_info(), "sizes": sz.name, "section_seconds": {}}
+    header, info = machine_info()
+    results = header | {"sizes": asdict(sz), "sections": args.sections or SECTIONS,
+                        "command": command, "machine_table": info, "section_seconds": {}}
     print("# nanoserve benchmark" + ("" if sz.name == "default" else f" (--{sz.name})"))
     section_header("Machine")
-    print(md_table(list(results["machine"]), [list(results["machine"].values())]))
+    print(md_table(list(info), [list(info.values())]))
     for name in args.sections or SECTIONS:
         t_section = time.perf_counter()
         EXPERIMENTS[name](sz, args.seed, results)
@@ -403,14 +389,11 @@ def main(argv=None):
         print(f"\n({name}: {results['section_seconds'][name]:.0f} s)")
     results["targets"] = targets(results)
     results["runtime_s"] = time.perf_counter() - t0
-    results["machine"]["load avg at end"] = os.getloadavg()[0]
-    print(f"\ntotal benchmark time {results['runtime_s']:.0f} s; 1-min load average {results['machine']['load avg at start']:.2f} "
-          f"at start, {results['machine']['load avg at end']:.2f} at end (> {os.cpu_count()}: other work shared the cores)")
+    info["load avg at end"] = os.getloadavg()[0]
+    print(f"\ntotal benchmark time {results['runtime_s']:.0f} s; 1-min load average {info['load avg at start']:.2f} "
+          f"at start, {info['load avg at end']:.2f} at end (> {os.cpu_count()}: other work shared the cores)")
     if args.plot:
-        print("charts: " + ", ".join(plot(results, args.plot)))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(json_safe(results), f, indent=1, default=str)
+        print("charts: " + ", ".join(report.plot(results, args.plot)))
     return results
 
 

@@ -1,12 +1,12 @@
 """
-bench_engine.py: the workloads and engine drivers every bench experiment shares (test_all.py uses them too).
+benchmarks/harness.py: the workloads and engine drivers every bench experiment shares (test_all.py uses them too).
 
 Owns: seeded request workloads, building engines on one shared set of weights (Engine's `loaded_model`),
 driving engines offline, step by step in turn, at timed arrivals, or in steady decode, and the small table
 and statistics helpers the experiments print with. Timing comes from the engine's own hooks
 (`engine.phase_times`, `engine.stats()`) and wall clocks around `engine.step()`: nothing here patches a
-module. It never changes what the engine does and holds no experiment of its own (bench.py and its
-bench_*.py files do).
+module. It never changes what the engine does and holds no experiment of its own (bench.py and the
+other files of benchmarks/ do).
 """
 import math
 import os
@@ -24,6 +24,40 @@ from kv_cache import zeros_on_huge_pages
 
 
 # ----------------------------------------------------------------------------- printing and statistics
+
+class LineProgress:
+    """A progress bar for a log file: a plain line at most every `interval` seconds across all bars (a bar
+    shorter than that prints nothing), and a last line at close for a bar that printed; no carriage returns."""
+    last_print = 0.0                     # shared by every bar
+
+    def __init__(self, total, desc, unit, interval=10.0, clock=time.perf_counter):
+        self.total, self.desc, self.unit, self.interval, self.clock = total, desc, unit, interval, clock
+        self.n, self.start, self.n_printed = 0, clock(), None
+
+    def update(self, n=1):
+        self.n += n
+        if self.clock() - max(LineProgress.last_print, self.start) >= self.interval:
+            self._print()
+
+    def _print(self):
+        now = self.clock()
+        rate = self.n / max(now - self.start, 1e-9)
+        print(f"{self.desc}: {self.n}/{self.total} {self.unit}, {now - self.start:.0f} s, {rate:.1f} {self.unit}/s",
+              file=sys.stderr, flush=True)
+        LineProgress.last_print, self.n_printed = now, self.n
+
+    def close(self):
+        if self.n_printed is not None and self.n_printed != self.n:
+            self._print()
+
+
+def progress(total, desc, unit):
+    """tqdm on a terminal; on a pipe or a log file, LineProgress (tqdm would write an update per step,
+    each after a carriage return, thousands of them in a run)."""
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)
+    return LineProgress(total, desc, unit)
+
 
 def md_table(headers, rows):
     """A markdown table; floats get 3 significant-ish digits so the README can paste it."""
@@ -182,8 +216,7 @@ def run_interleaved(jobs, desc):
         for rid, r in ids.items():
             engine.add_request(rid, r.prompt, greedy(r.max_tokens))
         states.append({"engine": engine, "reqs": reqs, "ids": ids, "steps": [], "done": {}, "wall": 0.0})
-    bar = tqdm(total=sum(r.max_tokens for _, reqs in jobs for r in reqs), desc=desc, unit="tok", leave=False,
-               file=sys.stderr)
+    bar = progress(sum(r.max_tokens for _, reqs in jobs for r in reqs), desc, "tok")
     while any(st["engine"].has_unfinished_requests() for st in states):
         for st in (st for st in states if st["engine"].has_unfinished_requests()):
             t0 = time.perf_counter()
@@ -243,7 +276,7 @@ def run_arrivals(engine, reqs, offsets, clock, desc):
     """Add each request at its arrival time (stamped in the engine's clock), step while work exists."""
     order = sorted(range(len(reqs)), key=lambda i: offsets[i])
     done, nxt = {}, 0
-    bar = tqdm(total=len(reqs), desc=desc, unit="req", leave=False, file=sys.stderr)
+    bar = progress(len(reqs), desc, "req")
     t0 = clock()
     while len(done) < len(reqs):
         now = clock()
