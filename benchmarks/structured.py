@@ -14,7 +14,7 @@ Owns nothing else; it never changes the engine. `python bench_structured.py` run
 """
 import os
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")    # as bench.py: short OpenMP spin, see README
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")    # as bench.py: short OpenMP spin (docs/http.md)
 
 import statistics
 import time
