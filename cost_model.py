@@ -54,6 +54,7 @@ LINKS = {
     "pcie5": Link("PCIe Gen5 x16", 50e9, 5e-6),
     "ib-hdr": Link("InfiniBand HDR 200 Gb/s", 21e9, 5e-6),   # one NIC per GPU, ~85% of 25 GB/s
     "ib-ndr": Link("InfiniBand NDR 400 Gb/s", 42e9, 5e-6),   # ~85% of 50 GB/s
+    "ethernet-25g": Link("Ethernet 25 Gb/s (TCP)", 2.5e9, 50e-6),   # no RDMA: a slow KV path, ~80% of 3.1 GB/s
     # Per-hop latencies are assumptions: with 2(N-1) hops they give 8-GPU small all-reduces of ~30 us
     # on NVLink, the order nccl-tests prints for a ring; no measurement of ours backs them.
 }
@@ -280,3 +281,96 @@ def roofline(gpu: GPU, model: ModelConfig, batch: int, context: int, tp: int = 1
     return out
 
 
+# ------------------------------------------------------------------ where tensor parallelism stops paying
+def tp_scaling(gpu: GPU, model: ModelConfig, link: Link, sizes=(1, 2, 4, 8), context: int = 1024,
+               prompt_len: int = 2048, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9, **timing) -> list:
+    """One engine on n GPUs for each n: a batch-1 decode step (latency), a decode step at the largest
+    batch whose KV (context tokens each) fits the pool, capped at max_num_seqs (throughput), and one
+    prompt_len-token prefill. timing: step_time's host and graphs."""
+    out = []
+    for n in sizes:
+        row = {"tp": n, "fits": False}
+        out.append(row)
+        try:
+            check_tensor_parallel(model, n)
+        except ValueError:
+            continue
+        pool = kv_pool_tokens(gpu, model, gpu_memory_utilization, n)
+        if pool < context + 1:
+            continue
+        batch = min(max_num_seqs, pool // (context + 1))
+        t1 = step_time(gpu, model, [(1, context)], n, link=link, **timing)
+        tb = step_time(gpu, model, [(1, context)] * batch, n, link=link, **timing)
+        row |= {"fits": True, "batch1_ms": 1e3 * t1, "all_reduce_share": tp_comm_time(model, 1, n, link) / t1,
+                "max_batch": batch, "step_ms": 1e3 * tb, "tok_s": batch / tb, "tok_s_per_gpu": batch / tb / n,
+                "prefill_ms": 1e3 * step_time(gpu, model, [(prompt_len, 0)], n, link=link, **timing)}
+    return out
+
+
+def where_tp_stops(rows: list, min_gain: float) -> dict:
+    """latency_n: the last n reached while every doubling cut the batch-1 step by min_gain or more;
+    throughput_n: the n with the most output tokens/s per GPU."""
+    fit = [r for r in rows if r["fits"]]
+    if not fit:
+        return {"latency_n": None, "throughput_n": None}
+    latency_n = fit[0]["tp"]
+    for prev, cur in zip(fit, fit[1:]):
+        if prev["batch1_ms"] / cur["batch1_ms"] < min_gain:
+            break
+        latency_n = cur["tp"]
+    return {"latency_n": latency_n, "throughput_n": max(fit, key=lambda r: r["tok_s_per_gpu"])["tp"]}
+
+
+def tp_sweep_main(argv):
+    import argparse
+    p = argparse.ArgumentParser(prog="simulate.py tp-sweep", description="Where tensor parallelism stops paying.")
+    p.add_argument("--models", default="llama-3-8b,llama-3-70b")
+    p.add_argument("--gpus", default="a100-80gb,h100-sxm")
+    p.add_argument("--links", default="nvlink,pcie", help="comma-separated LINKS keys or families")
+    p.add_argument("--sizes", default="1,2,4,8")
+    p.add_argument("--context", type=int, default=1024, help="cached tokens per decoding sequence")
+    p.add_argument("--prompt-len", type=int, default=2048, help="the prefill column's prompt")
+    p.add_argument("--host-overhead", default="vllm", help=f"{list(HOST_OVERHEADS)} or a results JSON")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--min-gain", type=float, default=1.2, help="a doubling of GPUs must cut the batch-1 step this much")
+    p.add_argument("--out", help="write the rows as JSON here")
+    a = p.parse_args(argv)
+    pick = lambda s, table, flag: [x if x in table else p.error(f"{flag}: {x!r} is not one of {list(table)}")
+                                   for x in s.split(",")]
+    models, gpus = pick(a.models, MODELS, "--models"), pick(a.gpus, GPUS, "--gpus")
+    links = pick(a.links, {k: 0 for k in ("nvlink", "pcie", "infiniband", *LINKS)}, "--links")
+    sizes = [int(x) for x in a.sizes.split(",")]
+    if min(sizes) < 1 or a.context < 0 or a.prompt_len < 1 or a.min_gain <= 1:
+        p.error("--sizes must be >= 1, --context >= 0, --prompt-len >= 1, --min-gain > 1")
+    timing = {"host": host_overhead(a.host_overhead), "graphs": not a.enforce_eager}
+    results = []
+    print(f"Decode after {a.context} cached tokens and one {a.prompt_len}-token prefill; host overhead "
+          f"{a.host_overhead}, {'eager' if a.enforce_eager else 'CUDA graphs for decode'}; max batch = what the KV "
+          f"pool holds (<= 256).\n")
+    for m in models:
+        for g in gpus:
+            for l in links:
+                gpu, link = GPUS[g], resolve_link(l, GPUS[g])
+                rows = tp_scaling(gpu, MODELS[m], link, sizes, a.context, a.prompt_len, **timing)
+                stop = where_tp_stops(rows, a.min_gain)
+                results.append({"model": m, "gpu": g, "link": link.name, "rows": rows, **stop})
+                print_tp_table(MODELS[m], gpu, link, rows, stop, a.min_gain)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def print_tp_table(model, gpu, link, rows, stop, min_gain):
+    print(f"#### {model.name} on {gpu.name}, {link.name}\n")
+    print("| tp | batch-1 step ms | speedup | all-reduce share | max batch | step ms | tok/s | tok/s per GPU | prefill ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = next((r for r in rows if r["fits"]), None)
+    for r in rows:
+        if not r["fits"]:
+            print(f"| {r['tp']} | does not fit (or heads do not split) | | | | | | | |")
+            continue
+        print(f"| {r['tp']} | {r['batch1_ms']:.2f} | {base['batch1_ms'] / r['batch1_ms']:.2f}x | "
+              f"{r['all_reduce_share']:.0%} | {r['max_batch']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
+              f"{r['tok_s_per_gpu']:,.0f} | {r['prefill_ms']:.0f} |")
+    print(f"\nlatency pays up to tp={stop['latency_n']} (each doubling >= {min_gain}x faster at batch 1); "
+          f"output tok/s per GPU peaks at tp={stop['throughput_n']}\n")

@@ -30,8 +30,8 @@ class RouterConfig:
     policy: str = "cache_aware"
     min_match_fraction: float = 0.5     # cache_aware routes by prefix when matched / prompt tokens >= this
     min_match_tokens: int = 1           # ... and at least this many tokens matched
-    balance_rel: float = 1.5            # loads are imbalanced when max > balance_rel * min + balance_abs;
-    balance_abs: int = 4                # then the least loaded worker wins whatever the match
+    balance_rel: float = 2.0            # loads are imbalanced when max > balance_rel * min + balance_abs;
+    balance_abs: int = 16               # then the least loaded worker wins whatever the match
     max_tree_tokens: int = 1 << 20      # per worker; about its KV pool's tokens
 
     def validate(self):

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from cost_model import (FLOP_EFFICIENCY, GPUS, HOST_OVERHEADS, LINK_CHOICES, MEM_EFFICIENCY, MODELS,  # noqa: F401
                         STEP_OVERHEAD_S, check_tensor_parallel, host_overhead, kv_pool_bytes, kv_pool_tokens,
-                        resolve_link, roofline, step_cost, step_time)
+                        resolve_link, roofline, step_cost, step_time, tp_sweep_main)
 from kv_cache import BlockManager
 from scheduler import Scheduler, SchedulerConfig
 from scheduler import Sequence                      # moves to sequence.py with the lead's refactor
@@ -48,9 +48,10 @@ from static_scheduler import StaticScheduler
 WORKLOADS = {   # (mean input, mean output) tokens: the vLLM paper's dataset statistics ...
     "sharegpt": (161, 338),
     "alpaca": (19.3, 58.5),
-    "long-prompt": (1500, 100),   # ... and ours: long documents, short answers (summarization-like)
+    "long-prompt": (1500, 100),   # ... and ours: long documents, short answers (summarization-like),
+    "short-prompt": (150, 100),   # and the same answers after a tenth of the prompt (chat-like)
 }
-LENGTH_SIGMA = {"sharegpt": 1.0, "alpaca": 0.6, "long-prompt": 0.4}   # log-normal spread; ShareGPT has a long tail
+LENGTH_SIGMA = {"sharegpt": 1.0, "alpaca": 0.6, "long-prompt": 0.4, "short-prompt": 0.4}   # log-normal spread
 WORKLOAD_CHOICES = [*WORKLOADS, "uniform", "tenants"]   # tenants: a shared system prompt per tenant + a question
 
 
@@ -254,6 +255,9 @@ def sweep(args) -> dict:
 
 
 def print_table(res: dict):
+    if "engines" in res:                                  # several engines: simulate_cluster.py's table
+        import simulate_cluster
+        return simulate_cluster.print_table(res)
     rows = [("output tok/s", f"{res['output_tok_s']:.0f}"), ("total tok/s", f"{res['total_tok_s']:.0f}"),
             ("requests/s", f"{res['requests_per_s']:.2f}"),
             ("TTFT p50/p90/p99 s", "/".join(f"{v:.3f}" for v in res["ttft_s"].values())),
@@ -437,9 +441,11 @@ def main(argv=None):
                                   host=host_overhead(a.host_overhead), graphs=not a.enforce_eager,
                                   link=resolve_link(a.tp_link, gpu)), indent=2))
         return
-    if argv[:1] in (["tp-sweep"], ["disagg-sweep"]):
+    if argv[:1] == ["tp-sweep"]:
+        return tp_sweep_main(argv[1:])
+    if argv[:1] == ["disagg-sweep"]:
         import simulate_cluster
-        return simulate_cluster.main(argv)
+        return simulate_cluster.disagg_sweep_main(argv[1:])
     args = parse_run(argv)
     try:
         results = sweep(args) if args.sweep_rates else {args.scheduler_mode: [run(args)]}
