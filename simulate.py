@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+# re-exported too: test_all.py reads the cost model's names as simulate.X
 from cost_model import (FLOP_EFFICIENCY, GPUS, HOST_OVERHEADS, LINK_CHOICES, MEM_EFFICIENCY, MODELS,  # noqa: F401
                         STEP_OVERHEAD_S, check_tensor_parallel, host_overhead, kv_pool_bytes, kv_pool_tokens,
                         resolve_link, roofline, step_cost, step_time, tp_sweep_main)

@@ -427,7 +427,8 @@ def disagg_sweep_main(argv):
     seconds = time.perf_counter() - started
     write_docs(a, runs, table, a.out, seconds)
     with open(os.path.join(a.out, "disaggregation.json"), "w") as f:
-        json.dump({"config": vars(a), "slo": {wl: {"ttft_s": v[1], "tpot_s": v[2]} for wl, v in SWEEP_WORKLOADS.items()},
+        json.dump({"config": vars(a), "slo": {wl: {"ttft_s": ttft, "tpot_s": tpot, "rates_per_gpu": rates}
+                           for wl, (ttft, tpot, rates) in SWEEP_WORKLOADS.items()},
                    "goodput_per_gpu": [{"workload": wl, "system": s, "slo_scale": k, "req_s": v}
                                        for (wl, s, k), v in table.items()],
                    "points": [{"workload": wl, "system": s, **{k: v for k, v in o.items() if k != "latencies"}}

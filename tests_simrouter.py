@@ -5,6 +5,7 @@ disaggregated prefill/decode (cost_model.py, simulate.py, simulate_cluster.py). 
 independent: brute-force prefix matching, hand-computed ring all-reduce and transfer arithmetic, the
 measured numbers of the H100 run, counts of what the threads did. Fast: seconds on 2 cores.
 """
+import json
 import math
 import random
 import threading
@@ -17,7 +18,6 @@ import simulate as sim
 import simulate_cluster as sc
 from errors import InvalidRequest
 from router import PrefixTree, Router, RouterConfig
-from scheduler import Scheduler
 
 
 # ##################################################################################################
@@ -331,7 +331,9 @@ def test_disagg_sweep_writes_the_table_plot_and_json(tmp_path, monkeypatch, caps
     text = (tmp_path / "disaggregation.md").read_text()
     assert "| disaggregated 1:1 | 2 |" in text and "| colocated, budget 8192 | 2 |" in text
     assert (tmp_path / "disaggregation.png").stat().st_size > 0
-    assert (tmp_path / "disaggregation.json").stat().st_size > 0
+    saved = json.loads((tmp_path / "disaggregation.json").read_text())
+    assert saved["slo"]["long-prompt"] == {"ttft_s": 1.0, "tpot_s": 0.035, "rates_per_gpu": [0.5, 4]}
+    assert len(saved["goodput_per_gpu"]) == 2 * 2 * len(sc.SLO_SCALES)
     capsys.readouterr()
 
 
