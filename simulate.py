@@ -3,152 +3,57 @@ simulate.py: the project's real scheduler and KV cache at GPU scale, timed by a 
 
 No model runs. Each step, the real `scheduler.Scheduler` (or `static_scheduler.StaticScheduler`)
 and `kv_cache.BlockManager`, imported and never copied, decide which sequences run and how many
-tokens each; a cost model of one GPU (A100-80GB, H100 SXM, H200) running a Llama config says how
-long that step takes; the simulated clock advances by that much and every sequence whose chunk
-reached its end gets one (meaningless) token. So a change to the scheduler shows up here with no
-extra work, and thousands of concurrent sequences run in seconds on a laptop.
+tokens each; cost_model.step_time says how long that step takes on one GPU (A100-80GB, H100 SXM,
+H200), or tp of them under tensor parallelism, running a Llama config, host overhead included; the
+simulated clock advances by that much and every sequence whose chunk reached its end gets one
+(meaningless) token. So a change to the scheduler shows up here with no extra work, and thousands
+of sequences run in seconds.
 
-Owns: the GPU table, the model configs, the cost model, the workloads (ShareGPT/Alpaca-like length
-statistics, uniform) with Poisson arrivals, the metrics, the sweep and the plots. Does not decide
-anything the scheduler decides, and does not touch the engine, the kernels or the tokenizer.
+Owns: one engine under a workload. The workloads (ShareGPT/Alpaca-like length statistics, long
+prompts, uniform, tenants sharing system prompts) with Poisson arrivals, the simulation loop, the
+metrics, the sweep, the plots and the command line. Several engines (data parallel behind router.py,
+disaggregated prefill/decode) live in simulate_cluster.py, which run() hands those flags to; the
+hardware, the models and the step's cost live in cost_model.py. Does not decide anything the
+scheduler decides, and does not touch the engine, the kernels or the tokenizer.
 A request stops at exactly its drawn output length (max_tokens = that length, like ignore_eos).
-Prompts are distinct random tokens, so the prefix cache is off and lpm orders like fcfs; under
+Prompts are distinct tokens except the tenants' shared system prompts; under
 --scheduling-policy priority, request k gets priority k % 3.
 
   python simulate.py --gpu h100-sxm --model llama-3-8b --workload sharegpt --num-requests 1000
+  python simulate.py --workload tenants --enable-prefix-caching --data-parallel-size 2 --routing cache_aware
+  python simulate.py --workload long-prompt --disaggregation 1:1 --kv-link infiniband --request-rate 4
   python simulate.py roofline --gpu a100-80gb --model llama-2-13b --batch 32
+  python simulate.py tp-sweep                       # where tensor parallelism stops paying (cost_model.py)
+  python simulate.py disagg-sweep --out docs/       # disaggregated vs colocated goodput per GPU
 """
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
 from dataclasses import dataclass, field
 
+# re-exported too: test_all.py reads the cost model's names as simulate.X
+from cost_model import (FLOP_EFFICIENCY, GPUS, HOST_OVERHEADS, LINK_CHOICES, MEM_EFFICIENCY, MODELS,  # noqa: F401
+                        STEP_OVERHEAD_S, check_tensor_parallel, host_overhead, kv_pool_bytes, kv_pool_tokens,
+                        resolve_link, roofline, step_cost, step_time, tp_sweep_main)
 from kv_cache import BlockManager, SwapIn, SwapOut
 from scheduler import Scheduler, SchedulerConfig
 from sequence import Sequence
 from static_scheduler import StaticScheduler
 
 
-# ------------------------------------------------------------------ hardware and models
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    peak_flops: float          # dense bf16 FLOP/s
-    hbm_bandwidth: float       # bytes/s
-    memory: float              # bytes
-    pcie_bandwidth: float      # bytes/s host <-> device, what swap preemption pays
-
-
-GPUS = {   # vendor datasheets; PCIe: Gen4 x16 on A100, Gen5 x16 on H100/H200 (about 80% of the link)
-    "a100-80gb": GPU("A100-80GB", 312e12, 2.0e12, 80e9, 25e9),
-    "h100-sxm": GPU("H100 SXM", 989e12, 3.35e12, 80e9, 50e9),
-    "h200": GPU("H200", 989e12, 4.8e12, 141e9, 50e9),
-}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    dtype_bytes: int = 2       # bf16 weights and KV cache
-
-    @property
-    def num_params(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attention = 2 * h * h + 2 * h * kv                 # q, o: h x h; k, v: h x (kv heads * head dim)
-        mlp = 3 * h * self.intermediate_size               # gate, up, down (SwiGLU)
-        per_layer = attention + mlp + 2 * h                # + two RMSNorm weights
-        return self.num_layers * per_layer + 2 * self.vocab_size * h + h   # untied embed/lm_head, final norm
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes   # K and V
-
-
-MODELS = {   # the published Hugging Face configs
-    "llama-2-7b": ModelConfig("Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000),
-    "llama-2-13b": ModelConfig("Llama-2-13B", 40, 5120, 40, 40, 128, 13824, 32000),
-    "llama-3-8b": ModelConfig("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
-    "llama-3-70b": ModelConfig("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
-}
-
-# ------------------------------------------------------------------ the fitted constants (stated once)
-# Fitted once to published measurements and never tuned per test or per run.
-MEM_EFFICIENCY = 0.70     # share of peak HBM bandwidth a decode step reaches. gpt-fast's README:
-                          # Llama-2-7B bf16, batch 1, on an A100-80GB (power-limited to 330 W)
-                          # runs 104.9 tok/s = 1,397 GB/s of the 2,000 GB/s peak -> 0.70.
-FLOP_EFFICIENCY = 0.60    # share of peak bf16 FLOP/s a prefill-heavy step reaches. FlashAttention-2
-                          # (Dao, 2023) reports 50-73% of A100 peak for the forward pass, and large
-                          # GEMMs sit in that range; we take about its middle.
-STEP_OVERHEAD_S = 0.002   # CPU time per step that the GPU waits for (schedule, build inputs, sample,
-                          # detokenize). vLLM's v0.6.0 post (2024-09-05) profiled Llama-3-8B on one
-                          # H100 and found the GPU busy only 38% of the time in v0.5.3; overlapping
-                          # just the output processing gave +12% throughput (vLLM PR #7049), i.e.
-                          # about 2 ms of the ~15-20 ms steps of that benchmark.
-
-
-# ------------------------------------------------------------------ the cost model
-def step_cost(model: ModelConfig, rows) -> tuple[float, float]:
-    """(bytes moved, FLOPs) of one forward pass. rows: (num_new_tokens, num_cached_tokens) per
-    row. Weights are read once; every row reads the K/V of its cached context and writes its new
-    tokens' K/V. Linear layers cost 2 FLOPs per parameter per token; attention costs 4 FLOPs
-    (QK^T and PV) per head dim per head per layer for every (query, key) pair it sees, causally."""
-    num_tokens = sum(n for n, _ in rows)
-    kv_tokens = sum(n + c for n, c in rows)                             # read c, write n
-    pairs = sum(n * c + n * (n + 1) // 2 for n, c in rows)              # query i sees c + i keys
-    bytes_moved = model.weight_bytes + kv_tokens * model.kv_bytes_per_token
-    flops = 2 * model.num_params * num_tokens + 4 * model.num_layers * model.num_heads * model.head_dim * pairs
-    return bytes_moved, flops
-
-
-def step_time(gpu: GPU, model: ModelConfig, rows, tp: int = 1, ideal: bool = False) -> float:
-    """Seconds for one step on tp GPUs: the slower of memory and compute, at the fitted efficiencies,
-    plus the per-step overhead. ideal=True is the bare roofline (efficiency 1, no overhead).
-    Tensor parallelism splits bytes and FLOPs evenly; its all-reduces are not modelled."""
-    bytes_moved, flops = step_cost(model, rows)
-    mem_eff, flop_eff, overhead = (1.0, 1.0, 0.0) if ideal else (MEM_EFFICIENCY, FLOP_EFFICIENCY, STEP_OVERHEAD_S)
-    return max(bytes_moved / (tp * gpu.hbm_bandwidth * mem_eff), flops / (tp * gpu.peak_flops * flop_eff)) + overhead
-
-
-def kv_pool_bytes(gpu: GPU, model: ModelConfig, gpu_memory_utilization: float, tp: int = 1) -> float:
-    """What the KV cache gets: the usable share of memory (vLLM's gpu_memory_utilization; the rest
-    is the activation, CUDA-graph and context reserve) minus the weights."""
-    return tp * gpu.memory * gpu_memory_utilization - model.weight_bytes
-
-
-def roofline(gpu: GPU, model: ModelConfig, batch: int, context: int, tp: int = 1) -> dict:
-    """A full decode batch: batch rows of one new token after `context` cached tokens each."""
-    rows = [(1, context)] * batch
-    bytes_moved, flops = step_cost(model, rows)
-    out = {"gpu": gpu.name, "model": model.name, "batch": batch, "context": context, "tensor_parallel_size": tp,
-           "weight_gb": model.weight_bytes / 1e9, "kv_read_gb": (bytes_moved - model.weight_bytes) / 1e9,
-           "gflop": flops / 1e9,
-           "bound": "memory" if bytes_moved / gpu.hbm_bandwidth >= flops / gpu.peak_flops else "compute"}
-    for kind in ("ideal", "modelled"):
-        t = step_time(gpu, model, rows, tp, ideal=(kind == "ideal"))
-        out[kind] = {"step_ms": t * 1e3, "steps_per_s": 1 / t, "tok_s": batch / t}
-    return out
-
-
 # ------------------------------------------------------------------ workloads and arrivals
-WORKLOADS = {   # (mean input, mean output) tokens: the vLLM paper's dataset statistics
+WORKLOADS = {   # (mean input, mean output) tokens: the vLLM paper's dataset statistics ...
     "sharegpt": (161, 338),
     "alpaca": (19.3, 58.5),
+    "long-prompt": (1500, 100),   # ... and ours: long documents, short answers (summarization-like),
+    "short-prompt": (150, 100),   # and the same answers after a tenth of the prompt (chat-like)
 }
-LENGTH_SIGMA = {"sharegpt": 1.0, "alpaca": 0.6}   # log-normal spread: ShareGPT has a long tail, Alpaca is narrow
+LENGTH_SIGMA = {"sharegpt": 1.0, "alpaca": 0.6, "long-prompt": 0.4, "short-prompt": 0.4}   # log-normal spread
+WORKLOAD_CHOICES = [*WORKLOADS, "uniform", "tenants"]   # tenants: a shared system prompt per tenant + a question
 
 
 @dataclass
@@ -157,6 +62,7 @@ class Request:
     arrival_time: float
     input_len: int
     output_len: int
+    tenant: int = -1                  # tenants workload: whose system prompt opens the prompt
     first_token_time: float = math.nan
     finish_time: float = math.nan
 
@@ -171,8 +77,11 @@ def make_requests(args) -> list[Request]:
     rng = random.Random(args.seed)
     t, reqs = 0.0, []
     for _ in range(args.num_requests):
+        tenant = -1
         if args.workload == "uniform":
             i, o = args.input_len, args.output_len
+        elif args.workload == "tenants":
+            tenant, i, o = rng.randrange(args.num_tenants), args.system_prompt_len + args.input_len, args.output_len
         else:
             mean_in, mean_out = WORKLOADS[args.workload]
             sigma = LENGTH_SIGMA[args.workload]
@@ -180,8 +89,16 @@ def make_requests(args) -> list[Request]:
             o = lognormal_len(rng, mean_out, sigma, 1, args.max_model_len - i)
         if args.request_rate != math.inf:
             t += rng.expovariate(args.request_rate)
-        reqs.append(Request(t, i, o))
+        reqs.append(Request(t, i, o, tenant))
     return reqs
+
+
+def prompt_tokens(k: int, r: Request, system_prompt_len: int) -> list[int]:
+    """Request k's prompt: token k repeated, after its tenant's system prompt (token -1 - tenant repeated)
+    when it has one. No model reads these ids; only the prefix cache and the router compare them."""
+    if r.tenant < 0:
+        return [k] * r.input_len
+    return [-1 - r.tenant] * system_prompt_len + [k] * (r.input_len - system_prompt_len)
 
 
 # ------------------------------------------------------------------ the simulation
@@ -191,7 +108,8 @@ def build(args, num_blocks, num_host_blocks):
                           static_batch_size=args.static_batch_size, scheduling_policy=args.scheduling_policy,
                           preemption_mode=args.preemption_mode)
     cfg.validate()
-    blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=False, num_host_blocks=num_host_blocks)
+    blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                          num_host_blocks=num_host_blocks)
     sched = (StaticScheduler if args.scheduler_mode == "static" else Scheduler)(cfg, blocks)
     return sched, blocks
 
@@ -224,24 +142,49 @@ class Tally:
             self.timeline.append((clock, blocks.usage(), len(running)))
 
 
-def simulate(args) -> dict:
-    """Run the workload through the real scheduler, one step at a time, on the simulated clock."""
+def step_clock(args):
+    """The step timer of one engine built from args: (rows, blocks swapped) -> seconds. Swapped blocks
+    cross PCIe, each GPU of the tp group moving its share."""
     gpu, model, tp = GPUS[args.gpu], MODELS[args.model], args.tensor_parallel_size
+    check_tensor_parallel(model, tp)
+    timing = dict(host=host_overhead(args.host_overhead), graphs=not args.enforce_eager,
+                  link=resolve_link(args.tp_link, gpu))
     block_bytes = model.kv_bytes_per_token * args.block_size
-    num_blocks = int(kv_pool_bytes(gpu, model, args.gpu_memory_utilization, tp) // block_bytes)
+
+    def clock(rows, swapped=0):
+        return step_time(gpu, model, rows, tp, **timing) + swapped * block_bytes / (tp * gpu.pcie_bandwidth)
+    return clock
+
+
+def pool_blocks(args) -> int:
+    """KV blocks of one engine (tp GPUs together), or the reason it cannot run."""
+    gpu, model, tp = GPUS[args.gpu], MODELS[args.model], args.tensor_parallel_size
+    num_blocks = kv_pool_tokens(gpu, model, args.gpu_memory_utilization, tp) // args.block_size
     if num_blocks <= 0:
         raise ValueError(f"--model {args.model} ({model.weight_bytes / 1e9:.0f} GB of weights) does not fit "
                          f"{tp} x {gpu.name} at --gpu-memory-utilization {args.gpu_memory_utilization}; "
                          f"raise --tensor-parallel-size")
-    reqs = make_requests(args)
-    sched, blocks = build(args, num_blocks, int(args.swap_space * 2**30 // block_bytes))
+    return num_blocks
+
+
+def check_fits(reqs, blocks, sched):
     longest = max(r.input_len + r.output_len for r in reqs)
-    if blocks.blocks_needed(longest) > num_blocks - sched.watermark_blocks:
-        raise ValueError(f"a request of {longest} tokens can never fit the KV pool ({num_blocks} blocks of "
-                         f"{args.block_size}, {sched.watermark_blocks} kept free); "
+    if blocks.blocks_needed(longest) > blocks.num_blocks - sched.watermark_blocks:
+        raise ValueError(f"a request of {longest} tokens can never fit the KV pool ({blocks.num_blocks} blocks of "
+                         f"{blocks.block_size}, {sched.watermark_blocks} kept free); "
                          f"raise --gpu-memory-utilization or shorten the requests")
-    seqs = [Sequence(k, [k] * r.input_len, r.input_len, r.output_len, priority=k % 3 if args.scheduling_policy ==
-                     "priority" else 0, arrival_time=r.arrival_time, request=r) for k, r in enumerate(reqs)]
+
+
+def simulate(args) -> dict:
+    """Run the workload through the real scheduler, one step at a time, on the simulated clock."""
+    step_s, num_blocks = step_clock(args), pool_blocks(args)
+    reqs = make_requests(args)
+    block_bytes = MODELS[args.model].kv_bytes_per_token * args.block_size
+    sched, blocks = build(args, num_blocks, int(args.swap_space * 2**30 // block_bytes))
+    check_fits(reqs, blocks, sched)
+    seqs = [Sequence(k, prompt_tokens(k, r, args.system_prompt_len), r.input_len, r.output_len,
+                     priority=k % 3 if args.scheduling_policy == "priority" else 0, arrival_time=r.arrival_time,
+                     request=r) for k, r in enumerate(reqs)]
     tally = Tally(args.block_size, args.max_model_len, args.timeline_every)
     started, started_cpu = time.perf_counter(), time.process_time()
     clock, arrived, done = 0.0, 0, 0
@@ -256,8 +199,7 @@ def simulate(args) -> dict:
             clock = max(clock, seqs[arrived].arrival_time)      # idle until the next arrival
             continue
         rows = [(n, seq.num_computed_tokens) for seq, n in zip(batch.seqs, batch.num_tokens)]
-        swapped = sum(1 for op in batch.block_ops if isinstance(op, (SwapIn, SwapOut)))
-        dt = step_time(gpu, model, rows, tp) + swapped * block_bytes / (tp * gpu.pcie_bandwidth)
+        dt = step_s(rows, sum(1 for op in batch.block_ops if isinstance(op, (SwapIn, SwapOut))))
         clock += dt
         for seq in sched.finish_step(batch):                    # their chunk reached the end: one token each
             if seq.num_output_tokens == 0 and math.isnan(seq.request.first_token_time):
@@ -270,7 +212,7 @@ def simulate(args) -> dict:
         tally.record(clock, dt, batch, sched.running, blocks)
     assert blocks.num_free_blocks() == blocks.num_blocks, "blocks leaked: some KV block is still held"
     sim_s, sim_cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
-    return report(args, reqs, clock, tally, num_blocks, sim_s, sim_cpu_s)
+    return report(args, reqs, clock, tally, num_blocks, sim_s, sim_cpu_s) | {"prefix_hit_rate": blocks.hit_rate()}
 
 
 def percentiles(values) -> dict:
@@ -307,13 +249,16 @@ def sweep(args) -> dict:
     results = {}
     for variant in args.sweep_variants.split(","):
         mode, _, policy = variant.partition("/")
-        results[variant] = [simulate(argparse.Namespace(**{**vars(args), "request_rate": rate, "scheduler_mode": mode,
+        results[variant] = [run(argparse.Namespace(**{**vars(args), "request_rate": rate, "scheduler_mode": mode,
                                                           "scheduling_policy": policy or args.scheduling_policy}))
                             for rate in args.sweep_rates]
     return results
 
 
 def print_table(res: dict):
+    if "engines" in res:                                  # several engines: simulate_cluster.py's table
+        import simulate_cluster
+        return simulate_cluster.print_table(res)
     rows = [("output tok/s", f"{res['output_tok_s']:.0f}"), ("total tok/s", f"{res['total_tok_s']:.0f}"),
             ("requests/s", f"{res['requests_per_s']:.2f}"),
             ("TTFT p50/p90/p99 s", "/".join(f"{v:.3f}" for v in res["ttft_s"].values())),
@@ -373,15 +318,44 @@ def rate(value: str) -> float:
     return r
 
 
+def add_engine_args(p):
+    """The flags that say what one engine runs on and how its steps are timed."""
+    p.add_argument("--gpu", choices=GPUS, default=p.get_default("gpu") or "h100-sxm")
+    p.add_argument("--model", choices=MODELS, default=p.get_default("model") or "llama-3-8b")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tp-link", choices=LINK_CHOICES, default="nvlink",
+                   help="the tensor-parallel all-reduces' link (a family means this GPU's generation of it)")
+    p.add_argument("--host-overhead", default="vllm", metavar="{" + ",".join(HOST_OVERHEADS) + "} or PATH",
+                   help="the host's cost per step and launch: a preset, or the fit to a bench.py results JSON of a "
+                        "GPU run (fit_host_overhead says which fields it reads)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: decode steps pay every launch (graphs replay decode-only steps)")
+
+
+def check_engine_args(p, args):
+    if args.tensor_parallel_size < 1:
+        p.error("--tensor-parallel-size must be >= 1")
+    if args.host_overhead not in HOST_OVERHEADS and not os.path.isfile(args.host_overhead):
+        p.error(f"--host-overhead must be one of {list(HOST_OVERHEADS)} or a results JSON file, got {args.host_overhead!r}")
+
+
+def disaggregation(value: str) -> tuple[int, int]:
+    p, sep, d = value.partition(":")
+    if not (sep and p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+        raise argparse.ArgumentTypeError(f"--disaggregation must be P:D with P, D >= 1 (e.g. 1:1), got {value!r}")
+    return int(p), int(d)
+
+
 def parse_run(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Simulate nanoserve's scheduler on a GPU (see the module docstring).")
-    p.add_argument("--gpu", choices=GPUS, default="h100-sxm")
-    p.add_argument("--model", choices=MODELS, default="llama-3-8b")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    add_engine_args(p)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--workload", choices=["sharegpt", "alpaca", "uniform"], default="sharegpt")
-    p.add_argument("--input-len", type=int, default=512, help="uniform workload only")
-    p.add_argument("--output-len", type=int, default=128, help="uniform workload only")
+    p.add_argument("--workload", choices=WORKLOAD_CHOICES, default="sharegpt")
+    p.add_argument("--input-len", type=int, default=512, help="uniform workload; tenants: the question after the system prompt")
+    p.add_argument("--output-len", type=int, default=128, help="uniform and tenants workloads only")
+    p.add_argument("--num-tenants", type=int, default=8, help="tenants workload only")
+    p.add_argument("--system-prompt-len", type=int, default=500, help="tenants workload only")
+    p.add_argument("--enable-prefix-caching", action="store_true", help="each engine's BlockManager shares full blocks")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--request-rate", type=rate, default=math.inf, help="Poisson arrivals per second, or inf")
     p.add_argument("--seed", type=int, default=0)
@@ -394,6 +368,12 @@ def parse_run(argv) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--swap-space", type=float, default=4, help="GiB of host memory per GPU for swapped blocks")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="full engine replicas behind a router")
+    p.add_argument("--routing", choices=["round_robin", "least_loaded", "cache_aware"], default="least_loaded",
+                   help="router.py's policy across replicas (and, disaggregated, across prefill engines)")
+    p.add_argument("--disaggregation", type=disaggregation, default=None, metavar="P:D",
+                   help="P prefill engines and D decode engines; each request's KV moves after its prefill")
+    p.add_argument("--kv-link", choices=LINK_CHOICES, default="nvlink", help="the KV transfer's link, disaggregated")
     p.add_argument("--sweep-rates", type=lambda s: [rate(x) for x in s.split(",")], default=None,
                    help="comma-separated rates; runs every --sweep-variants at each")
     p.add_argument("--sweep-variants", default="continuous/fcfs,continuous/priority,static/fcfs",
@@ -402,16 +382,25 @@ def parse_run(argv) -> argparse.Namespace:
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--plot", help="write PNG charts into this directory")
     args = p.parse_args(argv)
-    checks = [("tensor_parallel_size", args.tensor_parallel_size >= 1, ">= 1"),
-              ("gpu_memory_utilization", 0 < args.gpu_memory_utilization <= 1, "in (0, 1]"),
+    check_engine_args(p, args)
+    cluster = args.data_parallel_size > 1 or args.disaggregation
+    checks = [("gpu_memory_utilization", 0 < args.gpu_memory_utilization <= 1, "in (0, 1]"),
               ("num_requests", args.num_requests >= 1, ">= 1"),
               ("input_len", args.input_len >= 1, ">= 1"), ("output_len", args.output_len >= 1, ">= 1"),
               ("input_len + output_len", args.workload != "uniform" or args.input_len + args.output_len
                <= args.max_model_len, "<= --max-model-len"),
+              ("num_tenants", args.num_tenants >= 1, ">= 1"), ("system_prompt_len", args.system_prompt_len >= 1, ">= 1"),
+              ("system_prompt_len + input_len + output_len", args.workload != "tenants" or args.system_prompt_len
+               + args.input_len + args.output_len <= args.max_model_len, "<= --max-model-len"),
               ("static_batch_size", args.static_batch_size >= 1, ">= 1"),
               ("max_num_seqs", args.max_num_seqs >= 1, ">= 1"),
               ("max_num_batched_tokens", args.max_num_batched_tokens >= 1, ">= 1"),
               ("block_size", args.block_size >= 1, ">= 1"), ("swap_space", args.swap_space >= 0, ">= 0"),
+              ("data_parallel_size", args.data_parallel_size >= 1, ">= 1"),
+              ("data_parallel_size", args.data_parallel_size == 1 or not args.disaggregation,
+               "1 with --disaggregation (P:D already counts the engines)"),
+              ("scheduler_mode", not cluster or args.scheduler_mode == "continuous",
+               "continuous with --data-parallel-size or --disaggregation"),
               ("timeline_every", args.timeline_every >= 1, ">= 1")]
     for name, ok, allowed in checks:
         if not ok:
@@ -421,26 +410,46 @@ def parse_run(argv) -> argparse.Namespace:
 
 def parse_roofline(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="simulate.py roofline", description="Decode step time of a full batch.")
-    p.add_argument("--gpu", choices=GPUS, default="a100-80gb")
-    p.add_argument("--model", choices=MODELS, default="llama-2-13b")
+    p.set_defaults(gpu="a100-80gb", model="llama-2-13b")
+    add_engine_args(p)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=0, help="cached tokens per row (0: weights only)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
     args = p.parse_args(argv)
-    if args.batch < 1 or args.context < 0 or args.tensor_parallel_size < 1:
-        p.error("--batch and --tensor-parallel-size must be >= 1, --context >= 0")
+    check_engine_args(p, args)
+    if args.batch < 1 or args.context < 0:
+        p.error("--batch must be >= 1, --context >= 0")
     return args
+
+
+def run(args) -> dict:
+    """One engine, or several (simulate_cluster.py) when the flags ask for them."""
+    if args.data_parallel_size > 1 or args.disaggregation:
+        import simulate_cluster
+        return simulate_cluster.simulate_cluster(args)
+    return simulate(args)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["roofline"]:
         a = parse_roofline(argv[1:])
-        print(json.dumps(roofline(GPUS[a.gpu], MODELS[a.model], a.batch, a.context, a.tensor_parallel_size), indent=2))
+        gpu, model = GPUS[a.gpu], MODELS[a.model]
+        try:
+            check_tensor_parallel(model, a.tensor_parallel_size)
+        except ValueError as e:
+            sys.exit(f"simulate.py: error: {e}")
+        print(json.dumps(roofline(gpu, model, a.batch, a.context, a.tensor_parallel_size,
+                                  host=host_overhead(a.host_overhead), graphs=not a.enforce_eager,
+                                  link=resolve_link(a.tp_link, gpu)), indent=2))
         return
+    if argv[:1] == ["tp-sweep"]:
+        return tp_sweep_main(argv[1:])
+    if argv[:1] == ["disagg-sweep"]:
+        import simulate_cluster
+        return simulate_cluster.disagg_sweep_main(argv[1:])
     args = parse_run(argv)
     try:
-        results = sweep(args) if args.sweep_rates else {args.scheduler_mode: [simulate(args)]}
+        results = sweep(args) if args.sweep_rates else {args.scheduler_mode: [run(args)]}
     except ValueError as e:                              # a configuration that cannot run: say why, no traceback
         sys.exit(f"simulate.py: error: {e}")
     for runs in results.values():
