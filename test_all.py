@@ -329,6 +329,13 @@ def fake_seq(seq_id, prompt_len, max_tokens=8, priority=0, arrival=None, first_t
                     float(seq_id if arrival is None else arrival), request=request)
 
 
+def computed(blocks, seq):
+    """seq's whole prompt in the cache, its full blocks registered for prefix hits (a finished prefill)."""
+    blocks.allocate_slots(seq, len(seq.token_ids))
+    seq.num_computed_tokens = len(seq.token_ids)
+    blocks.cache_full_blocks(seq)
+
+
 def make_scheduler(num_blocks=64, block_size=4, host_blocks=0, prefix=True, **config):
     blocks = BlockManager(num_blocks, block_size, prefix, host_blocks)
     config = SchedulerConfig(**{"max_model_len": 4096, "watermark": 0.0, **config})
@@ -468,9 +475,7 @@ def test_prefix_cache_misses_for_another_cache_salt_and_when_disabled():
     for prefix, salt, expected in [(True, "tenant-b", 0), (False, None, 0), (True, None, 8)]:
         blocks = BlockManager(16, 4, enable_prefix_caching=prefix)
         first = fake_seq(0, 10)
-        blocks.allocate_slots(first, 10)
-        first.num_computed_tokens = 10
-        blocks.cache_full_blocks(first)
+        computed(blocks, first)
         assert blocks.num_cached_tokens(fake_seq(1, 10, salt=salt)) == expected, (prefix, salt)
 
 
@@ -478,9 +483,7 @@ def test_prefix_cache_misses_for_another_cache_salt_and_when_disabled():
 def test_a_prefix_hit_needs_the_same_tokens_not_only_the_same_length():
     blocks = BlockManager(16, 4)
     first = fake_seq(0, 10)
-    blocks.allocate_slots(first, 10)
-    first.num_computed_tokens = 10
-    blocks.cache_full_blocks(first)
+    computed(blocks, first)
     other = fake_seq(1, 10)
     other.token_ids[5] = 1                                 # differs in block 1: block 0 still hits
     assert blocks.num_cached_tokens(other) == 4
@@ -491,9 +494,7 @@ def test_freed_cached_blocks_stay_evictable_and_are_reclaimed_least_recently_use
     blocks = BlockManager(4, 4)
     a, b = fake_seq(0, 8, first_token=100), fake_seq(1, 8, first_token=200)
     for s in (a, b):
-        blocks.allocate_slots(s, 8)
-        s.num_computed_tokens = 8
-        blocks.cache_full_blocks(s)
+        computed(blocks, s)
     a_blocks = list(a.block_table)
     blocks.free(a)                                         # released tail first: a's block 1, then block 0
     blocks.free(b)
@@ -509,9 +510,7 @@ def test_freed_cached_blocks_stay_evictable_and_are_reclaimed_least_recently_use
 def test_reviving_an_evictable_cached_block_costs_a_free_block():
     blocks = BlockManager(8, 4)
     a = fake_seq(0, 9)
-    blocks.allocate_slots(a, 9)
-    a.num_computed_tokens = 9
-    blocks.cache_full_blocks(a)
+    computed(blocks, a)
     blocks.free(a)                                         # 2 cached blocks now evictable, 6 free
     b = fake_seq(1, 9)
     # 8 cached tokens + 1 to compute: 3 blocks in its table, 1 new, 2 revived from the evictable set
