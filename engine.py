@@ -251,7 +251,8 @@ class Engine:
     @torch.inference_mode()   # the sampler edits the model's logits in place: they are inference tensors
     def step(self) -> list[RequestOutput]:
         batch = self.schedule()
-        if not batch.seqs:
+        if not batch.seqs:                                  # everyone was preempted: only the swaps run
+            self.kv_pool.run(batch.block_ops)
             return []
         prompt_rows = self.prompt_logprob_rows(batch)       # prompt logprobs: more logits rows of this forward
         for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: an extra forward
