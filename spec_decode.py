@@ -11,34 +11,38 @@ engine and scheduler call in here and act on what comes back.
 
 How the engine uses it, one step (only decode rows speculate; a row with no drafts is a plain row):
  1. propose   After a step's tokens are appended, for each running decode completion that
-              `speculation_enabled(config, num_running)` and its AcceptanceTracker allow:
-              NgramProposer.propose(keys, token_ids, max_drafts) with max_drafts from
-              `draft_budget` (never past max_tokens or max_model_len), then `trim_drafts`
-              (drafts its grammar forbids go now, before they cost a forward; nothing is drafted
-              past a stop id). Drafts live beside the sequence (seq.spec_token_ids), never in
-              token_ids, so neither detokenizer, stop checks nor prefix-cache hashes see them.
+              speculation_enabled(config, num_running) and its AcceptanceTracker allow:
+              NgramProposer.propose(seq_ids, token_ids, max_drafts), max_drafts from draft_budget
+              (never past max_tokens or max_model_len), then trim_drafts (drafts its grammar
+              forbids go before they cost a forward; nothing is drafted past a stop id). Drafts
+              live beside the sequence (seq.spec_token_ids), never in token_ids, so neither
+              detokenizer, stop checks nor prefix-cache hashes see them; preemption drops them.
+              n > 1: each fork is its own sequence (its own key, history and drafts).
  2. schedule  A row with k drafts costs 1 + k tokens of the budget and allocate_slots(seq, 1 + k).
               If the budget or the pool is short, drop the drafts (k = 0): drafts never preempt.
  3. forward   input ids token_ids[num_computed:] + drafts; positions and slots as for any
               multi-token query; logits at all 1 + k positions of each speculating row, rows in
               batch order: logits [T, vocab], T = sum(k_i + 1).
- 4. accept    raw = logits.log_softmax(-1) if any row wants logprobs (the model's, as today);
-              apply_processors_with_drafts(logits, states, drafts): position j of a row is
-              processed as if drafts[:j] had been emitted (grammar state, min_tokens count,
-              penalty counts); then rejection_sample(logits, drafts, states, generator) ->
-              SpecOutput: per row the emitted tokens (accepted drafts + one target token) and
-              the logits row each came from (logprobs: raw[index]).
- 5. rollback  finish_step counts only a row's non-draft tokens in num_computed_tokens; after
-              acceptance num_computed_tokens += num_accepted, and `rollback_num_blocks` tail
-              blocks are released (they were allocated this step, refcount 1, never registered).
-              Rejected drafts' slots inside kept blocks lie past num_computed_tokens: attention
-              never reads them and the next tokens overwrite them. A block enters the prefix
-              cache only once full of computed tokens, all in token_ids, so a draft never does.
-              Then append the emitted tokens one by one (EOS, stop strings and max_tokens inside
-              the run end it there; the rest is dropped), and tracker.record / stats.observe.
+ 4. accept    verify(logits, drafts, states, generator) -> SpecOutput: per row the emitted tokens
+              (accepted drafts + one target token) and, where asked, their logprobs (the model's,
+              as sampler.sample gives them). Position j of a row is processed as plain decoding
+              would after emitting drafts[:j]: grammar state, min_tokens count, penalty counts.
+ 5. rollback  finish_step counts only a row's non-draft tokens in num_computed_tokens (so its
+              cache_full_blocks never sees a draft); after acceptance num_computed_tokens +=
+              num_accepted, and rollback_num_blocks(...) tail blocks are released (allocated this
+              step, refcount 1, never registered). Rejected drafts' slots in kept blocks lie past
+              num_computed_tokens: attention never reads them, the next tokens overwrite them.
+              Blocks that accepted drafts filled are registered by the next finish_step, once
+              their tokens are in token_ids: a block is cached only when full of computed,
+              accepted tokens. Then append the emitted tokens one by one (EOS, stop strings and
+              max_tokens inside the run end it there; the rest is dropped); tracker.record and
+              stats.observe.
 Seeds: a seeded row draws every random number from its own generator, so its tokens do not
-depend on the batch; with n-gram drafts it draws exactly one uniform per emitted token, the one
-plain sampling would draw, so a seeded request gives the same tokens with or without speculation.
+depend on the batch. With n-gram drafts it draws one uniform per emitted token, the one plain
+sampling draws, so a seeded request gives the tokens it gives without speculation (but for a
+token whose uniform sits within float rounding of a CDF edge: the verification forward's logits
+may differ from a one-token step's in the last bits). A draft model's own draws must come from
+the row's generator too (draft_model is the proposer phase 2 adds: this file accepts its q).
 """
 import os
 from dataclasses import dataclass, field, fields
@@ -48,7 +52,7 @@ import torch
 
 import errors
 import sampler
-from structured_output import apply_token_bitmask_
+from structured_output import apply_grammar_masks
 
 MAX_SPECULATIVE_TOKENS = 16      # more drafts than this are almost never all accepted, yet each is verified
 MAX_PROMPT_LOOKUP = 64
@@ -64,7 +68,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None      # ngram: longest suffix tried (vLLM: = min if unset; both unset: 5)
     model: str | None = None                  # draft_model: a checkpoint dir or .gguf with the target's tokenizer
     disable_by_batch_size: int | None = None  # no speculation in a step with at least this many running rows
-    min_acceptance_rate: float = 0.2          # a completion whose recent rate falls below pauses drafting
+    min_acceptance_rate: float = 0.2          # below it a completion pauses drafting (k = 4 at 0.2: ~1.25 tokens a step)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -224,75 +228,136 @@ def trim_drafts(drafts: list[int], state) -> list[int]:
     return drafts
 
 
-# ---------------------------------------------------------------------------------------- processing drafted positions
+# ---------------------------------------------------------------------------------------- verification
 class DraftedState:
-    """A SamplingState as it would be after a row emitted drafts[:j]: what sampler's processors
-    read (min_tokens count, penalty counts). The grammar is handled apart, by advancing it."""
+    """A row's SamplingState as plain decoding would hold it after emitting drafts[:j]: what the
+    sampler reads (params, generator, min_tokens count, penalty counts, grammar). The grammar is
+    the row's own matcher, which verify advances through accepted drafts and rolls back after."""
     __slots__ = ("params", "generator", "grammar", "num_output_tokens", "output_counts", "in_prompt",
                  "min_tokens_banned")
 
     def __init__(self, state, prefix: list[int]):
-        self.params, self.generator, self.grammar = state.params, state.generator, None
+        self.params, self.generator, self.grammar = state.params, state.generator, state.grammar
         self.num_output_tokens = state.num_output_tokens + len(prefix)
         self.in_prompt, self.min_tokens_banned = state.in_prompt, state.min_tokens_banned
         self.output_counts = state.output_counts
         if state.output_counts is not None and prefix:
-            self.output_counts = state.output_counts.clone()
+            self.output_counts = state.output_counts.clone()                     # [vocab]
             self.output_counts.index_add_(0, torch.tensor(prefix), torch.ones(len(prefix), dtype=torch.int32))
 
 
-def apply_processors_with_drafts(logits, states: list, draft_token_ids: list[list[int]]):
-    """logits: [T, vocab], row i's 1 + k_i positions in order, T = sum(k_i + 1) (edited in place).
-    The sampler's processors in its order (grammar mask, min_tokens, logit_bias, penalties), each
-    position seeing the row's drafts before it as emitted: p at position j is the distribution
-    plain decoding would use after those j tokens, which is what exactness needs.
-    Temperature and top-k/top-p/min-p are rejection_sample's. Drafts must be grammar-valid
-    (trim_drafts); grammars are advanced through them and rolled back."""
-    positions = [s if j == 0 else DraftedState(s, d[:j])
-                 for s, d in zip(states, draft_token_ids) for j in range(len(d) + 1)]   # [T]
-    apply_grammar_masks_with_drafts(logits, states, draft_token_ids)
-    sampler.apply_min_tokens(logits, positions)
-    sampler.apply_logit_bias(logits, [p.params for p in positions])
-    sampler.apply_penalties(logits, positions)
-
-
-def apply_grammar_masks_with_drafts(logits, states: list, draft_token_ids: list[list[int]]):
-    """Each constrained row's mask at each of its positions: the matcher's mask, then it
-    consumes that position's draft; rolled back to where it was once the row is done."""
-    rows, grammars, offset = [], [], 0
-    for s, d in zip(states, draft_token_ids):
-        if s.grammar is not None:
-            rows += range(offset, offset + len(d) + 1)
-            grammars.append((s.grammar.matcher, d))
-        offset += len(d) + 1
-    if not rows:
-        return
-    bitmask = torch.empty(len(rows), (logits.shape[1] + 31) // 32, dtype=torch.int32)   # [g, words]
-    row_bytes, j = bitmask.shape[1] * 4, 0
-    for matcher, drafts in grammars:
-        for token in drafts + [None]:
-            matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), row_bytes)
-            j += 1
-            if token is not None and not matcher.consume_token(token):
-                raise ValueError(f"draft {token} is one the grammar forbids: trim_drafts first")
-        matcher.rollback(len(drafts))
-    apply_token_bitmask_(logits, bitmask, rows)
-
-
-# ---------------------------------------------------------------------------------------- exact acceptance
 @dataclass
 class SpecOutput:
-    """What verification emits, per row in batch order. Logprobs of the emitted tokens, as the
-    engine reports them today (the model's, before processing): with raw = logits.log_softmax(-1)
-    taken before any processor, sampler.top_logprobs(raw[flat indices], flat tokens, want)."""
-    token_ids: list[list[int]]        # accepted drafts, then one token of the target's (correction or bonus)
-    num_accepted: list[int]           # drafts accepted: len(token_ids[i]) - 1
-    logits_indices: list[list[int]]   # the logits row each emitted token was drawn from (for its logprobs)
+    """What verification emits, per row in batch order."""
+    token_ids: list[list[int]]           # accepted drafts, then one target token (the correction or the bonus)
+    num_accepted: list[int]              # drafts accepted: len(token_ids[i]) - 1
+    logprobs: list[list[dict] | None]    # per emitted token, as sampler.sample gives them (None: not asked for)
+
+
+def verify(logits, draft_token_ids: list[list[int]], states: list, generator: torch.Generator | None = None,
+           draft_probs=None) -> SpecOutput:
+    """Exact acceptance of every row's drafts against the target's logits.
+
+    logits: [T, vocab], the target's raw logits at each row's 1 + k_i positions in batch order
+    (T = sum(k_i + 1); overwritten where processed, as sampler.sample does). draft_token_ids: row i's k_i drafts (k_i = 0: a plain
+    row, it just samples). states: the rows' SamplingStates (their grammars are advanced and rolled
+    back; nothing else changes but seeded generators). generator: the engine's stream for unseeded
+    rows. draft_probs: [sum(k_i), vocab], the distribution each draft was drawn from (draft_model);
+    None for n-gram drafts, which are point masses.
+
+    In waves: wave j samples position j of each row still going, exactly as plain decoding would
+    after the row had emitted drafts[:j] (DraftedState: grammar, min_tokens, penalties; then
+    temperature, top-k/top-p/min-p), so each wave costs what a plain step costs on its rows, and a
+    row stops at its first rejection: the work is one sampled row per emitted token.
+    Point-mass drafts (and every greedy row): wave j is sampler.sample itself, and draft j is
+    accepted iff it is what the sample drew. For q = a point mass at x that is the rule: x is
+    accepted with probability p(x) = min(1, p(x)/q(x)), and a rejection's token is p's sample
+    given it is not x, i.e. drawn from normalize(max(p - q, 0)); after k acceptances the sample at
+    position k is the bonus. One uniform per emitted token, the one plain sampling would use.
+    Drafted distributions: x_j is accepted iff u < min(1, p(x_j)/q(x_j)); on rejection a fresh
+    uniform draws from residual_probs(p, q); at position k the uniform draws the bonus from p."""
+    num_drafts = [len(d) for d in draft_token_ids]
+    starts = np.concatenate([[0], np.cumsum([k + 1 for k in num_drafts])])      # [rows + 1] first logits row
+    assert logits.shape[0] == starts[-1], f"logits has {logits.shape[0]} rows, the drafts need {starts[-1]}"
+    tokens = [[] for _ in states]
+    logprobs = [[] if s.params.logprobs is not None else None for s in states]
+    consumed = [0] * len(states)                        # drafts each row's grammar has consumed
+    alive, j = list(range(len(states))), 0
+    try:
+        while alive:
+            wave = [states[i] if j == 0 else DraftedState(states[i], draft_token_ids[i][:j]) for i in alive]
+            drafts = [draft_token_ids[i][j] if j < num_drafts[i] else None for i in alive]   # None: the bonus position
+            at = [int(starts[i]) + j for i in alive]
+            x = logits if len(at) == len(logits) else logits[at]                  # [n, vocab]; no drafts: no copy
+            if draft_probs is None:
+                picked, lps = sampler.sample(x, wave, generator)
+                keep = [d is not None and t == d for t, d in zip(picked, drafts)]
+            else:
+                q_rows = [int(starts[i]) - i + j for i in alive]                  # row i's q rows start at sum(k_<i)
+                picked, lps, keep = _wave_with_draft_probs(x, wave, drafts, draft_probs, q_rows, generator)
+            survivors = []
+            for n, i in enumerate(alive):
+                tokens[i].append(picked[n])
+                if logprobs[i] is not None:
+                    logprobs[i].append(lps[n])
+                if keep[n]:
+                    survivors.append(i)
+                    if states[i].grammar is not None:                             # the mask allowed it
+                        states[i].grammar.matcher.consume_token(picked[n])
+                        consumed[i] += 1
+            alive, j = survivors, j + 1
+    finally:
+        for s, n in zip(states, consumed):
+            if n:
+                s.grammar.matcher.rollback(n)
+    return SpecOutput(tokens, [len(t) - 1 for t in tokens], logprobs)
+
+
+def _wave_with_draft_probs(x, wave, drafts, draft_probs, q_rows, generator):
+    """One wave when drafts came from a distribution q: the sampler's processors in its order, then
+    greedy rows as sample() does, sampled rows by the rule with p made explicit.
+    x: [n, vocab] raw logits (overwritten). -> (tokens, logprobs, accepted) per row."""
+    want = [s.params.logprobs for s in wave]
+    raw = x.log_softmax(dim=-1) if any(w is not None for w in want) else None   # [n, vocab] the model's
+    apply_grammar_masks(x, [s.grammar for s in wave])
+    sampler.apply_min_tokens(x, wave)
+    sampler.apply_logit_bias(x, [s.params for s in wave])
+    sampler.apply_penalties(x, wave)
+    picked, keep = [0] * len(wave), [False] * len(wave)
+    greedy = [n for n, s in enumerate(wave) if s.params.temperature == 0]
+    for n, t in zip(greedy, sampler.greedy(x[greedy]).tolist() if greedy else []):
+        picked[n], keep[n] = t, t == drafts[n]
+    rows = [n for n, s in enumerate(wave) if s.params.temperature > 0]
+    if rows:
+        p = target_weights(x[rows], [wave[n].params for n in rows])
+        p = p.div_(p.sum(dim=-1, keepdim=True))                                  # [r, vocab] the target's p
+        u = sampler.uniforms([wave[n] for n in rows], generator)                 # [r] a coin, or the bonus draw
+        drafted = [m for m, n in enumerate(rows) if drafts[n] is not None]
+        accept = [False] * len(rows)
+        if drafted:
+            xs = torch.tensor([drafts[rows[m]] for m in drafted])
+            p_x = p[drafted, xs]                                                  # [d]
+            q_x = draft_probs[[q_rows[rows[m]] for m in drafted], xs.to(draft_probs.device)].to(p.device)
+            for m, ok in zip(drafted, (u[drafted] < acceptance_probability(p_x, q_x)).tolist()):
+                accept[m] = ok
+        rejected = [m for m in drafted if not accept[m]]
+        if rejected:                     # a fresh uniform: the failed coin is not uniform any more
+            p[rejected] = residual_probs(p[rejected], draft_probs[[q_rows[rows[m]] for m in rejected]].to(p.device))
+            u[rejected] = sampler.uniforms([wave[rows[m]] for m in rejected], generator)
+        draw = [m for m in range(len(rows)) if not accept[m]]
+        drawn = sampler.inverse_cdf(p[draw], u[draw].to(p.device)).tolist() if draw else []
+        for m, t in zip(draw, drawn):
+            picked[rows[m]] = t
+        for m in range(len(rows)):
+            if accept[m]:
+                picked[rows[m]], keep[rows[m]] = drafts[rows[m]], True
+    lps = sampler.top_logprobs(raw, picked, want) if raw is not None else [None] * len(wave)
+    return picked, lps, keep
 
 
 def acceptance_probability(p_x, q_x):
     """min(1, p(x) / q(x)); q(x) = 0 (a draft its own distribution could not give) accepts iff p(x) > 0."""
-    return torch.where(q_x > 0, (p_x / q_x.clamp(min=1e-30)).clamp(max=1), (p_x > 0).float())
+    return torch.where(q_x > 0, (p_x / q_x.clamp(min=1e-30)).clamp(max=1), (p_x > 0).to(p_x.dtype))
 
 
 def residual_probs(p, q):
@@ -306,8 +371,7 @@ def residual_probs(p, q):
 def target_weights(x, params: list) -> torch.Tensor:
     """x: [n, vocab] processed logits, overwritten; params: one SamplingParams per row. Temperature,
     top-k / top-p / min-p, then exp((x - max) / T): the target's distribution, unnormalized, by the
-    very steps of sampler.draw (which should expose them; here they are repeated), so a draw from
-    it with the same uniform picks the same token as plain sampling."""
+    steps of sampler.draw (which could expose them; here they are repeated)."""
     inv_temp = 1 / torch.tensor([p.temperature for p in params], dtype=torch.float32, device=x.device).unsqueeze(1)   # [n, 1]
     scale_later = any(p.temperature != 1 for p in params)
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
@@ -318,133 +382,6 @@ def target_weights(x, params: list) -> torch.Tensor:
         return x
     x = x.sub_(x.amax(dim=-1, keepdim=True))
     return (x.mul_(inv_temp) if scale_later else x).exp_()
-
-
-def draw_uniforms(states: list, counts: list[int], generator) -> tuple[torch.Tensor, list]:
-    """counts[i] uniforms for row i, flat [sum(counts)]: a seeded row's from its own generator (so
-    they do not depend on the batch), the rest from the shared one in one call. Also returns each
-    seeded row's generator state before the draw, so replay_uniforms can consume only what it used."""
-    u = torch.empty(sum(counts))
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    shared = [j for i, s in enumerate(states) if s.generator is None for j in range(offsets[i], offsets[i + 1])]
-    if shared:
-        u[shared] = torch.rand(len(shared), generator=generator)
-    snapshots = [None] * len(states)
-    for i, s in enumerate(states):
-        if s.generator is not None and counts[i]:
-            snapshots[i] = s.generator.get_state()
-            u[offsets[i]:offsets[i + 1]] = torch.rand(counts[i], generator=s.generator)
-    return u, snapshots
-
-
-def replay_uniforms(states: list, snapshots: list, used: list[int]):
-    """Rewind each seeded row's generator and draw only the `used` uniforms it consumed
-    (torch.rand(n) on a CPU generator is the same stream as n draws of one)."""
-    for s, snap, n in zip(states, snapshots, used):
-        if snap is not None:
-            s.generator.set_state(snap)
-            torch.rand(n, generator=s.generator)
-
-
-def rejection_sample(logits, draft_token_ids: list[list[int]], states: list,
-                     generator: torch.Generator | None = None, draft_probs=None) -> SpecOutput:
-    """logits: [T, vocab] float32, processed by apply_processors_with_drafts (and overwritten here,
-    as sampler.sample does: take raw logprobs before); row i owns rows
-    starts[i] .. starts[i] + k_i (T = sum(k_i + 1)). draft_token_ids: row i's k_i drafts (k_i = 0:
-    a plain row, it just samples). states: SamplingStates (params, generator). generator: the
-    engine's stream for unseeded rows. draft_probs: [sum(k_i), vocab], the distribution each
-    draft was sampled from (draft_model); None for n-gram drafts, which are point masses.
-
-    Greedy rows (temperature 0) accept while a draft equals the target's argmax; the first
-    mismatch is replaced by the argmax, and if all match the argmax after them is a bonus.
-    Sampled rows, point-mass drafts: the target samples every position by inverse CDF with one
-    uniform each, and drafts are accepted while they equal its samples. This is the rule
-    min(1, p(x)/q(x)) with q(x) = 1: x is accepted with probability p(x), and a rejection's token
-    is p's sample given it is not x, i.e. normalize(max(p - q, 0)). Only the uniforms of emitted
-    tokens are consumed, so a seeded row replays plain sampling token for token.
-    Sampled rows, drafted distributions: x_j is accepted iff u_j < min(1, p(x_j)/q(x_j)); at the
-    first rejection the token comes from residual_probs(p, q), after k acceptances from p at
-    position k (the bonus); k_i + 1 uniforms per row, all consumed."""
-    num_drafts = [len(d) for d in draft_token_ids]
-    starts = np.concatenate([[0], np.cumsum([k + 1 for k in num_drafts])])      # [rows + 1]
-    assert logits.shape[0] == starts[-1], f"logits has {logits.shape[0]} rows, drafts need {starts[-1]}"
-    spans = [range(starts[i], starts[i + 1]) for i in range(len(states))]
-    greedy_rows = [i for i, s in enumerate(states) if s.params.temperature == 0]
-    sampled_rows = [i for i, s in enumerate(states) if s.params.temperature > 0]
-    target = [0] * int(starts[-1])                     # the target's own token at every position it decides
-    if greedy_rows:
-        pos = [j for i in greedy_rows for j in spans[i]]
-        x = logits if len(pos) == len(target) else logits[pos]                  # no [T, vocab] copy if all are
-        for j, t in zip(pos, sampler.greedy(x).tolist()):
-            target[j] = t
-    accepted = {i: _first_mismatch(draft_token_ids[i], target[starts[i]:starts[i + 1]]) for i in greedy_rows}
-    if sampled_rows:
-        pos = [j for i in sampled_rows for j in spans[i]]
-        x = logits if len(pos) == len(target) else logits[pos]
-        weights = target_weights(x, [states[i].params for i in sampled_rows for _ in spans[i]])   # [Ts, vocab]
-        rows_states = [states[i] for i in sampled_rows]
-        u, snapshots = draw_uniforms(rows_states, [len(spans[i]) for i in sampled_rows], generator)   # [Ts]
-        if draft_probs is None:
-            for j, t in zip(pos, sampler.inverse_cdf(weights, u).tolist()):
-                target[j] = t
-            for i in sampled_rows:
-                accepted[i] = _first_mismatch(draft_token_ids[i], target[starts[i]:starts[i + 1]])
-            replay_uniforms(rows_states, snapshots, [accepted[i] + 1 for i in sampled_rows])
-        else:
-            probs = weights.div_(weights.sum(dim=-1, keepdim=True))           # [Ts, vocab] normalized p
-            local = dict(zip(pos, range(len(pos))))                             # logits row -> row of probs
-            accepted.update(_accept_drafted_distributions(probs, draft_probs, u, local, sampled_rows,
-                                                          draft_token_ids, starts, target))
-    token_ids, logits_indices = [], []
-    for i, d in enumerate(draft_token_ids):
-        a = accepted[i]
-        token_ids.append(d[:a] + [target[starts[i] + a]])
-        logits_indices.append(list(range(starts[i], starts[i] + a + 1)))
-    return SpecOutput(token_ids, [accepted[i] for i in range(len(states))], logits_indices)
-
-
-def _first_mismatch(drafts: list[int], target: list[int]) -> int:
-    """How many leading drafts equal the target's tokens at their positions."""
-    return next((j for j, (d, t) in enumerate(zip(drafts, target)) if d != t), len(drafts))
-
-
-def _accept_drafted_distributions(probs, draft_probs, u, local, rows, draft_token_ids, starts, target) -> dict:
-    """The general rule for rows whose drafts were sampled from q (draft_probs, rows in draft order):
-    coins u_j < min(1, p(x_j)/q(x_j)) for j < k, then one draw with u_k from the residual (at the
-    first rejection) or from p at position k (the bonus). Writes each row's drawn token into target
-    at its position; returns {row: accepted}. One gather per tensor for the whole batch."""
-    draft_offsets = np.concatenate([[0], np.cumsum([len(d) for d in draft_token_ids])])
-    at = torch.tensor([local[starts[i] + j] for i in rows for j in range(len(draft_token_ids[i]))],
-                      dtype=torch.int64)                                        # [D] probs rows of the drafts
-    qs = torch.tensor([draft_offsets[i] + j for i in rows for j in range(len(draft_token_ids[i]))],
-                      dtype=torch.int64)                                        # [D] their q rows
-    x = torch.tensor([t for i in rows for t in draft_token_ids[i]], dtype=torch.int64)   # [D] the drafts
-    p_x, q_x = probs[at, x], draft_probs[qs, x]                                 # [D] each
-    coins = (u[at] < acceptance_probability(p_x, q_x)).tolist()                 # [D]
-    accepted, rejected_p, rejected_q, bonus_p, draw_u, final_pos, offset = {}, [], [], [], [], [], 0
-    for i in rows:
-        k = len(draft_token_ids[i])
-        a = next((j for j, ok in enumerate(coins[offset:offset + k]) if not ok), k)
-        offset += k
-        accepted[i] = a
-        draw_u.append(local[starts[i] + k])                                    # the row's last uniform draws
-        final_pos.append(starts[i] + a)
-        if a < k:
-            rejected_p.append(local[starts[i] + a])
-            rejected_q.append(draft_offsets[i] + a)
-        else:
-            bonus_p.append(local[starts[i] + k])
-    # rows in `rows` order: rejected ones from the residual, the rest from p (stacked back in order)
-    dists = torch.empty(len(rows), probs.shape[1], dtype=probs.dtype, device=probs.device)   # [rows, vocab]
-    rejected = [n for n, i in enumerate(rows) if accepted[i] < len(draft_token_ids[i])]
-    bonus = [n for n, i in enumerate(rows) if accepted[i] == len(draft_token_ids[i])]
-    if rejected:
-        dists[rejected] = residual_probs(probs[rejected_p], draft_probs[rejected_q])
-    if bonus:
-        dists[bonus] = probs[bonus_p]
-    for j, t in zip(final_pos, sampler.inverse_cdf(dists, u[draw_u]).tolist()):
-        target[j] = t
-    return accepted
 
 
 # ---------------------------------------------------------------------------------------- rollback
@@ -498,6 +435,7 @@ class SpecDecodeStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
 
     def observe(self, draft_token_ids: list[list[int]], out: SpecOutput):
+        """After verify: the drafts it was given and what it returned."""
         for d, a in zip(draft_token_ids, out.num_accepted):
             if d:
                 self.num_drafts += 1

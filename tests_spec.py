@@ -172,8 +172,9 @@ def test_greedy_acceptance_matches_a_hand_written_loop():
         d = argmax[:agree] + [(t + 1) % vocab for t in argmax[agree:k]]
         drafts.append(d)
         blocks.append(logits)
-    out = sd.rejection_sample(torch.cat(blocks), drafts, [state(0.0, vocab=vocab) for _ in range(rows)])
-    offset = 0
+    logits = torch.cat(blocks)
+    states = [state(0.0, vocab=vocab, logprobs=2 if i % 2 else None) for i in range(rows)]
+    out = sd.verify(logits, drafts, states)
     for i, (d, logits) in enumerate(zip(drafts, blocks)):
         emitted = []                                                # the loop from the definition
         for j in range(len(d) + 1):
@@ -182,8 +183,14 @@ def test_greedy_acceptance_matches_a_hand_written_loop():
             if j == len(d) or d[j] != best:
                 break
         assert out.token_ids[i] == emitted and out.num_accepted[i] == len(emitted) - 1
-        assert out.logits_indices[i] == list(range(offset, offset + len(emitted)))
-        offset += len(d) + 1
+        if i % 2 == 0:
+            assert out.logprobs[i] is None
+            continue
+        for j, (tok, lp) in enumerate(zip(emitted, out.logprobs[i])):   # the model's own log-softmax
+            ref = logits[j].double().log_softmax(-1)
+            top2 = ref.topk(2).indices.tolist()
+            assert set(lp) == set(top2) | {tok}
+            assert all(abs(lp[t] - ref[t].item()) < 1e-5 for t in lp)
     assert {len(t) for t in out.token_ids} >= {1, 2, 6}               # rejections, accepts and bonuses
 
 
@@ -222,8 +229,7 @@ def test_ngram_speculation_replays_plain_decoding_token_for_token(knobs):
         drafts = want[done:done + right] + rng.integers(0, 50, int(rng.integers(0, 3))).tolist()
         drafts = drafts[:n - done - 1]
         logits = torch.stack([toy_logits(tokens + drafts[:j]) for j in range(len(drafts) + 1)])   # [k + 1, vocab]
-        sd.apply_processors_with_drafts(logits, [spec], [drafts])
-        out = sd.rejection_sample(logits, [drafts], [spec], torch.Generator().manual_seed(99))
+        out = sd.verify(logits, [drafts], [spec], torch.Generator().manual_seed(99))
         for tok in out.token_ids[0]:
             spec.append(tok)
             tokens.append(tok)
@@ -243,8 +249,7 @@ def test_seeded_rows_give_the_same_tokens_whatever_else_is_in_the_batch(drafted_
         """rows: list of (state, drafts, logits [k+1, vocab], q [k, vocab])."""
         logits = torch.cat([r[2] for r in rows])
         q = torch.cat([r[3] for r in rows]) if drafted_q else None
-        return sd.rejection_sample(logits.clone(), [r[1] for r in rows], [r[0] for r in rows],
-                                   torch.Generator().manual_seed(len(rows)), q)
+        return sd.verify(logits, [r[1] for r in rows], [r[0] for r in rows], torch.Generator().manual_seed(len(rows)), q)
 
     def row(temperature, seed, k):
         q = torch.rand(k, vocab).softmax(-1)
@@ -312,10 +317,10 @@ def emitted_pairs(k: int, drafted_q: bool, seed: int) -> torch.Tensor:
                                                           torch.tensor([d[-1] for d in drafts])]]
     logits = torch.stack(p[:k + 1], 1).log().reshape(-1, V)           # [TRIALS * (k+1), V]; softmax(log p) = p
     states = [state(1.0, vocab=V) for _ in range(TRIALS)]
-    out = sd.rejection_sample(logits, drafts, states, g, q)
+    out = sd.verify(logits, drafts, states, g, q)
     short = [i for i, t in enumerate(out.token_ids) if len(t) == 1]   # a plain step after the first token
     logits2 = P1[torch.tensor([out.token_ids[i][0] for i in short])].log()
-    second = sd.rejection_sample(logits2, [[]] * len(short), [states[i] for i in short], g).token_ids
+    second = sd.verify(logits2, [[]] * len(short), [states[i] for i in short], g).token_ids
     firsts = torch.tensor([t[0] for t in out.token_ids])
     seconds = torch.tensor([t[1] if len(t) > 1 else 0 for t in out.token_ids])
     seconds[short] = torch.tensor([t[0] for t in second])
@@ -371,30 +376,43 @@ def grammars(tmp_path_factory):
     return tok, GrammarCompiler(tok, tok.vocab_size)
 
 
-def test_grammar_drafts_are_trimmed_and_each_position_masked_after_its_prefix(grammars):
+def test_grammar_drafts_are_trimmed_and_each_position_masked_after_its_drafted_prefix(grammars):
+    """Oracle: a hand loop over fresh matchers, each fed the tokens emitted so far, masking the
+    logits of its position and taking the argmax. The logits favour a forbidden token at every
+    position, so only masks computed after the right prefix keep verify on the oracle's tokens."""
     from structured_output import StructuredOutputsParams as SO, apply_grammar_masks
     tok, compiler = grammars
     vocab = tok.vocab_size
     regex = SO(regex="(cat|dog)s? and (cat|dog)s?")
-    good = tok.encode("cats and dog")
-    row = state(1.0, vocab=vocab, structured_outputs=regex)
+    good, bad = tok.encode("cats and dog"), tok.encode(" x")
+    row = state(0.0, vocab=vocab, structured_outputs=regex)
     row.grammar = compiler.compile(regex)
-    free = state(1.0, vocab=vocab)
-    assert sd.trim_drafts(good + tok.encode(" x"), row) == good       # the forbidden tail goes
-    assert sd.trim_drafts(good, free) == good                          # nothing to trim without a grammar
-    logits = torch.zeros(len(good) + 1 + 2, vocab)                     # the constrained row, then a free row
-    sd.apply_processors_with_drafts(logits, [row, free], [good, [5]])
-    for j in range(len(good) + 1):                                     # oracle: a fresh matcher fed good[:j]
-        fresh = compiler.compile(regex)
-        for t in good[:j]:
-            fresh.advance(t)
-        want = torch.zeros(1, vocab)
-        apply_grammar_masks(want, [fresh])
-        assert torch.equal(torch.isfinite(logits[j]), torch.isfinite(want[0])), j
-    assert torch.isfinite(logits[len(good) + 1:]).all()                # the free row is untouched
-    after = torch.zeros(1, vocab)                                      # the grammar was rolled back
-    apply_grammar_masks(after, [row.grammar])
-    assert torch.equal(torch.isfinite(after), torch.isfinite(logits[:1]))
+    assert sd.trim_drafts(good + bad, row) == good                    # the forbidden tail goes before the forward
+    assert sd.trim_drafts(good, state(0.0, vocab=vocab)) == good       # nothing to trim without a grammar
+    before = torch.zeros(1, vocab)
+    apply_grammar_masks(before, [row.grammar])
+    assert len(good) == 3                                              # "cats", " and", " dog"
+    for drafts in (good, [good[0], good[2]]):                          # all right; " and" skipped: " dog" is wrong there
+        logits = torch.randn(len(drafts) + 1, vocab, generator=torch.Generator().manual_seed(len(drafts)))
+        for j, t in enumerate(drafts):
+            logits[j, t] += 20                                         # the draft, unless the grammar forbids it
+        logits[:, bad[0]] += 40                                        # a forbidden token is everyone's favourite
+        out = sd.verify(logits, [drafts], [row])
+        emitted = []
+        for j in range(len(drafts) + 1):
+            fresh = compiler.compile(regex)
+            for t in emitted:
+                fresh.advance(t)
+            masked = logits[j:j + 1].clone()
+            apply_grammar_masks(masked, [fresh])
+            emitted.append(int(masked.argmax()))
+            if j == len(drafts) or emitted[-1] != drafts[j]:
+                break
+        assert out.token_ids[0] == emitted
+        assert len(emitted) == (4 if drafts == good else 2)
+        after = torch.zeros(1, vocab)                                  # and the grammar was rolled back
+        apply_grammar_masks(after, [row.grammar])
+        assert torch.equal(torch.isfinite(after), torch.isfinite(before))
 
 
 def test_trim_drafts_stops_after_an_end_token_once_min_tokens_is_met():
@@ -511,8 +529,8 @@ def test_acceptance_tracker_pauses_a_completion_that_does_not_pay_and_probes_aga
 
 def test_spec_decode_stats_count_drafts_and_acceptance_length():
     stats = sd.SpecDecodeStats()
-    stats.observe([[1, 2, 3], [], [4, 5]], sd.SpecOutput([[1, 2, 7], [8], [6]], [2, 0, 0], [[], [], []]))
-    stats.observe([[1, 2, 3, 4]], sd.SpecOutput([[1, 2, 3, 4, 9]], [4], [[]]))
+    stats.observe([[1, 2, 3], [], [4, 5]], sd.SpecOutput([[1, 2, 7], [8], [6]], [2, 0, 0], [None] * 3))
+    stats.observe([[1, 2, 3, 4]], sd.SpecOutput([[1, 2, 3, 4, 9]], [4], [None]))
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 6)
     assert stats.num_emitted_tokens == 3 + 1 + 5                      # the plain row ([]) is not counted
     assert stats.num_accepted_tokens_per_pos[:5] == [2, 2, 1, 1, 0]

@@ -5,8 +5,8 @@ What speculative decoding's host-side parts cost per step (spec_decode.py), for 
   bench_ngram_proposer   NgramProposer.propose at batch 1, 16 and 64 over sequences of 500 and
                          2,000 tokens, steady state (each step appends tokens, as decoding does),
                          on random tokens (no matches) and on text that quotes itself;
-  bench_acceptance       apply_processors_with_drafts + rejection_sample on [64 * (k + 1), vocab]
-                         logits, greedy and sampled, next to sampler.sample on [64, vocab].
+  bench_acceptance       verify at batch 64 with k = 4 drafts per row, all rejected and all
+                         accepted, greedy and sampled, next to sampler.sample on [64, vocab].
 Medians of repeated calls in one process. `python -m benchmarks.spec_decode` runs both.
 """
 import time
@@ -58,35 +58,41 @@ def bench_ngram_proposer(steps=30, k=4, min_n=2, max_n=5):
     return {"ngram_proposer": rows}
 
 
-def bench_acceptance(batch=64, k=4, vocab=49152, repeats=7):
+def bench_acceptance(batch=64, k=4, vocab=49152, repeats=5):
+    """verify on batch rows of k drafts each, drafts all rejected (random) or all accepted (each
+    one the target's overwhelming favourite), against sampler.sample on the same rows' first
+    positions: one plain step. Medians in ms; per emitted token is the figure that matters."""
     rng, out = np.random.default_rng(1), {}
-    for name, knobs in (("greedy", dict(temperature=0.0)),
-                        ("sampled T=0.8 top_p=0.9", dict(temperature=0.8, top_p=0.9)),
-                        ("sampled + penalties, seeded", dict(temperature=0.8, top_p=0.9, frequency_penalty=0.5,
-                                                             repetition_penalty=1.1))):
+    cases = (("greedy", dict(temperature=0.0)),
+             ("T=0.8 top_p=0.9", dict(temperature=0.8, top_p=0.9)),
+             ("T=0.8 top_p=0.9 penalties seeded", dict(temperature=0.8, top_p=0.9, frequency_penalty=0.5,
+                                                        repetition_penalty=1.1, seed=0)))
+    drafts = [rng.integers(0, vocab, k).tolist() for _ in range(batch)]
+    logits = torch.randn(batch * (k + 1), vocab) * 3
+    favoured = logits.clone()
+    for i, d in enumerate(drafts):
+        favoured[[i * (k + 1) + j for j in range(k)], d] = 100.0          # [T, vocab] drafts win
+    first = logits[[i * (k + 1) for i in range(batch)]]                   # [batch, vocab]
+    for name, knobs in cases:
         def states():
-            return [SamplingState(SamplingParams(seed=i if "seeded" in name else None, **knobs), [1, 2, 3], vocab,
-                                  make_generator(i if "seeded" in name else None), set()) for i in range(batch)]
-        drafts = [rng.integers(0, vocab, k).tolist() for _ in range(batch)]
-        logits = torch.randn(batch * (k + 1), vocab)
-        g = torch.Generator().manual_seed(0)
-        spec, plain = [], []
+            return [SamplingState(SamplingParams(**knobs), [1, 2, 3], vocab, make_generator(knobs.get("seed"), i),
+                                  set()) for i in range(batch)]
+        g, times = torch.Generator().manual_seed(0), {"plain": [], "rejected": [], "accepted": []}
         for _ in range(repeats):
-            s, x = states(), logits.clone()
-            t0 = time.perf_counter()
-            sd.apply_processors_with_drafts(x, s, drafts)
-            sd.rejection_sample(x, drafts, s, g)
-            spec.append(time.perf_counter() - t0)
-            s, x = states(), logits[:batch].clone()
-            t0 = time.perf_counter()
-            sample(x, s, g)
-            plain.append(time.perf_counter() - t0)
-        out[name] = dict(spec_ms=1e3 * float(np.median(spec)), plain_ms=1e3 * float(np.median(plain)))
-    print(f"| rows {batch}, k {k}, vocab {vocab} | processors + rejection_sample on {batch * (k + 1)} rows, ms "
-          f"| sampler.sample on {batch} rows, ms |")
-    print("|---|---|---|")
+            for key, fn in (("plain", lambda s: sample(first.clone(), s, g)),
+                            ("rejected", lambda s: sd.verify(logits, drafts, s, g)),
+                            ("accepted", lambda s: sd.verify(favoured, drafts, s, g))):
+                s = states()
+                t0 = time.perf_counter()
+                fn(s)
+                times[key].append(time.perf_counter() - t0)
+        out[name] = {key: 1e3 * float(np.median(v)) for key, v in times.items()}
+    print(f"| batch {batch}, k {k}, vocab {vocab} | sampler.sample, ms | verify, all rejected, ms "
+          f"| verify, all accepted, ms | per emitted token, accepted / plain |")
+    print("|---|---|---|---|---|")
     for name, r in out.items():
-        print(f"| {name} | {r['spec_ms']:.1f} | {r['plain_ms']:.1f} |")
+        print(f"| {name} | {r['plain']:.1f} | {r['rejected']:.1f} | {r['accepted']:.1f} "
+              f"| {r['accepted'] / (k + 1) / r['plain']:.2f} |")
     return {"acceptance": out}
 
 
