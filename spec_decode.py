@@ -1,0 +1,451 @@
+"""
+Speculative decoding: cheap proposals of the next k tokens, and the exact acceptance rule that
+lets the target model verify all of them in one forward pass without changing what it samples
+(Leviathan et al., 2023; Chen et al., 2023).
+
+Owns SpeculativeConfig (vLLM's names, validated at the edge), the n-gram (prompt-lookup)
+proposer and its per-sequence token history, the processing of every drafted position with the
+drafted prefix, rejection sampling, the arithmetic of rolling KV slots back, and per-completion
+acceptance tracking. Does not schedule, allocate blocks, run a model or append tokens: the
+engine and scheduler call in here and act on what comes back.
+
+How the engine uses it, one step (only decode rows speculate; a row with no drafts is a plain row):
+ 1. propose   After a step's tokens are appended, for each running decode completion that
+              speculation_enabled(config, num_running) and its AcceptanceTracker allow:
+              NgramProposer.propose(seq_ids, token_ids, max_drafts), max_drafts from draft_budget
+              (never past max_tokens or max_model_len), then trim_drafts (drafts its grammar
+              forbids go before they cost a forward; nothing is drafted past a stop id). Drafts
+              live beside the sequence (seq.spec_token_ids), never in token_ids, so neither
+              detokenizer, stop checks nor prefix-cache hashes see them; preemption drops them.
+              n > 1: each fork is its own sequence (its own key, history and drafts).
+ 2. schedule  A row with k drafts costs 1 + k tokens of the budget and allocate_slots(seq, 1 + k).
+              If the budget or the pool is short, drop the drafts (k = 0): drafts never preempt.
+ 3. forward   input ids token_ids[num_computed:] + drafts; positions and slots as for any
+              multi-token query; logits at all 1 + k positions of each speculating row, rows in
+              batch order: logits [T, vocab], T = sum(k_i + 1).
+ 4. accept    verify(logits, drafts, states, generator) -> SpecOutput: per row the emitted tokens
+              (accepted drafts + one target token) and, where asked, their logprobs (the model's,
+              as sampler.sample gives them). Position j of a row is processed as plain decoding
+              would after emitting drafts[:j]: grammar state, min_tokens count, penalty counts.
+ 5. rollback  finish_step counts only a row's non-draft tokens in num_computed_tokens (so its
+              cache_full_blocks never sees a draft); after acceptance num_computed_tokens +=
+              num_accepted, and rollback_num_blocks(...) tail blocks are released (allocated this
+              step, refcount 1, never registered). Rejected drafts' slots in kept blocks lie past
+              num_computed_tokens: attention never reads them, the next tokens overwrite them.
+              Blocks that accepted drafts filled are registered by the next finish_step, once
+              their tokens are in token_ids: a block is cached only when full of computed,
+              accepted tokens. Then append the emitted tokens one by one (EOS, stop strings and
+              max_tokens inside the run end it there; the rest is dropped); tracker.record and
+              stats.observe.
+Seeds: a seeded row draws every random number from its own generator, so its tokens do not
+depend on the batch. With n-gram drafts it draws one uniform per emitted token, the one plain
+sampling draws, so a seeded request gives the tokens it gives without speculation (but for a
+token whose uniform sits within float rounding of a CDF edge: the verification forward's logits
+may differ from a one-token step's in the last bits). A draft model's own draws must come from
+the row's generator too (draft_model is the proposer phase 2 adds: this file accepts its q).
+"""
+import os
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import torch
+
+import errors
+import sampler
+from structured_output import apply_grammar_masks
+
+MAX_SPECULATIVE_TOKENS = 16      # more drafts than this are almost never all accepted, yet each is verified
+MAX_PROMPT_LOOKUP = 64
+
+
+# ---------------------------------------------------------------------------------------- config
+@dataclass
+class SpeculativeConfig:
+    """LLM(speculative_config={...}) and serve.py's --speculative-config, in vLLM's names."""
+    method: str = "ngram"                     # ngram | draft_model
+    num_speculative_tokens: int = 4           # k: tokens drafted per step per row
+    prompt_lookup_min: int | None = None      # ngram: shortest suffix that may match (vLLM: = max if unset)
+    prompt_lookup_max: int | None = None      # ngram: longest suffix tried (vLLM: = min if unset; both unset: 5)
+    model: str | None = None                  # draft_model: a checkpoint dir or .gguf with the target's tokenizer
+    disable_by_batch_size: int | None = None  # no speculation in a step with at least this many running rows
+    min_acceptance_rate: float = 0.2          # below it a completion pauses drafting (k = 4 at 0.2: ~1.25 tokens a step)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
+        """Validate a user's dict; InvalidRequest names the field (speculative_config.<name>)."""
+        if d is None:
+            return None
+        if isinstance(d, SpeculativeConfig):
+            d = {f.name: getattr(d, f.name) for f in fields(cls)}
+        errors.need(isinstance(d, dict), "speculative_config", "a dict (JSON object)", d)
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            errors.need(key in known, f"speculative_config.{key}", f"one of {sorted(known)}", key)
+        config = cls(**d)
+        config.validate()
+        return config
+
+    def validate(self):
+        def need(ok, name, allowed):
+            errors.need(ok, f"speculative_config.{name}", allowed, getattr(self, name))
+
+        def integer(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+        need(self.method in ("ngram", "draft_model"), "method", "'ngram' or 'draft_model'")
+        need(integer(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             "num_speculative_tokens", f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        need(self.disable_by_batch_size is None or (integer(self.disable_by_batch_size)
+                                                    and self.disable_by_batch_size >= 2),
+             "disable_by_batch_size", "None or an integer >= 2")
+        need(isinstance(self.min_acceptance_rate, (int, float)) and not isinstance(self.min_acceptance_rate, bool)
+             and 0 <= self.min_acceptance_rate <= 1, "min_acceptance_rate", "a number in [0, 1]")
+        if self.method == "ngram":
+            need(self.model is None, "model", "None with method 'ngram' (it drafts from the sequence itself)")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                value = getattr(self, name)
+                need(value is None or (integer(value) and 1 <= value <= MAX_PROMPT_LOOKUP), name,
+                     f"None or an integer in [1, {MAX_PROMPT_LOOKUP}]")
+            if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+                self.prompt_lookup_min = self.prompt_lookup_max = 5     # vLLM's defaults
+            self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+            self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
+            need(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+                 f"<= prompt_lookup_max={self.prompt_lookup_max}")
+        else:
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                need(getattr(self, name) is None, name, "None with method 'draft_model' (only ngram looks up)")
+            m = self.model
+            need(isinstance(m, str) and ((m.endswith(".gguf") and os.path.isfile(m))
+                                         or os.path.isfile(os.path.join(m, "config.json"))),
+                 "model", "a checkpoint directory with config.json or a .gguf file (method 'draft_model')")
+
+
+def speculation_enabled(config: SpeculativeConfig | None, num_running: int) -> bool:
+    """vLLM's disable_by_batch_size: a big batch is compute-bound, and verifying drafts that
+    are then rejected costs more than the accepted ones save."""
+    return config is not None and (config.disable_by_batch_size is None or num_running < config.disable_by_batch_size)
+
+
+def draft_budget(k: int, num_output_tokens: int, max_tokens: int, num_tokens: int, max_model_len: int) -> int:
+    """Drafts a row may verify this step: its 1 + drafts emitted tokens never pass max_tokens,
+    and its sequence never grows past max_model_len."""
+    return max(0, min(k, max_tokens - num_output_tokens - 1, max_model_len - num_tokens - 1))
+
+
+# ---------------------------------------------------------------------------------------- n-gram proposer
+def ngram_propose(histories: list[np.ndarray], max_drafts: list[int], min_n: int, max_n: int) -> list[list[int]]:
+    """Prompt lookup for a batch. For each sequence t (prompt + output): the longest suffix of
+    between min_n and max_n tokens that also ends earlier in t, and the up-to-max_drafts tokens
+    that followed its most recent earlier occurrence (cut where t ends).
+
+    Why the most recent: the nearest context is the likeliest to continue the same way (the latest
+    copy of an edited line, the passage the output is quoting right now), and it is vLLM's choice.
+    Vectorized over the whole batch at once: only positions holding each sequence's last token
+    are candidates, and they are extended backwards together, one suffix length per pass."""
+    rows = [i for i, (t, k) in enumerate(zip(histories, max_drafts)) if k > 0 and len(t) > min_n]
+    out = [[] for _ in histories]
+    if not rows:
+        return out
+    seqs = [histories[i] for i in rows]
+    lens = np.array([len(t) for t in seqs])
+    ends = np.cumsum(lens)                                             # [B] one past each row's last token
+    starts = ends - lens
+    flat = np.concatenate(seqs)                                        # [N] every row's tokens, end to end
+    eq = flat == np.repeat(flat[ends - 1], lens)                       # [N] holds its row's last token
+    eq[ends - 1] = False                                               # the suffix itself is not earlier
+    cand = np.flatnonzero(eq)                                          # [C] where an earlier occurrence ends
+    row = np.searchsorted(ends, cand, side="right")                    # [C] which row each lies in
+    length = np.ones(len(cand), dtype=np.int64)                        # [C] matched suffix length so far
+    alive = np.ones(len(cand), dtype=bool)
+    for i in range(1, max_n):                                          # extend every live match by a token
+        alive &= cand - i >= starts[row]
+        a, b = np.where(alive, cand - i, 0), np.where(alive, ends[row] - 1 - i, 0)
+        alive &= flat[a] == flat[b]
+        length += alive
+        if not alive.any():
+            break
+    keep = length >= min_n
+    cand, row, length = cand[keep], row[keep], length[keep]
+    order = np.lexsort((cand, length, row))                            # per row: longest, then latest, last
+    best = order[np.r_[row[order][1:] != row[order][:-1], True]] if len(order) else order
+    for j in best:
+        r = row[j]
+        stop = min(cand[j] + 1 + max_drafts[rows[r]], ends[r])
+        out[rows[r]] = flat[cand[j] + 1:stop].tolist()
+    return out
+
+
+class TokenHistory:
+    """One sequence's tokens as a growing NumPy array, so a step copies only its new tokens
+    (a whole 2,000-token list is ~30 us to convert; 64 of them per step would be 2 ms)."""
+
+    def __init__(self):
+        self.buf, self.len = np.empty(64, dtype=np.int32), 0
+
+    def sync(self, token_ids: list[int]) -> np.ndarray:
+        """token_ids only ever grows (drafts are never in it): append what is new."""
+        n = len(token_ids)
+        assert n >= self.len, "a sequence's token_ids shrank; remove() it first"
+        if n > len(self.buf):
+            grown = np.empty(max(n, 2 * len(self.buf)), dtype=np.int32)
+            grown[:self.len] = self.buf[:self.len]
+            self.buf = grown
+        self.buf[self.len:n] = token_ids[self.len:n]
+        self.len = n
+        return self.buf[:n]
+
+
+class NgramProposer:
+    """Prompt-lookup drafts for many sequences; keeps each sequence's TokenHistory by key
+    (the engine's seq_id) until remove(key), which the engine calls when the sequence ends."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k, self.min_n, self.max_n = (config.num_speculative_tokens, config.prompt_lookup_min,
+                                          config.prompt_lookup_max)
+        self.histories: dict = {}
+
+    def propose(self, keys: list, token_ids: list[list[int]], max_drafts: list[int] | None = None) -> list[list[int]]:
+        """Per row, up to min(k, max_drafts[i]) drafts (possibly none)."""
+        limits = [self.k if m is None else min(self.k, m) for m in (max_drafts or [None] * len(keys))]
+        arrays = [self.histories.setdefault(key, TokenHistory()).sync(ids) for key, ids in zip(keys, token_ids)]
+        return ngram_propose(arrays, limits, self.min_n, self.max_n)
+
+    def remove(self, key):
+        self.histories.pop(key, None)
+
+
+def trim_drafts(drafts: list[int], state) -> list[int]:
+    """What is worth verifying of one row's drafts: none its grammar forbids (llguidance checks
+    them against the row's state without advancing it), none after one that would end the
+    completion (EOS unless ignored, or a stop id, once min_tokens is met: the very ids
+    SamplingState.min_tokens_banned lists). state: the row's SamplingState."""
+    if state.grammar is not None and drafts:
+        drafts = drafts[:state.grammar.matcher.validate_tokens(drafts)]
+    ends = set(state.min_tokens_banned)
+    for j, t in enumerate(drafts):
+        if t in ends and state.num_output_tokens + j >= state.params.min_tokens:
+            return drafts[:j + 1]
+    return drafts
+
+
+# ---------------------------------------------------------------------------------------- verification
+class DraftedState:
+    """A row's SamplingState as plain decoding would hold it after emitting drafts[:j]: what the
+    sampler reads (params, generator, min_tokens count, penalty counts, grammar). The grammar is
+    the row's own matcher, which verify advances through accepted drafts and rolls back after."""
+    __slots__ = ("params", "generator", "grammar", "num_output_tokens", "output_counts", "in_prompt",
+                 "min_tokens_banned")
+
+    def __init__(self, state, prefix: list[int]):
+        self.params, self.generator, self.grammar = state.params, state.generator, state.grammar
+        self.num_output_tokens = state.num_output_tokens + len(prefix)
+        self.in_prompt, self.min_tokens_banned = state.in_prompt, state.min_tokens_banned
+        self.output_counts = state.output_counts
+        if state.output_counts is not None and prefix:
+            self.output_counts = state.output_counts.clone()                     # [vocab]
+            self.output_counts.index_add_(0, torch.tensor(prefix), torch.ones(len(prefix), dtype=torch.int32))
+
+
+@dataclass
+class SpecOutput:
+    """What verification emits, per row in batch order."""
+    token_ids: list[list[int]]           # accepted drafts, then one target token (the correction or the bonus)
+    num_accepted: list[int]              # drafts accepted: len(token_ids[i]) - 1
+    logprobs: list[list[dict] | None]    # per emitted token, as sampler.sample gives them (None: not asked for)
+
+
+def verify(logits, draft_token_ids: list[list[int]], states: list, generator: torch.Generator | None = None,
+           draft_probs=None) -> SpecOutput:
+    """Exact acceptance of every row's drafts against the target's logits.
+
+    logits: [T, vocab], the target's raw logits at each row's 1 + k_i positions in batch order
+    (T = sum(k_i + 1); overwritten where processed, as sampler.sample does). draft_token_ids: row i's k_i drafts (k_i = 0: a plain
+    row, it just samples). states: the rows' SamplingStates (their grammars are advanced and rolled
+    back; nothing else changes but seeded generators). generator: the engine's stream for unseeded
+    rows. draft_probs: [sum(k_i), vocab], the distribution each draft was drawn from (draft_model);
+    None for n-gram drafts, which are point masses.
+
+    In waves: wave j samples position j of each row still going, exactly as plain decoding would
+    after the row had emitted drafts[:j] (DraftedState: grammar, min_tokens, penalties; then
+    temperature, top-k/top-p/min-p), so each wave costs what a plain step costs on its rows, and a
+    row stops at its first rejection: the work is one sampled row per emitted token.
+    Point-mass drafts (and every greedy row): wave j is sampler.sample itself, and draft j is
+    accepted iff it is what the sample drew. For q = a point mass at x that is the rule: x is
+    accepted with probability p(x) = min(1, p(x)/q(x)), and a rejection's token is p's sample
+    given it is not x, i.e. drawn from normalize(max(p - q, 0)); after k acceptances the sample at
+    position k is the bonus. One uniform per emitted token, the one plain sampling would use.
+    Drafted distributions: x_j is accepted iff u < min(1, p(x_j)/q(x_j)); on rejection a fresh
+    uniform draws from residual_probs(p, q); at position k the uniform draws the bonus from p."""
+    num_drafts = [len(d) for d in draft_token_ids]
+    starts = np.concatenate([[0], np.cumsum([k + 1 for k in num_drafts])])      # [rows + 1] first logits row
+    assert logits.shape[0] == starts[-1], f"logits has {logits.shape[0]} rows, the drafts need {starts[-1]}"
+    tokens = [[] for _ in states]
+    logprobs = [[] if s.params.logprobs is not None else None for s in states]
+    consumed = [0] * len(states)                        # drafts each row's grammar has consumed
+    alive, j = list(range(len(states))), 0
+    try:
+        while alive:
+            wave = [states[i] if j == 0 else DraftedState(states[i], draft_token_ids[i][:j]) for i in alive]
+            drafts = [draft_token_ids[i][j] if j < num_drafts[i] else None for i in alive]   # None: the bonus position
+            at = [int(starts[i]) + j for i in alive]
+            x = logits if len(at) == len(logits) else logits[at]                  # [n, vocab]; no drafts: no copy
+            if draft_probs is None:
+                picked, lps = sampler.sample(x, wave, generator)
+                keep = [d is not None and t == d for t, d in zip(picked, drafts)]
+            else:
+                q_rows = [int(starts[i]) - i + j for i in alive]                  # row i's q rows start at sum(k_<i)
+                picked, lps, keep = _wave_with_draft_probs(x, wave, drafts, draft_probs, q_rows, generator)
+            survivors = []
+            for n, i in enumerate(alive):
+                tokens[i].append(picked[n])
+                if logprobs[i] is not None:
+                    logprobs[i].append(lps[n])
+                if keep[n]:
+                    survivors.append(i)
+                    if states[i].grammar is not None:                             # the mask allowed it
+                        states[i].grammar.matcher.consume_token(picked[n])
+                        consumed[i] += 1
+            alive, j = survivors, j + 1
+    finally:
+        for s, n in zip(states, consumed):
+            if n:
+                s.grammar.matcher.rollback(n)
+    return SpecOutput(tokens, [len(t) - 1 for t in tokens], logprobs)
+
+
+def _wave_with_draft_probs(x, wave, drafts, draft_probs, q_rows, generator):
+    """One wave when drafts came from a distribution q: the sampler's processors in its order, then
+    greedy rows as sample() does, sampled rows by the rule with p made explicit.
+    x: [n, vocab] raw logits (overwritten). -> (tokens, logprobs, accepted) per row."""
+    want = [s.params.logprobs for s in wave]
+    raw = x.log_softmax(dim=-1) if any(w is not None for w in want) else None   # [n, vocab] the model's
+    apply_grammar_masks(x, [s.grammar for s in wave])
+    sampler.apply_min_tokens(x, wave)
+    sampler.apply_logit_bias(x, [s.params for s in wave])
+    sampler.apply_penalties(x, wave)
+    picked, keep = [0] * len(wave), [False] * len(wave)
+    greedy = [n for n, s in enumerate(wave) if s.params.temperature == 0]
+    for n, t in zip(greedy, sampler.greedy(x[greedy]).tolist() if greedy else []):
+        picked[n], keep[n] = t, t == drafts[n]
+    rows = [n for n, s in enumerate(wave) if s.params.temperature > 0]
+    if rows:
+        p = target_weights(x[rows], [wave[n].params for n in rows])
+        p = p.div_(p.sum(dim=-1, keepdim=True))                                  # [r, vocab] the target's p
+        u = sampler.uniforms([wave[n] for n in rows], generator)                 # [r] a coin, or the bonus draw
+        drafted = [m for m, n in enumerate(rows) if drafts[n] is not None]
+        accept = [False] * len(rows)
+        if drafted:
+            xs = torch.tensor([drafts[rows[m]] for m in drafted])
+            p_x = p[drafted, xs]                                                  # [d]
+            q_x = draft_probs[[q_rows[rows[m]] for m in drafted], xs.to(draft_probs.device)].to(p.device)
+            for m, ok in zip(drafted, (u[drafted] < acceptance_probability(p_x, q_x)).tolist()):
+                accept[m] = ok
+        rejected = [m for m in drafted if not accept[m]]
+        if rejected:                     # a fresh uniform: the failed coin is not uniform any more
+            p[rejected] = residual_probs(p[rejected], draft_probs[[q_rows[rows[m]] for m in rejected]].to(p.device))
+            u[rejected] = sampler.uniforms([wave[rows[m]] for m in rejected], generator)
+        draw = [m for m in range(len(rows)) if not accept[m]]
+        drawn = sampler.inverse_cdf(p[draw], u[draw].to(p.device)).tolist() if draw else []
+        for m, t in zip(draw, drawn):
+            picked[rows[m]] = t
+        for m in range(len(rows)):
+            if accept[m]:
+                picked[rows[m]], keep[rows[m]] = drafts[rows[m]], True
+    lps = sampler.top_logprobs(raw, picked, want) if raw is not None else [None] * len(wave)
+    return picked, lps, keep
+
+
+def acceptance_probability(p_x, q_x):
+    """min(1, p(x) / q(x)); q(x) = 0 (a draft its own distribution could not give) accepts iff p(x) > 0."""
+    return torch.where(q_x > 0, (p_x / q_x.clamp(min=1e-30)).clamp(max=1), (p_x > 0).to(p_x.dtype))
+
+
+def residual_probs(p, q):
+    """normalize(max(p - q, 0)), rows [n, vocab]. Where p <= q everywhere (a rejection that has
+    probability 0 but float rounding let through) p itself, the only sensible fallback."""
+    r = (p - q).clamp_(min=0)
+    total = r.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp(min=1e-30), p)
+
+
+def target_weights(x, params: list) -> torch.Tensor:
+    """x: [n, vocab] processed logits, overwritten; params: one SamplingParams per row. Temperature,
+    top-k / top-p / min-p, then exp((x - max) / T): the target's distribution, unnormalized, by the
+    steps of sampler.draw (which could expose them; here they are repeated)."""
+    inv_temp = 1 / torch.tensor([p.temperature for p in params], dtype=torch.float32, device=x.device).unsqueeze(1)   # [n, 1]
+    scale_later = any(p.temperature != 1 for p in params)
+    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        x = sampler.apply_top_k_top_p_min_p(x.mul_(inv_temp), params)     # [n, vocab]
+        scale_later = False
+    if sampler.csrc_ops(x):
+        torch.ops.nanoserve_fused.exp_sub_max_(x, (inv_temp if scale_later else torch.ones_like(inv_temp)).view(-1))
+        return x
+    x = x.sub_(x.amax(dim=-1, keepdim=True))
+    return (x.mul_(inv_temp) if scale_later else x).exp_()
+
+
+# ---------------------------------------------------------------------------------------- rollback
+def rollback_num_blocks(num_computed_tokens: int, num_accepted: int, block_size: int, num_blocks: int) -> int:
+    """Tail blocks to release after verification. num_computed_tokens counts the row's computed
+    tokens without its drafts (finish_step adds only the non-draft tokens); the accepted drafts'
+    K/V are now valid too. The table was grown for every draft; blocks that only rejected drafts
+    reached go back (when the rollback crosses a block boundary)."""
+    keep = -(-(num_computed_tokens + num_accepted) // block_size)
+    assert num_blocks >= keep, "the block table does not cover the accepted tokens"
+    return num_blocks - keep
+
+
+# ---------------------------------------------------------------------------------------- adaptivity and metrics
+@dataclass
+class AcceptanceTracker:
+    """One completion's recent acceptance (an exponential average over its verifying steps). Below
+    min_acceptance_rate it stops drafting for a while, then probes again; each failed probe doubles
+    the pause (8, 16, ... 128 steps), a good one ends it. A row without drafts costs nothing extra."""
+    rate: float = 1.0
+    pause: int = 0
+    backoff: int = 8
+    WEIGHT = 0.3                      # the latest step's share: "recent" is about the last 3-5 drafting steps
+    MIN_BACKOFF, MAX_BACKOFF = 8, 128
+
+    def should_draft(self) -> bool:
+        """Called once per step; counts a paused step down."""
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        return True
+
+    def record(self, num_drafts: int, num_accepted: int, min_rate: float):
+        if num_drafts == 0:
+            return
+        self.rate += self.WEIGHT * (num_accepted / num_drafts - self.rate)
+        if self.rate < min_rate:
+            self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
+            self.rate = min_rate      # a probe that does well lifts it back over at once
+        else:
+            self.backoff = self.MIN_BACKOFF
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters for EngineStats and /metrics (nanoserve:spec_decode_*), vLLM's meanings."""
+    num_drafts: int = 0               # rows that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0       # accepted + 1 per verifying row (before a stop cuts a run short)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
+
+    def observe(self, draft_token_ids: list[list[int]], out: SpecOutput):
+        """After verify: the drafts it was given and what it returned."""
+        for d, a in zip(draft_token_ids, out.num_accepted):
+            if d:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(d)
+                self.num_accepted_tokens += a
+                self.num_emitted_tokens += a + 1
+                for j in range(a):
+                    self.num_accepted_tokens_per_pos[j] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verifying row: 1 + accepted / drafts (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
