@@ -160,7 +160,7 @@ def fit_host_overhead(results: dict) -> HostOverhead:
     in the batch size gives per_step_s and per_seq_s), decode.<batch>.phases_s.forward and
     .matmul_floor_s (a host-bound forward is its launches: per_launch_s = median forward /
     launches_per_step), and, when present, launches_per_step (default 1430, the close read of one
-    SmolLM2-135M decode step in issue 41), num_layers (default 30) and graph_replay_s (default
+    SmolLM2-135M decode step on the H100 run, docs/gpu-run.md), num_layers (default 30) and graph_replay_s (default
     GRAPH_REPLAY_S)."""
     r = results["roofline"]
     runs = sorted((int(b), d) for b, d in r["decode"].items())

@@ -46,7 +46,7 @@ class Engine:
 
 def join_running(sched, seq):
     """A sequence whose prompt KV arrived computed joins the running queue, as vLLM's KV connector
-    does. The scheduler has no method for it yet (issue 45 adds one); this is the only line here
+    does. The scheduler has no method for it yet; this is the only line here
     that reaches into the scheduler's queues."""
     seq.status = Status.RUNNING
     sched.running.append(seq)

@@ -4595,7 +4595,7 @@ def test_fitted_host_overhead_reproduces_the_h100_run():
     for b in batches:                                              # README: 23.4, 25.4, 25.5, 25.9 ms, eager
         t = cm.step_time(H100, SMOLLM2, [(1, 32)] * b, host=fit)
         assert t == pytest.approx(run[str(b)]["step_s_median"], rel=0.1)
-        assert cm.step_time(H100, SMOLLM2, [(1, 32)] * b, host=fit, graphs=True) < 0.005   # issue 41's target
+        assert cm.step_time(H100, SMOLLM2, [(1, 32)] * b, host=fit, graphs=True) < 0.005   # the 5 ms goal for graphs (docs/gpu-run.md)
     with pytest.raises(ValueError, match="not host-bound"):
         cm.fit_host_overhead({"roofline": {"decode": {"8": {"matmul_floor_s": 0.02, "phases_s": {
             "schedule": 0, "prepare": 0, "forward": 0.025, "sample": 0, "update": 0}}}}})
