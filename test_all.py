@@ -2607,10 +2607,12 @@ def test_gpu_path_decode_forward_launches_within_budget_and_reads_nothing_back(e
 @pytest.mark.cuda_emu
 def test_recording_mode_catches_a_host_read_and_a_cross_device_copy():
     x = torch.ones(4, device="meta")
-    with RecordOps() as rec:
-        x[x > 0]                                      # boolean indexing: a nonzero on the device
-        x.to("cpu")
-    assert "aten::index.Tensor with a boolean mask" in rec.reads_back and "aten::_to_copy across devices" in rec.reads_back
+    with RecordOps() as rec:                          # meta has no data to give: each is recorded, then raises
+        with pytest.raises(NotImplementedError):
+            x[x > 0]                                  # boolean indexing: a nonzero on the device
+        with pytest.raises(NotImplementedError):
+            x.to("cpu")
+    assert "aten::index with a boolean mask" in rec.reads_back and "aten::_to_copy across devices" in rec.reads_back
 
 
 def run_decode(runner, batch, bucket=None):
@@ -2647,9 +2649,11 @@ def test_emulated_gpu_decode_under_capture_reads_nothing_and_matches_the_referen
         want = run_decode(reference, decode_batch(contexts))
     finally:
         net.use_fused_ops = True
-    assert (got - want).abs().max().item() < 1e-3
+    assert (got - want).abs().max().item() < 1e-3     # float32; RoPE, norms and attention in other orders
     for (k, v), (k_ref, v_ref) in zip(runner.kv_pool.kv_caches, reference.kv_pool.kv_caches):
-        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)       # the same K/V written, padding rows none
+        torch.testing.assert_close((k, v), (k_ref, v_ref), rtol=0, atol=1e-5)   # the same K/V written
+    untouched = [i for i in range(64) if i not in {b for s in decode_batch(contexts).seqs for b in s.block_table}]
+    assert all(torch.equal(k[untouched], k0[untouched]) for (k, _), (k0, _) in zip(runner.kv_pool.kv_caches, kv_before))
     monkeypatch.setenv("NANOSERVE_CHECK_INPUTS", "1")
     emulator.cuda_emu_capture(1)
     try:
@@ -2669,12 +2673,12 @@ def test_emulated_decode_bucket_launches_the_same_grids_at_any_context(emulated_
     runner = make_runner(net, "cuda_emu")
     fill_kv(runner)
     logs = {}
-    for name, contexts in {"short": [3, 9, 2], "long": [300, 12, 700]}.items():
+    for name, contexts in {"short": [3, 9, 2], "long": [300, 12, 500]}.items():
         for bucket in (4, None):
             emulator.cuda_emu_take_launch_log()
             run_decode(runner, decode_batch(contexts), bucket)
             logs[name, bucket] = emulator.cuda_emu_take_launch_log().decode()
-    assert logs["short", 4] == logs["long", 4] and "decode_kernel" in logs["short", 4]
+    assert logs["short", 4] == logs["long", 4] and "decode 8,2,1" in logs["short", 4]   # 4 rows x 2 parts
     assert logs["short", None] != logs["long", None]
 
 
