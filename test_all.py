@@ -2352,6 +2352,34 @@ def test_emulation_enforces_launch_limits(emulator):
 
 
 @pytest.mark.cuda_emu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
+def test_emulated_cuda_fused_ops_match_their_references(emulated_binding, dtype):
+    """csrc/fused_cuda.cu (fused_ops.py's GPU kernels) against the plain-PyTorch references, on rows
+    of a wider tensor (strided, as the model hands them over)."""
+    ops, _ = emulated_binding
+    tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
+    g = torch.Generator().manual_seed(0)
+    wide = (torch.randn(7, 2 * 160, generator=g) * 3).to(dtype)
+    x, residual = wide[:, :160], torch.randn(7, 160, generator=g).to(dtype)        # x: rows 320 apart
+    weight = torch.rand(160, generator=g) + 0.5                                     # float32, as a norm keeps it
+    torch.testing.assert_close(FO.rms_norm(x, weight, 1e-5, fused=ops)[0], FO.rms_norm_reference(x, weight, 1e-5), **tol)
+    got_x, got_res = x.clone(), residual.clone()
+    FO.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)
+    want, want_res = FO.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+    assert torch.equal(got_res, want_res)                                           # one rounded add
+    torch.testing.assert_close(got_x, want, **tol)
+    width = (4 + 2 * 2) * 32
+    qkv = torch.randn(5, width + 16, generator=g).to(dtype)                       # rows of [T, width] 16 apart
+    freqs = torch.randint(0, 2048, (5, 1)).float() * M.rope_inv_freq(M.ModelConfig(head_dim=32))
+    got, want = qkv.clone()[:, :width], qkv.clone()[:, :width]
+    FO.rope_(got, freqs.cos(), freqs.sin(), 6, 32, fused=ops)
+    FO.rope_(want, freqs.cos(), freqs.sin(), 6, 32)
+    torch.testing.assert_close(got, want, **tol)
+    gate_up = (torch.randn(9, 2 * 96 + 8, generator=g) * 6).to(dtype)[:, :2 * 96]
+    torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+
+
+@pytest.mark.cuda_emu
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_emulated_cuda_reshape_and_cache_skips_pad_slots(emulated_binding, kv_dtype):
     """Slot -1 (vLLM's pad slot) leaves the cache untouched, even its last slot, which -1 would
@@ -4879,6 +4907,8 @@ def test_fitted_host_overhead_reproduces_the_h100_run():
         t = cm.step_time(H100, SMOLLM2, [(1, 32)] * b, host=fit)
         assert t == pytest.approx(run[str(b)]["step_s_median"], rel=0.1)
         assert cm.step_time(H100, SMOLLM2, [(1, 32)] * b, host=fit, graphs=True) < 0.005   # issue 41's target
+    with_gpu_section = {"roofline": cm.H100_RUN_2026_11_24["roofline"], "gpu": {"graph_replay_s": 7e-5}}
+    assert cm.fit_host_overhead(with_gpu_section).graph_replay_s == 7e-5   # bench.py's gpu section measured it
     with pytest.raises(ValueError, match="not host-bound"):
         cm.fit_host_overhead({"roofline": {"decode": {"8": {"matmul_floor_s": 0.02, "phases_s": {
             "schedule": 0, "prepare": 0, "forward": 0.025, "sample": 0, "update": 0}}}}})
@@ -5001,7 +5031,7 @@ def test_bad_cluster_arguments_are_rejected_naming_the_flag(capsys):
 # ##################################################################################################
 
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
-                  "copy_on_write", "preemption", "hot", "api"]
+                  "copy_on_write", "preemption", "hot", "api", "gpu"]
 
 
 @pytest.mark.slow
