@@ -43,6 +43,12 @@ class CapturedStep:
     logits: torch.Tensor            # [bucket, vocab], rewritten by each replay
 
 
+def uses_cuda_graphs(device: torch.device, attention_backend: str, enforce_eager: bool) -> bool:
+    """Decode steps replay CUDA graphs on a GPU with the CUDA kernels (the torch reference reads
+    context lengths back to the host: it cannot be captured), unless enforce_eager."""
+    return device.type == "cuda" and attention_backend == "cuda" and not enforce_eager
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Batch-size buckets captured as CUDA graphs: 1, 2, 4, 8, 16, 32, then every 16, up to max_num_seqs."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs]
@@ -109,7 +115,7 @@ class ModelRunner:
         self.num_sms = pa.num_sms(device, attention_backend) if self.cuda else 0
         width = -(-max_model_len // block_size)            # [max_num_seqs, ceil(max_model_len / block_size)]
         self.buffers = InputBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, width, device)
-        self.use_graphs = device.type == "cuda" and attention_backend == "cuda" and not enforce_eager
+        self.use_graphs = uses_cuda_graphs(device, attention_backend, enforce_eager)
         self.graphs: dict[int, CapturedStep] = {}
         self.graph_pool = None
 

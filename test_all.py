@@ -2520,7 +2520,7 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
 # would read back), through the emulated binding with the emulator's capture flag on (the C++ side
 # reads no device data), and by the emulator's launch log (one grid per batch-size bucket).
 
-from model_runner import HostBatch, ModelRunner, graph_batch_sizes   # noqa: E402
+from model_runner import ModelRunner, graph_batch_sizes, uses_cuda_graphs   # noqa: E402
 from scheduler import ScheduledBatch                                 # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode           # noqa: E402
 
@@ -2723,6 +2723,15 @@ def test_graph_buckets_cover_every_batch_size_up_to_max_num_seqs():
     assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
     assert graph_batch_sizes(3) == [1, 2, 3]
+
+
+@pytest.mark.unit
+def test_enforce_eager_reaches_the_engine_config_from_serve_and_turns_graphs_off():
+    assert serve.engine_config(serve.parse_args(["--enforce-eager"])).enforce_eager is True
+    assert serve.engine_config(serve.parse_args([])).enforce_eager is False     # the engine's default: graphs
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert uses_cuda_graphs(cuda, "cuda", False) and not uses_cuda_graphs(cuda, "cuda", True)
+    assert not uses_cuda_graphs(cpu, "cpu", False) and not uses_cuda_graphs(cuda, "torch", False)
 
 
 def test_cpu_decode_step_stays_within_its_op_and_host_read_budget(llm):
