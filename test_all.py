@@ -2708,12 +2708,14 @@ def test_emulated_decode_bucket_launches_the_same_grids_at_any_context(emulated_
     net = random_llama()
     runner = make_runner(net, "cuda_emu")
     fill_kv(runner)
-    logs = {}
+    logs, logits = {}, {}
     for name, contexts in {"short": [3, 9, 2], "long": [300, 12, 500]}.items():
         for bucket in (4, None):
             emulator.cuda_emu_take_launch_log()
-            run_decode(runner, decode_batch(contexts), bucket)
+            logits[name, bucket] = run_decode(runner, decode_batch(contexts), bucket)
             logs[name, bucket] = emulator.cuda_emu_take_launch_log().decode()
+        # the bucket's split (2 parts of 256 for 500 tokens) gives what the eager plan's does
+        torch.testing.assert_close(logits[name, 4], logits[name, None], rtol=0, atol=1e-4)
     assert logs["short", 4] == logs["long", 4] and "decode 8,2,1" in logs["short", 4]   # 4 rows x 2 parts
     assert logs["short", None] != logs["long", None]
 
