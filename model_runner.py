@@ -13,6 +13,7 @@ that sample, plus any prompt-logprob rows the engine names). Owns the step's dev
 graphs and the KV pool's tensors; does not decide what runs (scheduler.py), pick blocks
 (kv_cache.py) or sample (sampler.py).
 """
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -255,24 +256,28 @@ class ModelRunner:
 
     def capture_graphs(self):
         """Capture a decode step at every bucket, largest first, all in one memory pool (a smaller
-        graph's temporaries fit in what the larger left). Each is warmed up eagerly first (cuBLAS
-        picks its kernels, the allocator fills the pool). The captured forward reads nothing back
-        (its grids are fixed: csrc/paged_attention_cuda.cu)."""
+        graph's temporaries fit in what the larger left). The captured forward reads nothing back:
+        its inputs sit in the persistent buffers and its grids are fixed per bucket."""
         if not self.use_graphs:
             return
-        self.graph_pool = torch.cuda.graph_pool_handle()
         sizes = [b for b in graph_batch_sizes(self.max_num_seqs) if b <= self.buffers.max_seqs]
+        empty = HostBatch(*(np.zeros(0, np.int64) for _ in range(3)), np.zeros((0, self.buffers.width), np.int32),
+                          np.zeros(0, np.int32), np.zeros(1, np.int32), np.zeros(0, np.int64), [])
         for bucket in sorted(sizes, reverse=True):
-            host = self.pad(HostBatch(*(np.zeros(0, dt) for dt in (np.int64,) * 3),
-                                      np.zeros((0, self.buffers.width), np.int32), np.zeros(0, np.int32),
-                                      np.zeros(1, np.int32), np.zeros(0, np.int64), []), bucket)
-            inputs = self.upload(host, max_parts=self.graph_max_parts(bucket))
-            run = lambda: self.model(inputs.input_ids, inputs.positions, self.kv_pool.kv_caches,   # noqa: E731
-                                     inputs.meta, inputs.logits_rows)
-            run()                                                       # warm-up, eager
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
-                logits = run()
-            self.graphs[bucket] = CapturedStep(graph, logits)
+            inputs = self.upload(self.pad(empty, bucket), max_parts=self.graph_max_parts(bucket))
+            self.graphs[bucket] = self.capture(functools.partial(
+                self.model, inputs.input_ids, inputs.positions, self.kv_pool.kv_caches, inputs.meta,
+                inputs.logits_rows))
+
+    def capture(self, forward) -> CapturedStep:
+        """One CUDA graph of forward(), warmed up eagerly first (cuBLAS picks its kernels, the
+        allocator fills the pool)."""
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        forward()
         torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            logits = forward()
+        torch.cuda.synchronize()
+        return CapturedStep(graph, logits)

@@ -2520,7 +2520,7 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
 # would read back), through the emulated binding with the emulator's capture flag on (the C++ side
 # reads no device data), and by the emulator's launch log (one grid per batch-size bucket).
 
-from model_runner import ModelRunner, graph_batch_sizes, uses_cuda_graphs   # noqa: E402
+from model_runner import CapturedStep, ModelRunner, graph_batch_sizes, uses_cuda_graphs   # noqa: E402
 from scheduler import ScheduledBatch                                 # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode           # noqa: E402
 
@@ -2718,6 +2718,39 @@ def test_emulated_decode_bucket_launches_the_same_grids_at_any_context(emulated_
         torch.testing.assert_close(logits[name, 4], logits[name, None], rtol=0, atol=1e-4)
     assert logs["short", 4] == logs["long", 4] and "decode 8,2,1" in logs["short", 4]   # 4 rows x 2 parts
     assert logs["short", None] != logs["long", None]
+
+
+@pytest.mark.cuda_emu
+def test_emulated_graph_flow_replays_the_bucket_that_fits_with_the_eager_logits(emulated_binding):
+    """model_runner's graph path on the CPU: capture_graphs with a stand-in for torch.cuda.graph whose
+    replay runs the captured forward again on the persistent buffers (what a real replay reads), the
+    emulator's capture flag on while it captures. A 3-row decode step then replays bucket 4, padded, and
+    gives the logits of the same step run eagerly."""
+    _, emulator = emulated_binding
+    runner = make_runner(random_llama(), "cuda_emu")
+    fill_kv(runner)
+
+    def capture(forward):
+        emulator.cuda_emu_capture(1)
+        try:
+            logits = forward()
+        finally:
+            emulator.cuda_emu_capture(0)
+        def replay():
+            with torch.inference_mode():        # as Engine.step runs it; the logits are inference tensors
+                logits.copy_(forward())
+        return CapturedStep(SimpleNamespace(replay=replay), logits)
+    runner.use_graphs, runner.capture = True, capture
+    runner.capture_graphs()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    batch = decode_batch([3, 40, 130])
+    inputs = runner.prepare(batch)
+    assert inputs.graph is runner.graphs[4] and inputs.input_ids.shape == (4,)
+    replayed = runner.forward(inputs)
+    runner.graphs.clear()
+    eager = runner.forward(runner.prepare(batch))
+    assert replayed.shape == eager.shape == (3, 300)
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-4)
 
 
 @pytest.mark.unit
