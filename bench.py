@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from benchmarks import batching as bench_batching
+from benchmarks import gpu as bench_gpu
 from benchmarks import hardware as bench_hardware
 from benchmarks import online as bench_online
 from benchmarks import peers as bench_peers
@@ -321,7 +322,8 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "http": bench_online.bench_http, "peers": bench_peers.bench_peers,
                "roofline": bench_hardware.bench_roofline, "kernel": bench_hardware.bench_kernel,
                "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
-               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs}
+               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
+               "gpu": bench_gpu.bench_gpu}
 SECTIONS = list(EXPERIMENTS)
 
 

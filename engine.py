@@ -54,6 +54,7 @@ class EngineConfig(SchedulerConfig):
     enable_prefix_caching: bool = True
     swap_space: int | str = 0           # bytes of host memory for swapped-out blocks
     attention_backend: str = "auto"     # auto | cpu | cuda | torch
+    enforce_eager: bool = False         # no CUDA graphs: every decode step runs eagerly (vLLM's name)
     num_threads: int | None = None      # default: all cores
     seed: int = 0                       # for unseeded sampling
 
@@ -166,7 +167,10 @@ class Engine:
         self.eos_token_ids = set(mc.eos_token_id) | {self.tokenizer.eos_token_id} - {None}
         self.attention_backend = paged_attention.resolve_backend(config.attention_backend, self.device.type)
         self._init_kv_cache(dtype)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, self.device, self.attention_backend)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
+                                  config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                  config.enforce_eager)
+        self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
         self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)

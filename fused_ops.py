@@ -1,12 +1,14 @@
 """
 Fused per-layer ops: residual add + RMSNorm, RoPE in place, SwiGLU's silu(gate) * up.
 
-Each layer's small elementwise ops cost a PyTorch dispatch and a temporary each: ~10 per layer,
-300 per decode step. csrc/fused_cpu.cpp does each group in one pass over the rows; the same
-library holds the sampler's row kernels (argmax, exp, top-k/top-p thresholds: sampler.py).
-The plain-PyTorch version beside each op is its reference (the tests' oracle) and what runs on
-GPUs, in float16, or where the C++ build failed (after one warning). Owns no weights and no
-layers: model.py calls these with its own tensors.
+Each layer's small elementwise ops cost a PyTorch dispatch and a temporary each (on a GPU, a
+kernel launch each): ~10 per layer, 300 per decode step. csrc/fused_cpu.cpp does each group in one
+pass over the rows; the same library holds the sampler's row kernels (argmax, exp, top-k/top-p
+thresholds: sampler.py). On the CUDA attention backend csrc/fused_cuda.cu does the same in one
+launch each (ops registered beside the attention ops: torch.ops.nanoserve_cuda). The plain-PyTorch
+version beside each op is its reference (the tests' oracle) and what runs elsewhere, or where the
+C++ build failed (after one warning). `fused` below: False (the reference), True (the CPU ops) or
+the ops namespace to call. Owns no weights and no layers: model.py calls these with its own tensors.
 """
 import functools
 
@@ -23,6 +25,18 @@ def _fused_cpu_built() -> bool:
 
 def fused_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _fused_cpu_built()
+
+
+def fused_kernels(device: torch.device, dtype: torch.dtype, attention_backend: str):
+    """What model.py passes as `fused`: the CUDA library's ops on the CUDA attention backend (built
+    with it; "cuda_emu" is its CPU emulation in tests), the CPU ops where they apply, else False."""
+    if attention_backend in ("cuda", "cuda_emu") and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return getattr(torch.ops, f"nanoserve_{attention_backend}")
+    return fused_ops_available(device, dtype)
+
+
+def _ops(fused):
+    return torch.ops.nanoserve_fused if fused is True else fused
 
 
 def apply_rope(x, cos, sin):
@@ -43,10 +57,10 @@ def rms_norm(x, weight, eps, residual=None, fused=False):
     The new residual is x itself, or the sum; fused, the sum is written into `residual` and
     the norm into `x` (both are this step's own temporaries)."""
     if residual is None:
-        out = torch.ops.nanoserve_fused.rms_norm(x, weight, eps) if fused else rms_norm_reference(x, weight, eps)
+        out = _ops(fused).rms_norm(x, weight, eps) if fused else rms_norm_reference(x, weight, eps)
         return out, x
     if fused:
-        torch.ops.nanoserve_fused.add_rms_norm_(x, residual, weight, eps)
+        _ops(fused).add_rms_norm_(x, residual, weight, eps)
         return x, residual
     residual = residual + x
     return rms_norm_reference(residual, weight, eps), residual
@@ -56,7 +70,7 @@ def rope_(qkv, cos, sin, num_heads, head_dim, fused=False):
     """Rotate the first num_heads heads (q, then k) of every row of qkv [T, width] in place.
     cos/sin: float32 [T, head_dim/2]."""
     if fused:
-        return torch.ops.nanoserve_fused.rope_(qkv, cos, sin, num_heads, head_dim)
+        return _ops(fused).rope_(qkv, cos, sin, num_heads, head_dim)
     x = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)               # [T, heads, hd]
     x.copy_(apply_rope(x, cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)))
 
@@ -64,6 +78,6 @@ def rope_(qkv, cos, sin, num_heads, head_dim, fused=False):
 def silu_and_mul(gate_up, fused=False):
     """SwiGLU's middle: silu(gate) * up, for gate_up = [gate | up] [T, 2 * intermediate]."""
     if fused:
-        return torch.ops.nanoserve_fused.silu_and_mul(gate_up)
+        return _ops(fused).silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)                                          # [T, intermediate] each
     return F.silu(gate) * up

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import paged_attention
 from cpu_linear import Linear, cpu_bf16_native
-from fused_ops import fused_ops_available, rms_norm, rope_, silu_and_mul
+from fused_ops import fused_kernels, fused_ops_available, rms_norm, rope_, silu_and_mul
 from paged_attention import AttentionMetadata
 
 
@@ -131,13 +131,14 @@ class Attention(nn.Module):
         rope_(qkv, cos, sin, self.n_heads + self.n_kv, self.head_dim, fused)   # q and k sit side by side
         q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
                              self.n_kv * self.head_dim], dim=-1)
-        q = q.view(T, self.n_heads, self.head_dim)                    # [T, nh, hd]
+        q = q.view(T, self.n_heads, self.head_dim)                    # [T, nh, hd], strided views of qkv
         k = k.view(T, self.n_kv, self.head_dim)                       # [T, nkv, hd]
         v = v.view(T, self.n_kv, self.head_dim)
         k_cache, v_cache = kv_cache
         paged_attention.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         o = paged_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                            meta.query_start_loc, self.scale, backend=meta.backend)
+                                            meta.query_start_loc, self.scale, backend=meta.backend,
+                                            cuda_plan=meta.cuda_plan)
         return self.o_proj(o.reshape(T, self.n_heads * self.head_dim))
 
 
@@ -201,7 +202,7 @@ class Llama(nn.Module):
         logits_indices: [num_sampled] rows of the flat batch to compute logits for.
         Returns float32 logits [num_sampled, vocab]."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
-        fused = self.use_fused_ops and fused_ops_available(x.device, x.dtype)
+        fused = self.use_fused_ops and fused_kernels(x.device, x.dtype, meta.backend)
         freqs = positions.unsqueeze(1).float() * self.inv_freq            # [T, head_dim/2]
         cos, sin = freqs.cos(), freqs.sin()                               # float32 [T, head_dim/2]
         residual = None

@@ -1,81 +1,283 @@
 """
 The model runner: one step's ScheduledBatch in, logits out.
 
-It packs the scheduled tokens of every row into flat tensors, with no padding between rows:
+It packs the scheduled tokens of every row into flat host arrays, with no padding between rows:
 input ids, positions, and the AttentionMetadata every layer reads (slot mapping, block tables,
-context lengths, query offsets). Then it runs the block copies the scheduler asked for and the
-model, with logits only for the rows that need them (the rows that sample, plus any prompt-
-logprob rows the engine names). Owns the step's device inputs and the KV pool's tensors; does
-not decide what runs (scheduler.py), pick blocks (kv_cache.py) or sample (sampler.py).
+context lengths, query offsets). It checks them once, plans the CUDA kernels' launch on the host
+(paged_attention.plan_cuda_launch), and uploads each into a persistent device buffer with one
+copy (non_blocking, from pinned memory, on a GPU), so the forward reads nothing back. Decode-only
+steps on a GPU replay a CUDA graph captured at the smallest batch-size bucket that fits, padding
+rows with slot -1 and context 0; prefill and mixed steps, and everything on a CPU, run eagerly on
+the same buffers. Then the model runs, with logits only for the rows that need them (the rows
+that sample, plus any prompt-logprob rows the engine names). Owns the step's device inputs, the
+graphs and the KV pool's tensors; does not decide what runs (scheduler.py), pick blocks
+(kv_cache.py) or sample (sampler.py).
 """
+import functools
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+import paged_attention as pa
 from kv_cache import KVCachePool
-from paged_attention import AttentionMetadata
+from paged_attention import AttentionMetadata, CudaPlan
 from scheduler import ScheduledBatch
 from sequence import Sequence
 
-
 @dataclass
 class StepInputs:
-    """One forward pass's inputs, on the device."""
-    input_ids: torch.Tensor         # [num_tokens]
+    """One forward pass's inputs, on the device (views of the runner's persistent buffers)."""
+    input_ids: torch.Tensor         # [num_tokens] (padded to the graph's bucket when graph is set)
     positions: torch.Tensor         # [num_tokens]
     meta: AttentionMetadata
     logits_rows: torch.Tensor       # [num_logits] flat-batch rows that get logits
+    num_logits: int = 0             # rows of logits the engine reads (the rest are padding)
+    graph: "CapturedStep | None" = None
+
+
+@dataclass
+class CapturedStep:
+    """A decode step captured at one batch size: replay it after filling the buffers."""
+    graph: "torch.cuda.CUDAGraph"
+    logits: torch.Tensor            # [bucket, vocab], rewritten by each replay
+
+
+def uses_cuda_graphs(device: torch.device, attention_backend: str, enforce_eager: bool) -> bool:
+    """Decode steps replay CUDA graphs on a GPU with the CUDA kernels (the torch reference reads
+    context lengths back to the host: it cannot be captured), unless enforce_eager."""
+    return device.type == "cuda" and attention_backend == "cuda" and not enforce_eager
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Batch-size buckets captured as CUDA graphs: 1, 2, 4, 8, 16, 32, then every 16, up to max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs]
+    sizes += range(48, max_num_seqs, 16)
+    return sizes + [max_num_seqs]
+
+
+class InputBuffers:
+    """Every device input of a step, allocated once at its largest: a step fills leading slices,
+    so views keep one address (what a captured graph reads). On a GPU each has a pinned host twin
+    to upload from. Reusing the twin next step is safe: every step ends with the sampler's copy
+    of its tokens to the host, which waits for the stream that ran these uploads."""
+    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
+        i32, i64 = torch.int32, torch.int64
+        shapes = dict(input_ids=((max_tokens,), i64), positions=((max_tokens,), i64),
+                      slot_mapping=((max_tokens,), i64), logits_rows=((max_tokens,), i64),
+                      block_tables=((max_seqs, width), i32), context_lens=((max_seqs,), i32),
+                      query_start_loc=((max_seqs + 1,), i32), plan=((2 + 2 * max_tokens,), i32))
+        self.device, self.max_tokens, self.max_seqs, self.width = device, max_tokens, max_seqs, width
+        self.dev = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in shapes.items()}
+        pin = device.type == "cuda"
+        self.host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in shapes.items()} if pin else None
+
+    def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool:
+        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.width
+
+    def upload(self, name: str, values: np.ndarray) -> torch.Tensor:
+        """One copy of values into the leading slice of buffer `name`; returns that slice."""
+        values = values.reshape(-1)
+        dst = self.dev[name].view(-1)[:len(values)]
+        src = torch.from_numpy(values)
+        if self.host is None:
+            dst.copy_(src)
+        else:
+            stage = self.host[name].view(-1)[:len(values)]
+            stage.copy_(src)
+            dst.copy_(stage, non_blocking=True)
+        return dst
+
+
+@dataclass
+class HostBatch:
+    """A step's inputs as host arrays, checked (check_batch), before they are uploaded."""
+    input_ids: np.ndarray           # [num_tokens] int64
+    positions: np.ndarray           # [num_tokens] int64
+    slot_mapping: np.ndarray        # [num_tokens] int64
+    block_tables: np.ndarray        # [num_rows, width] int32
+    context_lens: np.ndarray        # [num_rows] int32
+    query_start_loc: np.ndarray     # [num_rows + 1] int32
+    logits_rows: np.ndarray         # [num_logits] int64
+    q_lens: list[int]
 
 
 class ModelRunner:
-    def __init__(self, model, kv_pool: KVCachePool, block_size: int, device: torch.device, attention_backend: str):
+    def __init__(self, model, kv_pool: KVCachePool, block_size: int, device: torch.device, attention_backend: str,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048,
+                 enforce_eager: bool = False):
         self.model, self.kv_pool, self.block_size = model, kv_pool, block_size
         self.device, self.attention_backend = device, attention_backend
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        cfg = model.config
+        self.num_kv_heads, self.group = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+        self.cuda = attention_backend in ("cuda", "cuda_emu")
+        self.num_sms = pa.num_sms(device, attention_backend) if self.cuda else 0
+        width = -(-max_model_len // block_size)            # [max_num_seqs, ceil(max_model_len / block_size)]
+        self.buffers = InputBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, width, device)
+        self.use_graphs = uses_cuda_graphs(device, attention_backend, enforce_eager)
+        self.graphs: dict[int, CapturedStep] = {}
+        self.graph_pool = None
 
-    def prepare(self, batch: ScheduledBatch, extra_rows: list[int] = ()) -> StepInputs:
-        """Run the step's block copies (swaps, copy-on-write: before the forward reads the blocks),
-        then pack the scheduled tokens of every row into flat tensors. Logits go to the last token of
-        each row to sample, then to the flat-batch rows in extra_rows (prompt logprobs), in that order.
-        Per-row Python only: positions and slots for all tokens are computed as tensors."""
-        self.kv_pool.run(batch.block_ops)
+    # ------------------------------------------------------------------ host side
+    def build(self, batch: ScheduledBatch, extra_rows=()) -> HostBatch:
+        """The step's flat inputs as host arrays. Per-row Python only to read each sequence's
+        tokens and table; positions and slots for all tokens are computed as arrays. Logits go to the
+        last token of each row to sample, then to the flat-batch rows in extra_rows, in that order."""
         bs, seqs = self.block_size, batch.seqs
-        starts = [s.num_computed_tokens for s in seqs]
-        input_ids = [t for s, a, n in zip(seqs, starts, batch.num_tokens) for t in s.token_ids[a:a + n]]
-        q_lens = torch.tensor(batch.num_tokens)                                   # [num_rows]
-        ctx_lens = torch.tensor(starts) + q_lens                                  # [num_rows]
-        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=qsl[1:])                                      # [num_rows + 1]
-        # numpy's repeat: ~3 us; torch.repeat_interleave on CPU takes 0.3-2 ms (it goes parallel)
-        row = torch.from_numpy(np.repeat(np.arange(len(seqs)), batch.num_tokens))   # [num_tokens] row of each token
-        positions = ctx_lens[row] - q_lens[row] + (torch.arange(len(row)) - qsl[row])   # [num_tokens]
+        q_lens = np.array(batch.num_tokens, dtype=np.int64)                      # [num_rows]
+        ctx = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64) + q_lens
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])                                           # [num_rows + 1]
+        row = np.repeat(np.arange(len(seqs)), q_lens)                            # [num_tokens] row of each token
+        positions = ctx[row] - q_lens[row] + (np.arange(len(row)) - qsl[row])    # [num_tokens]
         # a scratch row may read past its own table: the width covers every context
-        width = max(max(len(s.block_table) for s in seqs), -(-int(ctx_lens.max()) // bs))
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                              dtype=torch.int64)                                  # [num_rows, width]
-        slots = tables[row, positions // bs] * bs + positions % bs              # [num_tokens]
+        width = max(max(len(s.block_table) for s in seqs), -(-int(ctx.max()) // bs))
+        tables = np.zeros((len(seqs), width), dtype=np.int32)                    # [num_rows, width]
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs   # [num_tokens]
         if batch.num_scratch_rows:
             slots[qsl[batch.num_real_rows]:] = -1                                # computed, never cached
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev), block_tables=tables.to(dev, torch.int32),
-            context_lens=ctx_lens.to(dev, torch.int32), query_start_loc=qsl.to(dev, torch.int32),
-            backend=self.attention_backend)
-        logits_rows = torch.cat([qsl[1:][batch.sample_rows] - 1, torch.tensor(extra_rows, dtype=torch.int64)])
-        return StepInputs(torch.tensor(input_ids).to(dev), positions.to(dev), meta, logits_rows.to(dev))
+        input_ids = np.fromiter((t for s, a, n in zip(seqs, ctx - q_lens, batch.num_tokens)
+                                 for t in s.token_ids[a:a + n]), dtype=np.int64, count=len(row))
+        logits_rows = np.concatenate([qsl[1:][batch.sample_rows] - 1, np.asarray(extra_rows, dtype=np.int64)])
+        host = HostBatch(input_ids, positions, slots, tables, ctx.astype(np.int32), qsl.astype(np.int32),
+                         logits_rows.astype(np.int64), batch.num_tokens)
+        self.check_batch(host)
+        return host
 
+    def check_batch(self, host: HostBatch):
+        """Once per step, on the host arrays, what the kernels would otherwise check in every layer
+        on the device's copy: block ids and slots inside the pool, every context inside its table."""
+        num_blocks, bs = self.kv_pool.kv_caches[0][0].shape[0], self.block_size
+        tables, ctx = host.block_tables, host.context_lens
+        bad = ((tables < 0) | (tables >= num_blocks)).any() or (host.slot_mapping < -1).any() \
+            or (host.slot_mapping >= num_blocks * bs).any() or (ctx > tables.shape[1] * bs).any() \
+            or (np.asarray(host.q_lens) > ctx).any()
+        if bad:
+            raise RuntimeError(f"model runner built an invalid batch: block tables {tables.tolist()}, context "
+                               f"lens {ctx.tolist()}, slots {host.slot_mapping.tolist()} for {num_blocks} blocks")
+
+    def bucket(self, batch: ScheduledBatch, host: HostBatch) -> int | None:
+        """The captured batch size this step replays, or None (eager): decode-only steps whose rows
+        each get one row of logits."""
+        n = len(batch.seqs)
+        if not self.graphs or n > self.max_num_seqs or any(q != 1 for q in host.q_lens) \
+                or len(host.logits_rows) != n or not np.array_equal(host.logits_rows, np.arange(n)):
+            return None
+        return min(b for b in self.graphs if b >= n)
+
+    @staticmethod
+    def pad(host: HostBatch, bucket: int) -> HostBatch:
+        """Pad a decode batch to `bucket` rows: token 0 at position 0, slot -1 (not cached), context 0
+        (attends to nothing), an all-zero table; its logits are computed and never read."""
+        n, extra = len(host.q_lens), bucket - len(host.q_lens)
+        zeros = np.zeros(extra, dtype=np.int64)
+        return HostBatch(np.concatenate([host.input_ids, zeros]), np.concatenate([host.positions, zeros]),
+                         np.concatenate([host.slot_mapping, zeros - 1]),
+                         np.concatenate([host.block_tables, np.zeros((extra, host.block_tables.shape[1]), np.int32)]),
+                         np.concatenate([host.context_lens, zeros.astype(np.int32)]),
+                         np.arange(bucket + 1, dtype=np.int32), np.arange(bucket, dtype=np.int64),
+                         host.q_lens + [1] * extra)
+
+    # ------------------------------------------------------------------ upload
+    def prepare(self, batch: ScheduledBatch, extra_rows: list[int] = ()) -> StepInputs:
+        """Run the step's block copies (swaps, copy-on-write: before the forward reads the blocks),
+        then build, check, plan and upload the step's inputs."""
+        self.kv_pool.run(batch.block_ops)
+        host = self.build(batch, extra_rows)
+        num_logits = len(host.logits_rows)
+        bucket = self.bucket(batch, host)
+        if bucket is not None:
+            host = self.pad(host, bucket)
+        inputs = self.upload(host, max_parts=self.graph_max_parts(bucket) if bucket else None)
+        inputs.num_logits = num_logits
+        inputs.graph = self.graphs.get(bucket)
+        return inputs
+
+    def upload(self, host: HostBatch, max_parts: int | None = None) -> StepInputs:
+        """One copy per buffer; the CUDA plan from the host arrays (a fixed grid when max_parts is given)."""
+        b = self.buffers
+        rows, width = host.block_tables.shape
+        if not b.fits(len(host.input_ids), rows, width) or 2 + 2 * len(host.input_ids) > len(b.dev["plan"]):
+            self.grow(len(host.input_ids), rows, width)
+            b = self.buffers
+        tables = np.zeros((rows, b.width), dtype=np.int32)             # the buffer's full width: one copy
+        tables[:, :width] = host.block_tables
+        b.upload("block_tables", tables)
+        plan = None
+        if self.cuda:
+            ints, parts, tiles = pa.plan_cuda_launch(host.q_lens, host.context_lens.tolist(), self.num_kv_heads,
+                                                     self.group, self.num_sms, max_parts)
+            plan = CudaPlan(b.upload("plan", np.asarray(ints, dtype=np.int32)), parts, tiles)
+        meta = AttentionMetadata(
+            slot_mapping=b.upload("slot_mapping", host.slot_mapping), block_tables=b.dev["block_tables"][:rows],
+            context_lens=b.upload("context_lens", host.context_lens),
+            query_start_loc=b.upload("query_start_loc", host.query_start_loc), backend=self.attention_backend,
+            cuda_plan=plan)
+        return StepInputs(b.upload("input_ids", host.input_ids), b.upload("positions", host.positions), meta,
+                          b.upload("logits_rows", host.logits_rows), len(host.logits_rows))
+
+    def grow(self, num_tokens: int, num_seqs: int, width: int):
+        """Buffers too small for this step (a context past max_model_len, more rows than max_num_seqs):
+        new, larger ones. The captured graphs read the old ones, so they go (and say so once)."""
+        if self.graphs:
+            print("nanoserve: a step outgrew the input buffers; CUDA graphs dropped (eager from now on)",
+                  file=sys.stderr, flush=True)
+            self.graphs.clear()
+        b = self.buffers
+        self.buffers = InputBuffers(max(num_tokens, b.max_tokens), max(num_seqs, b.max_seqs), max(width, b.width),
+                                    self.device)
+
+    # ------------------------------------------------------------------ forward
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Float32 logits [num_logits, vocab]."""
+        """Float32 logits [num_logits, vocab]: a graph's replay, or the model run eagerly."""
+        if inputs.graph is not None:
+            inputs.graph.graph.replay()
+            return inputs.graph.logits[:inputs.num_logits]
         return self.model(inputs.input_ids, inputs.positions, self.kv_pool.kv_caches, inputs.meta, inputs.logits_rows)
 
     def forward_cached(self, seq: Sequence, lo: int, hi: int) -> torch.Tensor:
         """Logits [hi - lo, vocab] at positions [lo, hi) of seq, whose K/V already sit in its cached
         blocks: one extra forward that reads the cache and writes nothing (slot -1)."""
-        dev, q = self.device, hi - lo
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((q,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([seq.block_table], dtype=torch.int32, device=dev),
-            context_lens=torch.tensor([hi], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=dev), backend=self.attention_backend)
-        return self.model(torch.tensor(seq.token_ids[lo:hi], device=dev), torch.arange(lo, hi, device=dev),
-                          self.kv_pool.kv_caches, meta, torch.arange(q, device=dev))
+        q = hi - lo
+        host = HostBatch(np.asarray(seq.token_ids[lo:hi], dtype=np.int64), np.arange(lo, hi, dtype=np.int64),
+                         np.full(q, -1, dtype=np.int64), np.asarray([seq.block_table], dtype=np.int32),
+                         np.asarray([hi], dtype=np.int32), np.asarray([0, q], dtype=np.int32),
+                         np.arange(q, dtype=np.int64), [q])
+        self.check_batch(host)
+        return self.forward(self.upload(host))
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def graph_max_parts(self, bucket: int) -> int:
+        return pa.bucket_max_parts(bucket, self.num_kv_heads, self.num_sms, self.max_model_len)
+
+    def capture_graphs(self):
+        """Capture a decode step at every bucket, largest first, all in one memory pool (a smaller
+        graph's temporaries fit in what the larger left). The captured forward reads nothing back:
+        its inputs sit in the persistent buffers and its grids are fixed per bucket."""
+        if not self.use_graphs:
+            return
+        sizes = [b for b in graph_batch_sizes(self.max_num_seqs) if b <= self.buffers.max_seqs]
+        empty = HostBatch(*(np.zeros(0, np.int64) for _ in range(3)), np.zeros((0, self.buffers.width), np.int32),
+                          np.zeros(0, np.int32), np.zeros(1, np.int32), np.zeros(0, np.int64), [])
+        for bucket in sorted(sizes, reverse=True):
+            inputs = self.upload(self.pad(empty, bucket), max_parts=self.graph_max_parts(bucket))
+            self.graphs[bucket] = self.capture(functools.partial(
+                self.model, inputs.input_ids, inputs.positions, self.kv_pool.kv_caches, inputs.meta,
+                inputs.logits_rows))
+
+    def capture(self, forward) -> CapturedStep:
+        """One CUDA graph of forward(), warmed up eagerly first (cuBLAS picks its kernels, the
+        allocator fills the pool)."""
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            logits = forward()
+        torch.cuda.synchronize()
+        return CapturedStep(graph, logits)

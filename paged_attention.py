@@ -10,7 +10,9 @@ This file owns the attention math and the KV write; it does not allocate blocks
 The signature below is the contract every backend keeps. The pure-PyTorch
 reference here is the oracle that the C++/CUDA kernels are tested against.
 Backends: "torch" (the reference), "cpu" (csrc/paged_attention_cpu.cpp) and "cuda"
-(csrc/paged_attention_cuda.cu), the kernels JIT-built on first use by extensions.py.
+(csrc/paged_attention_cuda.cu), the kernels JIT-built on first use by extensions.py; "cuda_emu"
+(tests only) is the CUDA binding run on the CPU through csrc/cuda_emu.h. The CUDA kernels take a
+launch plan made on the host once per step (plan_cuda_launch): they read nothing back.
 
 Layout conventions (vLLM's names):
   query            [num_tokens, num_heads, head_dim]      new tokens of all sequences, packed
@@ -39,6 +41,86 @@ class AttentionMetadata:
     context_lens: torch.Tensor      # [num_seqs] int32, cached tokens including this step's
     query_start_loc: torch.Tensor   # [num_seqs + 1] int32
     backend: str = "torch"
+    cuda_plan: "CudaPlan | None" = None   # the CUDA kernels' launch plan (model_runner.py makes it)
+
+
+# ---- the CUDA kernels' launch plan, made on the host ------------------------------------------
+# csrc/paged_attention_cuda.cu's constants: decode blocks of 4 warps x 32-token chunks, prefill
+# tiles of 16 (row, head) vectors.
+MIN_PARTITION = 128        # context tokens per decode block at least: fewer leave warps idle
+NO_SPLIT = 1 << 30         # the partition size of a step that needs no split
+BLOCKS_PER_SM = 4          # decode blocks a split aims for, per SM
+TILE_VECTORS = 16
+EMULATED_SMS = 4           # what the cuda_emu backend plans for: small, so short contexts get split
+
+
+@dataclass
+class CudaPlan:
+    """One step's launch plan for the CUDA kernels. The grids follow from the ints alone (rows x
+    max_parts decode blocks, a reduce when max_parts > 1, num_prefill_items tiles), so a decode step
+    at one batch size always launches the same grids; the data-dependent part, the partition size,
+    is read by the kernels from `plan` on the device."""
+    plan: torch.Tensor         # int32 [2 + 2 * num_prefill_items]: partition size, 0, then (row, first query row) per prefill tile
+    max_parts: int             # decode blocks per row (0: the step has no decode row)
+    num_prefill_items: int
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def choose_partition(decode_ctx: list[int], num_kv_heads: int, num_sms: int) -> int:
+    """Context tokens per decode block, one size for the step. No split while rows x KV heads
+    already give BLOCKS_PER_SM blocks per SM; else the size that gives about that many (equal
+    parts, in multiples of MIN_PARTITION), so one long row still fills the GPU."""
+    target = BLOCKS_PER_SM * max(num_sms, 1)
+    if len(decode_ctx) * num_kv_heads >= target:
+        return NO_SPLIT
+    per_block = -(-sum(decode_ctx) * num_kv_heads // target)
+    return min(NO_SPLIT, max(MIN_PARTITION, _ceil_to(per_block, MIN_PARTITION)))
+
+
+def num_parts(context_len: int, partition: int) -> int:
+    return 1 if context_len <= partition else -(-context_len // partition)
+
+
+def bucket_max_parts(num_seqs: int, num_kv_heads: int, num_sms: int, max_model_len: int) -> int:
+    """Decode blocks per row of a fixed grid (a CUDA graph's batch-size bucket): enough for
+    BLOCKS_PER_SM blocks per SM, no more than a max_model_len context can use."""
+    want = -(-BLOCKS_PER_SM * num_sms // (num_seqs * num_kv_heads))
+    return max(1, min(want, -(-max_model_len // MIN_PARTITION)))
+
+
+def plan_cuda_launch(q_lens: list[int], ctx_lens: list[int], num_kv_heads: int, group: int, num_sms: int,
+                     max_parts: int | None = None) -> tuple[list[int], int, int]:
+    """The ints of a CudaPlan from the host's lists -> (plan ints, max_parts, num_prefill_items).
+    max_parts None: as many decode blocks per row as the longest decode row needs; given (a fixed
+    grid), the partition grows until every decode row fits in it."""
+    decode_ctx = [c for q, c in zip(q_lens, ctx_lens) if q == 1]
+    partition = choose_partition(decode_ctx, num_kv_heads, num_sms)
+    if max_parts is None:
+        max_parts = max((num_parts(c, partition) for c in decode_ctx), default=0)
+    elif decode_ctx:
+        partition = max(partition, _ceil_to(-(-max(decode_ctx) // max_parts), MIN_PARTITION))
+    rows_per_tile = TILE_VECTORS // group
+    tiles = [x for i, q in enumerate(q_lens) if q > 1 for r in range(0, q, rows_per_tile) for x in (i, r)]
+    return [partition, 0, *tiles], max_parts, len(tiles) // 2
+
+
+def num_sms(device: torch.device, backend: str) -> int:
+    if backend == "cuda_emu":
+        return EMULATED_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def host_cuda_plan(query, key_cache, context_lens, query_start_loc, backend) -> CudaPlan:
+    """A plan for a standalone call (tests, benchmarks): it reads the batch back to the host, a
+    sync; the engine's model runner plans from the lists it already holds."""
+    q_lens = query_start_loc.diff().tolist()
+    group = query.shape[1] // key_cache.shape[2]
+    ints, max_parts, tiles = plan_cuda_launch(q_lens, context_lens.tolist(), key_cache.shape[2], group,
+                                              num_sms(query.device, backend))
+    return CudaPlan(torch.tensor(ints, dtype=torch.int32, device=query.device), max_parts, tiles)
 
 
 def reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping):
@@ -98,6 +180,7 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, conte
 # ---- compiled backends ------------------------------------------------------------------
 
 BACKENDS = ("auto", "torch", "cpu", "cuda")
+COMPILED = ("cpu", "cuda", "cuda_emu")
 
 
 def resolve_backend(requested="auto", device="cpu"):
@@ -124,9 +207,10 @@ def resolve_backend(requested="auto", device="cpu"):
 
 def _ops(backend):
     """torch.ops namespace of a compiled backend, building it if resolve_backend has not."""
-    if backend not in ("cpu", "cuda"):
+    if backend not in COMPILED:
         raise ValueError(f"attention backend must be one of ['torch', 'cpu', 'cuda'], got {backend!r}")
-    extensions.load(backend)
+    if backend != "cuda_emu":       # the tests build and load the emulation themselves
+        extensions.load(backend)
     return getattr(torch.ops, f"nanoserve_{backend}")
 
 
@@ -138,10 +222,16 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, backend=
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                    scale, backend="torch"):
-    """Dispatch to a backend. Every backend computes exactly what the reference does."""
+                    scale, backend="torch", cuda_plan: CudaPlan | None = None):
+    """Dispatch to a backend. Every backend computes exactly what the reference does. The CUDA
+    backends take the step's cuda_plan; without one, a plan is made here from a host copy."""
     if backend == "torch":
         return paged_attention_reference(query, key_cache, value_cache, block_tables,
                                          context_lens, query_start_loc, scale)
-    return _ops(backend).paged_attention(query, key_cache, value_cache, block_tables,
-                                         context_lens, query_start_loc, float(scale))
+    if backend == "cpu":
+        return _ops(backend).paged_attention(query, key_cache, value_cache, block_tables,
+                                             context_lens, query_start_loc, float(scale))
+    plan = cuda_plan or host_cuda_plan(query, key_cache, context_lens, query_start_loc, backend)
+    return _ops(backend).paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                         query_start_loc, plan.plan, float(scale), plan.max_parts,
+                                         plan.num_prefill_items)

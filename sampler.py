@@ -145,10 +145,29 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
         tokens = greedy(logits)                                        # [num_seqs] greedy rows
         if rows:
             tokens[rows] = draw(logits[rows], [states[i] for i in rows], generator)
-    tokens = tokens.tolist()
     if raw_logprobs is None:
-        return tokens, [None] * len(states)
-    return tokens, top_logprobs(raw_logprobs, tokens, want)
+        return tokens.tolist(), [None] * len(states)            # the step's one read from the device
+    return packed_logprobs(raw_logprobs, tokens, want)
+
+
+def packed_logprobs(logprobs, tokens, want: list[int | None]):
+    """sample()'s answer when logprobs are asked, from the device in one copy: each row's token, its
+    logprob and the top max(want) (value, id) pairs, packed as float64 (ids are exact). -> (tokens,
+    logprobs per row as top_logprobs gives them)."""
+    top_n = max(max(w or 0 for w in want if w is not None), 1)
+    top_vals, top_ids = logprobs.topk(top_n, dim=-1)                  # [num_rows, top_n]
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))                   # [num_rows, 1]
+    rows = torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_vals.double(), top_ids.double()],
+                     dim=1).tolist()                                   # [num_rows, 2 + 2 * top_n]
+    token_list, out = [int(r[0]) for r in rows], []
+    for r, tok, w in zip(rows, token_list, want):
+        if w is None:
+            out.append(None)
+            continue
+        d = dict(zip((int(i) for i in r[2 + top_n:2 + top_n + w]), r[2:2 + w]))
+        d[tok] = r[1]
+        out.append(d)
+    return token_list, out
 
 
 def csrc_ops(x) -> bool:
@@ -164,13 +183,30 @@ def greedy(logits):
     return logits.argmax(dim=-1)
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`: on a GPU one copy from pinned memory that does not wait."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def row_filters(params, vocab: int) -> torch.Tensor:
+    """float32 [k, 3]: each row's top_k (vocab where it filters nothing), top_p, min_p."""
+    return torch.tensor([[p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p] for p in params],
+                        dtype=torch.float32)
+
+
 def draw(x, states, generator):
     """x: [k, vocab] logits of rows that sample (overwritten). Temperature, filters, then inverse CDF."""
     params = [s.params for s in states]
-    inv_temp = 1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32, device=x.device)   # [k, 1]
+    # every per-row number (1/T, filters, the uniform) goes up in one copy
+    host = torch.cat([1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32),
+                      row_filters(params, x.shape[1]), uniforms(states, generator).unsqueeze(1)], dim=1)   # [k, 5]
+    rows = upload(host, x.device)
+    inv_temp, filters, u = rows[:, :1], rows[:, 1:4], rows[:, 4]                                   # [k, 1], [k, 3], [k]
     scale_later = any(p.temperature != 1 for p in params)             # decided on the host: no device sync
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-        x = apply_top_k_top_p_min_p(x.mul_(inv_temp), params)         # [k, vocab]
+        x = apply_top_k_top_p_min_p(x.mul_(inv_temp), params, filters)   # [k, vocab]
         scale_later = False
     # exp((x - max) / T), in place (max(x / T) = max(x) / T); masked -> 0
     if csrc_ops(x):                                                    # torch.exp is slow below -87
@@ -180,7 +216,7 @@ def draw(x, states, generator):
         if scale_later:
             x = x.mul_(inv_temp)
         x = x.exp_()
-    return inverse_cdf(x, uniforms(states, generator).to(x.device, non_blocking=True))
+    return inverse_cdf(x, u)
 
 
 def inverse_cdf(probs, u, block=128):
@@ -224,18 +260,18 @@ def mask_below_(x, floor):
     return x.masked_fill_(x < floor, float("-inf"))
 
 
-def apply_top_k_top_p_min_p(x, params):
+def apply_top_k_top_p_min_p(x, params, filters=None):
     """Mask filtered-out logits to -inf in x (in place, or a copy it returns), in vLLM's order:
     top-k, top-p over what top-k kept, min-p. No row pays for a filter it did not ask for, and
-    nothing sorts the whole vocabulary on CPU."""
+    nothing sorts the whole vocabulary on CPU. filters: row_filters already on x's device."""
     vocab = x.shape[1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    host = row_filters(params, vocab)                                  # [k, 3]
+    top_k, top_p, min_p = host[:, 0].long(), host[:, 1], host[:, 2]
     # decided on these host copies (no device sync); the math uses device copies
     width = int(top_k[top_k < vocab].max()) if bool((top_k < vocab).any()) else 0
     any_top_p, any_min_p = bool((top_p < 1).any()), bool((min_p > 0).any())
-    top_k, top_p, min_p = (t.to(x.device, non_blocking=True) for t in (top_k, top_p, min_p))
+    dev = upload(host, x.device) if filters is None else filters
+    top_k, top_p, min_p = dev[:, 0].long(), dev[:, 1].contiguous(), dev[:, 2]
     if width:
         # each row's k-th best logit is its floor (ties with it stay, as in vLLM); rows without
         # top_k get -inf, so nothing of theirs goes. On CPU counted in csrc (same cost at any k),

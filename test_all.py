@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 import asyncio
+import collections
 import copy
 import ctypes
 import functools
@@ -2036,12 +2037,12 @@ def test_cpu_kernels_built_for_avx2_only_match_the_references():
 # ---- CUDA kernel: compile check, emulated execution, real GPU --------------------------------
 # Without a GPU, csrc/paged_attention_cuda.cu is compiled by nvcc (sm_80, sm_90) and run on the
 # CPU through csrc/cuda_emu.h, twice over: inside the real binding (built against CPU torch with
-# -DNANOSERVE_CUDA_EMU, registered as torch.ops.nanoserve_cuda_emu, 4 fake SMs), which checks
-# inputs and plans launches; and alone through ctypes with -DPLANT_BUGS, to show that each
-# strict feature of the emulation catches the bug planted for it.
+# -DNANOSERVE_CUDA_EMU, registered as torch.ops.nanoserve_cuda_emu; plans for 4 fake SMs), which
+# checks inputs; and alone through ctypes with -DPLANT_BUGS, to show that each strict feature of
+# the emulation catches the bug planted for it.
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the launchers' codes
-EMULATED_SMS = 4                                    # kEmulatedSMs in the binding
+EMULATED_SMS = pa.EMULATED_SMS
 PLANTED_BUGS = dict(old_prefill_grid=1, too_many_threads=2, shared_over_48kb=3, shared_opt_in=4,
                     unzeroed_tail=5, global_query=6, last_block_merges=7)   # enum Bug in the .cu
 EMU_FLAGS = ["-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-fno-strict-aliasing",
@@ -2049,14 +2050,15 @@ EMU_FLAGS = ["-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-
 
 
 @pytest.mark.cuda_emu
-def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path):
+@pytest.mark.parametrize("source", ["paged_attention_cuda.cu", "fused_cuda.cu"])
+def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path, source):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        pytest.skip("nvcc not found: cannot compile-check csrc/paged_attention_cuda.cu")
-    cmd = [nvcc, "-c", "-o", str(tmp_path / "paged_attention_cuda.o"), "-std=c++17", "-O3", "--threads", "2",
+        pytest.skip(f"nvcc not found: cannot compile-check csrc/{source}")
+    cmd = [nvcc, "-c", "-o", str(tmp_path / "kernel.o"), "-std=c++17", "-O3", "--threads", "2",
            "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
            "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror", "-Xptxas", "-v",
-           str(CSRC / "paged_attention_cuda.cu")]
+           str(CSRC / source)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     spills = [line for line in result.stderr.splitlines() if "spill" in line]   # -Xptxas -v, per kernel
@@ -2100,17 +2102,20 @@ def emulated_binding(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda_emu_binding")
     so = out / "nanoserve_cuda_emu.so"
     libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-ltorch", "-ltorch_cpu", "-lc10"]
-    sources = [["paged_attention_cuda_binding.cpp"], ["-x", "c++", "paged_attention_cuda.cu"]]
+    sources = [["paged_attention_cuda_binding.cpp"], ["-x", "c++", "paged_attention_cuda.cu"],
+               ["-x", "c++", "fused_cuda.cu"]]
     compiles = [subprocess.Popen([cxx, *EMU_FLAGS, "-DNANOSERVE_CUDA_EMU", *torch_build_flags(), "-c",
                                   *src[:-1], str(CSRC / src[-1]), "-o", str(out / f"{i}.o")])
                 for i, src in enumerate(sources)]          # one per core: the two files build side by side
-    assert [c.wait() for c in compiles] == [0, 0], "the CUDA emulation did not compile (its errors are above)"
-    subprocess.run([cxx, "-shared", str(out / "0.o"), str(out / "1.o"), *libs, "-o", str(so)], check=True)
+    assert [c.wait() for c in compiles] == [0] * len(sources), "the CUDA emulation did not compile (errors above)"
+    objects = [str(out / f"{i}.o") for i in range(len(sources))]
+    subprocess.run([cxx, "-shared", *objects, *libs, "-o", str(so)], check=True)
     torch.ops.load_library(str(so))
     lib = ctypes.CDLL(str(so))             # the same loaded library: its emulator controls
     lib.cuda_emu_take_launch_log.restype = ctypes.c_char_p
     lib.cuda_emu_take_launch_log()
-    return torch.ops.nanoserve_cuda_emu, lib
+    yield torch.ops.nanoserve_cuda_emu, lib
+    lib.cuda_emu_capture(0)
 
 
 @pytest.fixture(scope="module")
@@ -2123,14 +2128,12 @@ def emulated_cuda(tmp_path_factory):
     subprocess.run([cxx, *EMU_FLAGS, "-DPLANT_BUGS", "-x", "c++", str(CSRC / "paged_attention_cuda.cu"),
                     "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
-    P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.paged_attention_plan.argtypes = [P, P] + [I] * 5 + [P, P]
-    lib.paged_attention_plan.restype = ctypes.c_int64
-    lib.paged_attention_workspace_floats.argtypes = [P, I, I]
+    P, I, F, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+    lib.paged_attention_workspace_floats.argtypes = [I] * 4
     lib.paged_attention_workspace_floats.restype = ctypes.c_int64
-    lib.paged_attention_launch.argtypes = [P] * 10 + [I] * 7 + [F, P]
+    lib.paged_attention_launch.argtypes = [P, P, L] + [P] * 6 + [I] * 3 + [P] + [I] * 7 + [F, P]
     lib.paged_attention_launch.restype = ctypes.c_char_p
-    lib.reshape_and_cache_launch.argtypes = [P] * 5 + [I] * 4 + [P]
+    lib.reshape_and_cache_launch.argtypes = [P] * 5 + [I] * 2 + [L] * 2 + [I] * 2 + [P]
     lib.reshape_and_cache_launch.restype = ctypes.c_char_p
     lib.cuda_emu_take_launch_log.restype = ctypes.c_char_p
     yield lib
@@ -2157,30 +2160,33 @@ def launches(lib):
 
 
 def emulated_launch(lib, partition_size, query, key_cache, value_cache, block_tables, context_lens,
-                    query_start_loc, scale, num_sms=EMULATED_SMS, out=None):
-    """What the torch binding does, with host pointers; returns (out, error or None)."""
+                    query_start_loc, scale, num_sms=EMULATED_SMS, out=None, q_lens=None, max_parts=None):
+    """What the torch binding does, with host pointers, planned by paged_attention.plan_cuda_launch
+    (partition_size > 0 replaces its partition); returns (out, error or None)."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_seqs, max_blocks = block_tables.shape
     group = query.shape[1] // num_kv_heads
-    counts = torch.zeros(4, dtype=torch.int64)
-    args = (query_start_loc.data_ptr(), context_lens.data_ptr(), num_seqs, group, num_kv_heads, num_sms,
-            partition_size)
-    plan = torch.zeros(max(1, lib.paged_attention_plan(*args, None, counts.data_ptr())), dtype=torch.int32)
-    lib.paged_attention_plan(*args, plan.data_ptr(), counts.data_ptr())
+    q_lens = q_lens or query_start_loc.diff().tolist()
+    ctx = context_lens.tolist()
+    ints, max_parts, tiles = pa.plan_cuda_launch(q_lens, ctx, num_kv_heads, group, num_sms, max_parts)
+    if partition_size > 0:
+        ints[0] = partition_size
+        max_parts = max((pa.num_parts(c, partition_size) for q, c in zip(q_lens, ctx) if q == 1), default=0)
+    plan = torch.tensor(ints, dtype=torch.int32)
     out = torch.full_like(query, float("nan")) if out is None else out
-    workspace = torch.full((lib.paged_attention_workspace_floats(counts.data_ptr(), query.shape[1], head_dim),),
+    workspace = torch.full((lib.paged_attention_workspace_floats(num_seqs, max_parts, query.shape[1], head_dim),),
                            float("nan"))      # garbage, as torch.empty on a GPU may hold
     err = lib.paged_attention_launch(
-        out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), query_start_loc.data_ptr(), plan.data_ptr(), counts.data_ptr(),
-        workspace.data_ptr(), query.shape[1], num_kv_heads, head_dim, block_size, max_blocks,
+        out.data_ptr(), query.data_ptr(), query.shape[1] * head_dim, key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), context_lens.data_ptr(), query_start_loc.data_ptr(), plan.data_ptr(), num_seqs,
+        max_parts, tiles, workspace.data_ptr(), query.shape[1], num_kv_heads, head_dim, block_size, max_blocks,
         DTYPE_CODE[query.dtype], DTYPE_CODE[key_cache.dtype], scale, None)
     return out, err and err.decode()
 
 
 def emulated_binding_attention(emulated_binding):
-    ops, _ = emulated_binding
-    return lambda *batch: ops.paged_attention(*batch[:-1], float(batch[-1]))
+    """The binding through paged_attention.py: a host plan from the batch, then the op."""
+    return lambda *batch: pa.paged_attention(*batch, backend="cuda_emu")
 
 
 @pytest.mark.parametrize("name, q_lens, ctx_lens, group, head_dim, block_size, kv_dtype", [
@@ -2210,18 +2216,20 @@ def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_binding):
 
 
 @pytest.mark.parametrize("q_lens, ctx_lens, group, decode_grid, reduce_grid, prefill_grid", [
-    # pure decode, 3 rows x 2 KV heads < 2 blocks x 4 SMs: split in 128 tokens (246 x 2 / 8 -> 128)
-    ([1, 1, 1], [1, 45, 200], 3, (1 + 1 + 2, 2, 1), (1, 6, 1), None),
-    # one row of 2000: 2000 x 2 / 8 = 500 -> 512-token partitions, ceil(2000 / 512) = 4
-    ([1], [2000], 1, (4, 2, 1), (1, 2, 1), None),
-    # 4 decode rows x 2 heads fill 8 blocks: no split, no reduce; no prefill row, no prefill launch
-    ([1, 1, 0, 1, 1], [900, 5, 7, 64, 1], 4, (4, 2, 1), None, None),
+    # 3 rows x 2 KV heads < 4 blocks x 4 SMs: split in 128 tokens (246 x 2 / 16 -> 128); 200 needs 2
+    # parts, so every row gets 2 decode blocks (the short rows' second exits) and a reduce per (row, head)
+    ([1, 1, 1], [1, 45, 200], 3, (3 * 2, 2, 1), (3, 6, 1), None),
+    # one row of 2000: 2000 x 2 / 16 = 250 -> 256-token partitions, ceil(2000 / 256) = 8
+    ([1], [2000], 1, (8, 2, 1), (1, 2, 1), None),
+    # 8 decode rows x 2 heads fill 16 blocks: no split, no reduce; the row without query tokens
+    # gets its decode block too (it exits), and no prefill launch
+    ([1] * 8 + [0], [900, 5, 7, 64, 1, 3, 2, 50, 7], 4, (9, 2, 1), None, None),
     # prefill tiles hold 16 / G rows: ceil(20 / 5) + ceil(6 / 5) = 6 tiles; rows without queries get none
-    ([1, 20, 0, 6], [50, 70, 3, 6], 3, (1, 2, 1), None, (6, 2, 1)),
+    ([1, 20, 0, 6], [50, 70, 3, 6], 3, (4, 2, 1), None, (6, 2, 1)),
 ])
 @pytest.mark.cuda_emu
-def test_emulated_cuda_launches_blocks_only_where_there_is_work(emulated_binding, q_lens, ctx_lens, group,
-                                                                decode_grid, reduce_grid, prefill_grid):
+def test_emulated_cuda_grids_follow_the_plan(emulated_binding, q_lens, ctx_lens, group, decode_grid, reduce_grid,
+                                             prefill_grid):
     _, lib = emulated_binding
     batch = make_batch(q_lens, ctx_lens, num_kv_heads=2, group=group)
     lib.cuda_emu_take_launch_log()
@@ -2230,22 +2238,22 @@ def test_emulated_cuda_launches_blocks_only_where_there_is_work(emulated_binding
     assert launches(lib) == {name: grid for name, grid in expected.items() if grid != [None]}
 
 
-@pytest.mark.parametrize("ctx_lens, num_kv_heads, num_sms, partition, decode_items", [
-    ([100_000], 8, 132, 3072, 33),           # one long row: 100000 x 8 / 264 -> 3072 (x 128), 33 parts
-    ([100_000, 10], 8, 132, 3072, 34),       # a short row beside it stays whole
-    ([500] * 33, 8, 132, 1 << 30, 33),       # 33 rows x 8 heads = 264 blocks already: no split
-    ([0, 1], 1, 16, 128, 2),                 # at least 128 tokens (4 warps x 32); an empty row gets 1 item
+@pytest.mark.parametrize("ctx_lens, num_kv_heads, num_sms, max_parts, partition, grid_parts", [
+    ([100_000], 8, 132, None, 1536, 66),        # one long row: 100000 x 8 / 528 -> 1536 (x 128), 66 parts
+    ([100_000, 10], 8, 132, None, 1536, 66),    # a short row beside it: one part, the grid still 66 per row
+    ([500] * 66, 8, 132, None, 1 << 30, 1),     # 66 rows x 8 heads = 528 blocks already: no split
+    ([0, 1], 1, 16, None, 128, 1),              # at least 128 tokens (4 warps x 32); an empty row gets a block
+    # a fixed grid of 22 parts per row (bucket_max_parts(3, 8, 132, 8192) = ceil(528 / 24)): 5000 tokens
+    # would split in 128s (5300 x 8 / 528 -> 128), so the partition grows to ceil(5000 / 22) -> 256
+    ([300, 5000, 0], 8, 132, 22, 256, 22),
 ])
-@pytest.mark.cuda_emu
-def test_emulated_cuda_split_follows_context_and_sm_count(emulator, ctx_lens, num_kv_heads, num_sms, partition,
-                                                          decode_items):
-    qsl = torch.arange(len(ctx_lens) + 1, dtype=torch.int32)
-    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
-    counts = torch.zeros(4, dtype=torch.int64)
-    emulator.paged_attention_plan(qsl.data_ptr(), ctx.data_ptr(), len(ctx_lens), 1, num_kv_heads, num_sms, 0,
-                                  None, counts.data_ptr())
-    reduce_items = sum(math.ceil(c / partition) > 1 for c in ctx_lens)
-    assert counts.tolist() == [decode_items, reduce_items, 0, partition]
+@pytest.mark.unit
+def test_cuda_plan_split_follows_context_and_sm_count(ctx_lens, num_kv_heads, num_sms, max_parts, partition,
+                                                     grid_parts):
+    if max_parts is not None:
+        assert pa.bucket_max_parts(len(ctx_lens), num_kv_heads, num_sms, 8192) == max_parts
+    ints, parts, tiles = pa.plan_cuda_launch([1] * len(ctx_lens), ctx_lens, num_kv_heads, 1, num_sms, max_parts)
+    assert (ints, parts, tiles) == ([partition, 0], grid_parts, 0)
 
 
 @pytest.mark.cuda_emu
@@ -2279,8 +2287,8 @@ class _HostShape:
 
 @pytest.mark.cuda_emu
 def test_emulated_cuda_decode_row_without_context_gets_zeros(emulator):
-    """The kernel's contract (the binding refuses such a row, as the CPU backend does): a decode
-    row with context_len 0 attends to nothing and gets zeros, beside a split row."""
+    """The kernel's contract: a decode row with context_len 0 (a CUDA graph bucket's padding row)
+    attends to nothing and gets zeros, beside a split row."""
     query, kc, vc, tables, _, qsl, scale = make_batch([1, 1], [1, 300], num_kv_heads=2, group=2)
     ctx = torch.tensor([0, 300], dtype=torch.int32)
     out, err = emulated_launch(emulator, 128, query, kc, vc, tables, ctx, qsl, scale)
@@ -2337,10 +2345,38 @@ def test_emulation_enforces_launch_limits(emulator):
     caches = [torch.zeros(2, 4, 2, 64) for _ in range(2)]
     slots = torch.tensor([0, 5, 7])
     err = emulator.reshape_and_cache_launch(key.data_ptr(), key.data_ptr(), caches[0].data_ptr(),
-                                            caches[1].data_ptr(), slots.data_ptr(), 3, 128, 0, 0, None)
+                                            caches[1].data_ptr(), slots.data_ptr(), 3, 128, 128, 128, 0, 0, None)
     assert err is not None and "invalid configuration argument" in err.decode()
     assert not caches[0].any(), "a refused launch must run no block"
     assert launches(emulator)["kernel"] == [(3, 1, 1)]
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
+def test_emulated_cuda_fused_ops_match_their_references(emulated_binding, dtype):
+    """csrc/fused_cuda.cu (fused_ops.py's GPU kernels) against the plain-PyTorch references, on rows
+    of a wider tensor (strided, as the model hands them over)."""
+    ops, _ = emulated_binding
+    tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
+    g = torch.Generator().manual_seed(0)
+    wide = (torch.randn(7, 2 * 160, generator=g) * 3).to(dtype)
+    x, residual = wide[:, :160], torch.randn(7, 160, generator=g).to(dtype)        # x: rows 320 apart
+    weight = torch.rand(160, generator=g) + 0.5                                     # float32, as a norm keeps it
+    torch.testing.assert_close(FO.rms_norm(x, weight, 1e-5, fused=ops)[0], FO.rms_norm_reference(x, weight, 1e-5), **tol)
+    got_x, got_res = x.clone(), residual.clone()
+    FO.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)
+    want, want_res = FO.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+    assert torch.equal(got_res, want_res)                                           # one rounded add
+    torch.testing.assert_close(got_x, want, **tol)
+    width = (4 + 2 * 2) * 32
+    qkv = torch.randn(5, width + 16, generator=g).to(dtype)                       # rows of [T, width] 16 apart
+    freqs = torch.randint(0, 2048, (5, 1)).float() * M.rope_inv_freq(M.ModelConfig(head_dim=32))
+    got, want = qkv.clone()[:, :width], qkv.clone()[:, :width]
+    FO.rope_(got, freqs.cos(), freqs.sin(), 6, 32, fused=ops)
+    FO.rope_(want, freqs.cos(), freqs.sin(), 6, 32)
+    torch.testing.assert_close(got, want, **tol)
+    gate_up = (torch.randn(9, 2 * 96 + 8, generator=g) * 6).to(dtype)[:, :2 * 96]
+    torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
 
 
 @pytest.mark.cuda_emu
@@ -2405,13 +2441,16 @@ ATTENTION_REJECTIONS = [
 @pytest.mark.parametrize("name, breaks, message, cpu_has_rule", ATTENTION_REJECTIONS,
                          ids=[r[0] for r in ATTENTION_REJECTIONS])
 @pytest.mark.cuda_emu
-def test_emulated_cuda_binding_rejects_bad_attention_inputs(emulated_binding, request, name, breaks, message,
-                                                            cpu_has_rule):
+def test_emulated_cuda_binding_rejects_bad_attention_inputs(emulated_binding, request, monkeypatch, name, breaks,
+                                                            message, cpu_has_rule):
+    """Under NANOSERVE_CHECK_INPUTS=1, the fully checked path (it reads the batch back)."""
     ops, _ = emulated_binding
     args = attention_inputs()
+    plan = pa.host_cuda_plan(*(args[i] for i in (0, 1, 4, 5)), "cuda_emu")   # planned on the valid batch
     breaks(args)
+    monkeypatch.setenv("NANOSERVE_CHECK_INPUTS", "1")
     with pytest.raises(RuntimeError, match=message):
-        ops.paged_attention(*args[:-1], float(args[-1]))
+        pa.paged_attention(*args, backend="cuda_emu", cuda_plan=plan)
     if cpu_has_rule:                         # the same words as the CPU backend
         request.getfixturevalue("cpu_backend")
         with pytest.raises(RuntimeError, match=message):
@@ -2434,9 +2473,10 @@ CACHE_REJECTIONS = [
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("name, breaks, message, cpu_has_rule", CACHE_REJECTIONS, ids=[r[0] for r in CACHE_REJECTIONS])
-def test_emulated_cuda_binding_rejects_bad_cache_writes(emulated_binding, request, name, breaks, message,
+def test_emulated_cuda_binding_rejects_bad_cache_writes(emulated_binding, request, monkeypatch, name, breaks, message,
                                                         cpu_has_rule):
     ops, _ = emulated_binding
+    monkeypatch.setenv("NANOSERVE_CHECK_INPUTS", "1")
     args = [torch.randn(2, 2, 64), torch.randn(2, 2, 64), torch.zeros(4, 8, 2, 64), torch.zeros(4, 8, 2, 64),
             torch.tensor([3, 9])]
     breaks(args)
@@ -2472,6 +2512,328 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
     kept = slots >= 0
     pa.reshape_and_cache_reference(key[kept], value[kept], caches[2], caches[3], slots[kept])
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+# ---- model_runner.py's GPU path without a GPU: host plan, persistent buffers, fixed grids --------
+# The forward the CUDA backend runs (fused CUDA ops, attention planned on the host) is checked three
+# ways on the CPU: on the `meta` device under a recording dispatch mode (what it launches and what it
+# would read back), through the emulated binding with the emulator's capture flag on (the C++ side
+# reads no device data), and by the emulator's launch log (one grid per batch-size bucket).
+
+from model_runner import CapturedStep, ModelRunner, graph_batch_sizes, uses_cuda_graphs   # noqa: E402
+from scheduler import ScheduledBatch                                 # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode           # noqa: E402
+
+GPU_PATH_BUDGET = 12        # launched (non-view) ops per layer in a decode step (docs/gpu-run.md)
+HOST_READ_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::item"}
+
+
+class RecordOps(TorchDispatchMode):
+    """Every op a forward dispatches: the launched ones (views launch nothing), and the ones that
+    would make a GPU wait or read back: scalar reads, nonzero, boolean indexing, cross-device copies."""
+    def __init__(self):
+        super().__init__()
+        self.launched, self.reads_back = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if name in HOST_READ_OPS:
+            self.reads_back.append(name)
+        if name.startswith("aten::index") and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                  for a in args if isinstance(a, (list, tuple)) for i in a):
+            self.reads_back.append(f"{name} with a boolean mask")
+        target = kwargs.get("device")
+        if (name == "aten::_to_copy" and target is not None and torch.device(target) != tensors[0].device) or \
+                (name == "aten::copy_" and args[0].device != args[1].device):
+            self.reads_back.append(f"{name} across devices")
+        if not (torch.Tag.view_copy in func.tags or func.is_view or name in ("aten::detach", "aten::alias")):
+            self.launched.append(name)
+        return func(*args, **kwargs)
+
+
+def record_forward(runner, inputs):
+    """The runner's eager forward under RecordOps -> (logits, recorder). Run outside inference mode:
+    under it the mode does not see the copies of .float() (torch 2.13)."""
+    with torch.no_grad(), RecordOps() as rec:
+        logits = M.Llama.forward.__wrapped__(runner.model, inputs.input_ids, inputs.positions,
+                                             runner.kv_pool.kv_caches, inputs.meta, inputs.logits_rows)
+    return logits, rec
+
+
+def fake_cuda_ops(ops_namespace):
+    """Meta kernels for the emulated binding's ops (what each returns; the C++ checks want real
+    devices), registered for one test: the Library object takes them back when destroyed."""
+    lib = torch.library.Library(ops_namespace, "IMPL", "Meta")
+    lib.impl("paged_attention", lambda q, *args: q.new_empty(q.shape))
+    lib.impl("reshape_and_cache", lambda *args: None)
+    lib.impl("rms_norm", lambda x, w, eps: x.new_empty(x.shape))
+    lib.impl("add_rms_norm_", lambda *args: None)
+    lib.impl("rope_", lambda *args: None)
+    lib.impl("silu_and_mul", lambda x: x.new_empty(x.shape[0], x.shape[1] // 2))
+    return lib
+
+
+def random_llama(device="cpu", dtype=torch.float32, **kw):
+    """A random-weight Llama of model.py with head_dim 32 (the CUDA kernels' smallest)."""
+    shape = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32)
+    cfg = M.ModelConfig(**{**shape, **kw})
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = M.Llama(cfg)
+    if device != "meta":
+        net.embed_tokens.weight.data.normal_()
+    net = net.to(dtype).eval()
+    net.inv_freq = net.inv_freq.to(device)
+    return net
+
+
+def make_runner(net, backend, device="cpu", num_blocks=64, block_size=16, max_num_seqs=8):
+    cfg = net.config
+    pool = kv_cache.KVCachePool(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                net.embed_tokens.weight.dtype, device)
+    return ModelRunner(net, pool, block_size, torch.device(device), backend, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=256, max_model_len=1024)
+
+
+def decode_batch(context_lens, block_size=16, seed=0):
+    """A decode step of sequences with these contexts (K/V of all but the last token cached), each
+    with its blocks scattered through the pool (block 0 left out)."""
+    rng = random.Random(seed)
+    free = list(range(1, 64))
+    rng.shuffle(free)
+    seqs = []
+    for i, n in enumerate(context_lens):
+        seq = Sequence(i, [rng.randrange(300) for _ in range(n)], n, 4)
+        seq.block_table = [free.pop() for _ in range(-(-n // block_size))]
+        seq.num_computed_tokens = n - 1
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [1] * len(seqs), sample_rows=list(range(len(seqs))))
+
+
+def fill_kv(runner, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for k, v in runner.kv_pool.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+
+
+@pytest.mark.cuda_emu
+def test_gpu_path_decode_forward_launches_within_budget_and_reads_nothing_back(emulated_binding):
+    """SmolLM2-135M's shape on `meta` (30 layers, bf16, no memory): a batch-8 decode step on the CUDA
+    path, planned on the host, dispatches no op that reads device data, within 12 launches per layer."""
+    lib = fake_cuda_ops("nanoserve_cuda_emu")
+    try:
+        net = random_llama("meta", torch.bfloat16, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+        runner = make_runner(net, "cuda_emu", device="meta", num_blocks=64)
+        inputs = runner.prepare(decode_batch([5, 17, 40, 100, 33, 2, 64, 90]))
+        logits, rec = record_forward(runner, inputs)
+    finally:
+        lib._destroy()
+    assert logits.shape == (8, 49152) and logits.device.type == "meta"
+    assert rec.reads_back == []
+    per_layer = len(rec.launched) / 30
+    assert per_layer <= GPU_PATH_BUDGET, (per_layer, collections.Counter(rec.launched))
+    assert "nanoserve_cuda_emu::add_rms_norm_" in rec.launched            # the fused GPU ops ran, not the references
+
+
+@pytest.mark.cuda_emu
+def test_recording_mode_catches_a_host_read_and_a_cross_device_copy():
+    x = torch.ones(4, device="meta")
+    with RecordOps() as rec:                          # meta has no data to give: each is recorded, then raises
+        with pytest.raises(NotImplementedError):
+            x[x > 0]                                  # boolean indexing: a nonzero on the device
+        with pytest.raises(NotImplementedError):
+            x.to("cpu")
+    assert "aten::index with a boolean mask" in rec.reads_back and "aten::_to_copy across devices" in rec.reads_back
+
+
+def run_decode(runner, batch, bucket=None):
+    """One decode step through the runner, padded to a bucket's fixed grid when given (what a graph
+    replays: model_runner.py captures only on a real GPU)."""
+    host = runner.build(batch)
+    if bucket is not None:
+        host = runner.pad(host, bucket)
+    inputs = runner.upload(host, runner.graph_max_parts(bucket) if bucket else None)
+    return runner.forward(inputs)[:len(batch.seqs)]
+
+
+@pytest.mark.cuda_emu
+def test_emulated_gpu_decode_under_capture_reads_nothing_and_matches_the_reference(emulated_binding, monkeypatch):
+    """A whole decode forward through the emulated binding (attention, KV write, fused norm, RoPE and
+    SwiGLU kernels) with the emulator's capture flag on: no host read, and the logits of the pure
+    PyTorch reference path. Then a host read planted for the purpose (the checked path) is caught."""
+    _, emulator = emulated_binding
+    net = random_llama()
+    contexts = [3, 40, 130, 17]
+    runner = make_runner(net, "cuda_emu")
+    fill_kv(runner)
+    kv_before = [(k.clone(), v.clone()) for k, v in runner.kv_pool.kv_caches]
+    emulator.cuda_emu_capture(1)
+    try:
+        got = run_decode(runner, decode_batch(contexts), bucket=8)
+    finally:
+        emulator.cuda_emu_capture(0)
+    reference = make_runner(net, "torch")
+    for (k, v), (k0, v0) in zip(reference.kv_pool.kv_caches, kv_before):
+        k.copy_(k0), v.copy_(v0)
+    net.use_fused_ops = False
+    try:
+        want = run_decode(reference, decode_batch(contexts))
+    finally:
+        net.use_fused_ops = True
+    assert (got - want).abs().max().item() < 1e-3     # float32; RoPE, norms and attention in other orders
+    for (k, v), (k_ref, v_ref) in zip(runner.kv_pool.kv_caches, reference.kv_pool.kv_caches):
+        torch.testing.assert_close((k, v), (k_ref, v_ref), rtol=0, atol=1e-5)   # the same K/V written
+    untouched = [i for i in range(64) if i not in {b for s in decode_batch(contexts).seqs for b in s.block_table}]
+    assert all(torch.equal(k[untouched], k0[untouched]) for (k, _), (k0, _) in zip(runner.kv_pool.kv_caches, kv_before))
+    monkeypatch.setenv("NANOSERVE_CHECK_INPUTS", "1")
+    emulator.cuda_emu_capture(1)
+    try:
+        with pytest.raises(RuntimeError, match=r"host read of device data \(slot_mapping\) during CUDA graph capture"):
+            run_decode(runner, decode_batch(contexts), bucket=8)
+    finally:
+        emulator.cuda_emu_capture(0)
+    run_decode(runner, decode_batch(contexts), bucket=8)              # outside a capture the check reads freely
+
+
+@pytest.mark.cuda_emu
+def test_emulated_decode_bucket_launches_the_same_grids_at_any_context(emulated_binding):
+    """The launch log of a bucket's decode step is the same whatever the contexts (what lets one
+    graph replay them all); planned eagerly, the same two batches launch different grids."""
+    _, emulator = emulated_binding
+    net = random_llama()
+    runner = make_runner(net, "cuda_emu")
+    fill_kv(runner)
+    logs, logits = {}, {}
+    for name, contexts in {"short": [3, 9, 2], "long": [300, 12, 500]}.items():
+        for bucket in (4, None):
+            emulator.cuda_emu_take_launch_log()
+            logits[name, bucket] = run_decode(runner, decode_batch(contexts), bucket)
+            logs[name, bucket] = emulator.cuda_emu_take_launch_log().decode()
+        # the bucket's split (2 parts of 256 for 500 tokens) gives what the eager plan's does
+        torch.testing.assert_close(logits[name, 4], logits[name, None], rtol=0, atol=1e-4)
+    assert logs["short", 4] == logs["long", 4] and "decode 8,2,1" in logs["short", 4]   # 4 rows x 2 parts
+    assert logs["short", None] != logs["long", None]
+
+
+@pytest.mark.cuda_emu
+def test_emulated_graph_flow_replays_the_bucket_that_fits_with_the_eager_logits(emulated_binding):
+    """model_runner's graph path on the CPU: capture_graphs with a stand-in for torch.cuda.graph whose
+    replay runs the captured forward again on the persistent buffers (what a real replay reads), the
+    emulator's capture flag on while it captures. A 3-row decode step then replays bucket 4, padded, and
+    gives the logits of the same step run eagerly."""
+    _, emulator = emulated_binding
+    runner = make_runner(random_llama(), "cuda_emu")
+    fill_kv(runner)
+
+    def capture(forward):
+        emulator.cuda_emu_capture(1)
+        try:
+            logits = forward()
+        finally:
+            emulator.cuda_emu_capture(0)
+        def replay():
+            with torch.inference_mode():        # as Engine.step runs it; the logits are inference tensors
+                logits.copy_(forward())
+        return CapturedStep(SimpleNamespace(replay=replay), logits)
+    runner.use_graphs, runner.capture = True, capture
+    runner.capture_graphs()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    batch = decode_batch([3, 40, 130])
+    inputs = runner.prepare(batch)
+    assert inputs.graph is runner.graphs[4] and inputs.input_ids.shape == (4,)
+    replayed = runner.forward(inputs)
+    runner.graphs.clear()
+    eager = runner.forward(runner.prepare(batch))
+    assert replayed.shape == eager.shape == (3, 300)
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-4)
+
+
+@pytest.mark.unit
+def test_graph_buckets_cover_every_batch_size_up_to_max_num_seqs():
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+
+
+@pytest.mark.unit
+def test_enforce_eager_reaches_the_engine_config_from_serve_and_turns_graphs_off():
+    assert serve.engine_config(serve.parse_args(["--enforce-eager"])).enforce_eager is True
+    assert serve.engine_config(serve.parse_args([])).enforce_eager is False     # the engine's default: graphs
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert uses_cuda_graphs(cuda, "cuda", False) and not uses_cuda_graphs(cuda, "cuda", True)
+    assert not uses_cuda_graphs(cpu, "cpu", False) and not uses_cuda_graphs(cuda, "torch", False)
+
+
+def test_cpu_decode_step_stays_within_its_op_and_host_read_budget(llm):
+    """The CPU path on the persistent buffers: a batch-8 decode forward of SmolLM2-135M dispatches
+    at most 12 non-view ops per layer and reads nothing back; the whole step reads the device once
+    (the sampler's tokens)."""
+    engine = llm.engine
+    for i in range(8):
+        engine.add_request(f"budget-{i}", [1, 2, 3, 4 + i], SamplingParams(max_tokens=3, temperature=0))
+    engine.step()                                          # the prefills
+    batch = engine.schedule()
+    assert all(n == 1 for n in batch.num_tokens) and len(batch.seqs) == 8
+    inputs = engine.runner.prepare(batch)
+    logits, rec = record_forward(engine.runner, inputs)
+    assert rec.reads_back == [] and len(rec.launched) / 30 <= GPU_PATH_BUDGET, collections.Counter(rec.launched)
+    reads = []
+    real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
+    torch.Tensor.tolist = lambda t: reads.append("tolist") or real_tolist(t)
+    torch.Tensor.item = lambda t: reads.append("item") or real_item(t)
+    try:
+        engine.postprocess(batch, logits, engine.prompt_logprob_rows(batch))
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = real_tolist, real_item
+    assert reads == ["tolist"]
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.fixture(scope="module")
+def gpu_engines():
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device for torch {torch.__version__}: CUDA graphs not run")
+    graphs = LLM(device="cuda", attention_backend="cuda", dtype="float32", max_num_seqs=16)
+    eager = LLM(device="cuda", attention_backend="cuda", dtype="float32", max_num_seqs=16, enforce_eager=True)
+    assert graphs.engine.runner.graphs and not eager.engine.runner.graphs
+    return graphs, eager
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_gives_the_eager_greedy_tokens(gpu_engines):
+    graphs, eager = gpu_engines
+    prompts = [f"Question {i}: what is {i} plus {2 * i}?" for i in range(16)]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+
+
+@pytest.mark.gpu
+def test_gpu_decode_forward_never_syncs(gpu_engines):
+    """torch.cuda.set_sync_debug_mode("error") makes any synchronizing call raise: a decode forward,
+    eager and replayed, makes none."""
+    for llm_ in gpu_engines:
+        engine = llm_.engine
+        for i in range(3):
+            engine.add_request(f"sync-{i}", [1, 2, 3 + i], SamplingParams(max_tokens=4, temperature=0))
+        engine.step()
+        batch = engine.schedule()
+        inputs = engine.runner.prepare(batch)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.runner.forward(inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        engine.postprocess(batch, engine.runner.forward(inputs), engine.prompt_logprob_rows(batch))
+        while engine.has_unfinished_requests():
+            engine.step()
 
 
 # ---- the whole engine on a GPU: the same oracles as on the CPU ---------------------------------
@@ -4596,6 +4958,8 @@ def test_fitted_host_overhead_reproduces_the_h100_run():
         t = cm.step_time(H100, SMOLLM2, [(1, 32)] * b, host=fit)
         assert t == pytest.approx(run[str(b)]["step_s_median"], rel=0.1)
         assert cm.step_time(H100, SMOLLM2, [(1, 32)] * b, host=fit, graphs=True) < 0.005   # the 5 ms goal for graphs (docs/gpu-run.md)
+    with_gpu_section = {"roofline": cm.H100_RUN_2026_11_24["roofline"], "gpu": {"graph_replay_s": 7e-5}}
+    assert cm.fit_host_overhead(with_gpu_section).graph_replay_s == 7e-5   # bench.py's gpu section measured it
     with pytest.raises(ValueError, match="not host-bound"):
         cm.fit_host_overhead({"roofline": {"decode": {"8": {"matmul_floor_s": 0.02, "phases_s": {
             "schedule": 0, "prepare": 0, "forward": 0.025, "sample": 0, "update": 0}}}}})
@@ -4718,7 +5082,7 @@ def test_bad_cluster_arguments_are_rejected_naming_the_flag(capsys):
 # ##################################################################################################
 
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
-                  "copy_on_write", "preemption", "hot", "api"]
+                  "copy_on_write", "preemption", "hot", "api", "gpu"]
 
 
 @pytest.mark.slow

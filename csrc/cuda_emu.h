@@ -13,9 +13,12 @@
 //   - the blocks of a grid run in a shuffled order, several at once (one worker per core),
 //     so a kernel that depends on block order or shares global scratch between blocks fails.
 //   - 16-byte loads (copy16) must be 16-byte aligned, as on the GPU.
+//   - graph capture (cuda_emu_capture): while it is on, a host read of device data, which the
+//     binding asks for through cuda_emu_host_read, fails as it would inside a real CUDA graph
+//     capture (a copy to the host there is an error that invalidates the capture).
 // cuda_emu_configure() turns each of these off (and forgets opt-ins), so a test can show which one caught a bug.
-// Slow and obvious on purpose: never a production path. Included by exactly one file per
-// library (it defines the extern "C" controls).
+// Slow and obvious on purpose: never a production path. Any number of files of one library may
+// include it (its state and extern "C" controls are inline).
 #pragma once
 
 #include <algorithm>
@@ -71,6 +74,7 @@ struct Config {
   bool dry_run = false;    // check and log launches, run no block
 };
 inline Config config;
+inline bool capturing = false;   // a CUDA graph capture is under way: no host read of device data
 
 // ---- errors: sticky until cudaGetLastError reads them ---------------------------------------
 
@@ -240,16 +244,29 @@ T __shfl_xor_sync(unsigned, T value, int lane_mask, int = emu::kWarpSize) {
 
 // ---- controls for tests (ctypes) ------------------------------------------------------------
 
-extern "C" __attribute__((visibility("default"))) void cuda_emu_configure(int shuffle, int poison, int workers,
-                                                                          int dry_run) {
+#define CUDA_EMU_CONTROL extern "C" __attribute__((visibility("default"), used)) inline
+
+CUDA_EMU_CONTROL void cuda_emu_configure(int shuffle, int poison, int workers, int dry_run) {
   emu::config = {shuffle != 0, poison != 0, workers, dry_run != 0};
   emu::shared_opt_in.clear();        // as a fresh process: no kernel opted in
 }
 
 // The launches since the last call, "name gx,gy,gz threads;" each; then the log is cleared.
-extern "C" __attribute__((visibility("default"))) const char* cuda_emu_take_launch_log() {
+CUDA_EMU_CONTROL const char* cuda_emu_take_launch_log() {
   static std::string taken;
   taken = std::move(emu::launch_log);
   emu::launch_log.clear();
   return taken.c_str();
+}
+
+// Start (1) or end (0) an emulated graph capture.
+CUDA_EMU_CONTROL void cuda_emu_capture(int on) { emu::capturing = on != 0; }
+
+// The binding calls this before it reads device data on the host: an error message while a capture
+// is under way (the caller raises it), else nullptr.
+CUDA_EMU_CONTROL const char* cuda_emu_host_read(const char* what) {
+  static thread_local std::string message;
+  if (!emu::capturing) return nullptr;
+  message = std::string("host read of device data (") + what + ") during CUDA graph capture";
+  return message.c_str();
 }

@@ -1,47 +1,34 @@
 // CUDA kernels behind paged_attention.py's "cuda" backend, with the semantics of
 // paged_attention_reference: ragged batch, decode rows and prefill chunks in one call.
 //
-// The host plans every launch (paged_attention_plan, from host copies of query_start_loc and
-// context_lens) as lists of work items, so a block exists only where there is work and every
-// grid is (items, heads): gridDim.x holds what grows with the batch, gridDim.y <= num_heads.
-//   decode_kernel        one thread block per (decode item = row x context partition, KV head).
-//                        The partition size follows the call's decode context and the SM count
-//                        (choose_partition), so one long row still fills the GPU. Each warp
-//                        stages 32-token chunks of K, then V, into shared memory with coalesced
-//                        16-byte loads; a lane scores its token against every query head of the
-//                        GQA group; online softmax per warp, warps merged through shared memory.
-//                        A row with context_len == 0 gets zeros.
-//   reduce_kernel        merges the partitions of a split row (flash-decoding style).
+// The host plans each step once (paged_attention.plan_cuda_launch, from the lists the model
+// runner already holds) into a small device buffer: the partition size, then the prefill tiles.
+// The grids depend only on ints the host passes (rows, max_parts, prefill tiles), never on the
+// data, so a decode step has one fixed launch sequence per batch size and a CUDA graph can
+// replay it whatever the context lengths: gridDim.x grows with the batch, gridDim.y <= num_heads.
+//   decode_kernel        one thread block per (row x one of max_parts context partitions, KV
+//                        head). The partition size is read from the plan on the device; a block
+//                        past its row's last partition, or of a row that is not decoding, exits
+//                        at once. Each warp stages 32-token chunks of K, then V, into shared
+//                        memory with coalesced 16-byte loads; a lane scores its token against
+//                        every query head of the GQA group (K/V read once per group); online
+//                        softmax per warp, warps merged through shared memory. A row with
+//                        context_len == 0 (a padding row) gets zeros.
+//   reduce_kernel        one block per (row, head), launched whenever max_parts > 1; merges the
+//                        partitions of a split row (flash-decoding style), other rows exit.
 //   prefill_kernel       one thread block per (prefill item = tile of query rows, KV head); K/V
 //                        chunks staged in shared memory and reused by every query of the tile.
 //                        Not launched in a pure-decode step.
 //   reshape_and_cache_kernel  the fused KV write; slot -1 means "do not cache this row".
-// Only plain pointers and ints cross the boundary (the extern "C" functions at the end), so
-// this file needs only the CUDA toolkit; csrc/paged_attention_cuda_binding.cpp is the PyTorch
-// side and checks every input. Without nvcc it compiles against csrc/cuda_emu.h, which is how
+// Queries and new K/V rows may be strided views (rows of the fused qkv output): only the row
+// stride is free, the heads of a row are contiguous. Only plain pointers and ints cross the
+// boundary (the extern "C" functions at the end), so this file needs only the CUDA toolkit;
+// csrc/paged_attention_cuda_binding.cpp is the PyTorch side. Without nvcc it compiles against csrc/cuda_emu.h, which is how
 // the tests run it; -DPLANT_BUGS adds bugs a test can switch on (plant_bug) to prove that the
 // emulation catches them. Shared memory is taken with block_shared<T>(), one struct per kernel.
-#ifdef __CUDACC__
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#define LAUNCH_KERNEL(kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
-template <typename T>
-__device__ __forceinline__ T& block_shared() {
-  __shared__ T storage;
-  return storage;
-}
-__device__ __forceinline__ void copy16(void* dst, const void* src) {
-  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-}
-#else
-#include "cuda_emu.h"
-#define LAUNCH_KERNEL(kernel, grid, block, stream, ...) emu::launch(#kernel, kernel, grid, block, __VA_ARGS__)
-using emu::copy16;
-#endif
+#include "cuda_common.h"
 
 #include <cstdint>
-#include <vector>
 
 namespace {
 
@@ -56,9 +43,6 @@ constexpr int kTileVectors = 16;      // prefill: query vectors (row, head) per 
 constexpr int kVectorsPerWarp = kTileVectors / kNumWarps;
 constexpr int kStageRowBytes = kMaxHeadDim * 2 + 16;   // a 16-bit K/V row, +16: no bank conflicts
 constexpr int kStageBytes = kChunk * kStageRowBytes;  // per warp: 32 such rows (16 float rows)
-constexpr int kMinPartition = kNumWarps * kChunk;     // a smaller split leaves warps idle
-constexpr int kNoSplit = 1 << 30;                     // partition size of a call that needs no split
-constexpr int kBlocksPerSM = 2;                       // decode grid the split aims for, per SM
 constexpr unsigned kMaxGridX = 2147483647u, kMaxGridY = 65535;
 
 #ifdef PLANT_BUGS
@@ -72,44 +56,6 @@ __device__ float planted_global_query[kMaxGroup][kMaxHeadDim];   // a "forgot __
 #define PLANTED(bug) false
 #endif
 
-// ---- storage types: raw 16-bit patterns, converted to float on load -----------------------
-
-struct bf16 { uint16_t bits; };
-struct f16 { uint16_t bits; };
-enum DType { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };   // codes the launchers take
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(uint32_t(x.bits) << 16); }
-__device__ __forceinline__ float to_float(f16 x) {
-#ifdef __CUDACC__
-  return __half2float(__ushort_as_half(x.bits));
-#else
-  _Float16 h;
-  std::memcpy(&h, &x.bits, 2);
-  return float(h);
-#endif
-}
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
-#ifdef __CUDACC__
-  return bf16{__bfloat16_as_ushort(__float2bfloat16(x))};
-#else
-  const uint32_t u = __float_as_uint(x);          // round to nearest even, like torch
-  return bf16{uint16_t(std::isnan(x) ? 0x7fc0 : (u + 0x7fff + ((u >> 16) & 1)) >> 16)};
-#endif
-}
-template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
-#ifdef __CUDACC__
-  return f16{__half_as_ushort(__float2half(x))};
-#else
-  const _Float16 h = _Float16(x);
-  f16 out;
-  std::memcpy(&out.bits, &h, 2);
-  return out;
-#endif
-}
 
 // ---- shared pieces ------------------------------------------------------------------------
 
@@ -121,14 +67,14 @@ struct Params {
   const int* block_tables;            // [num_seqs, max_blocks]
   const int* context_lens;            // [num_seqs]
   const int* query_start_loc;         // [num_seqs + 1]
-  const int2* decode_items;           // [num_decode_items] (sequence, partition)
-  const int2* reduce_items;           // [num_reduce_items] (sequence, its first decode item)
-  const int2* prefill_items;          // [num_prefill_items] (sequence, first query row of the tile)
-  float* partial_out;                 // [num_decode_items, num_heads, head_dim] if a row is split
-  float* partial_max;                 // [num_decode_items, num_heads]
+  const int* partition_size;          // plan[0], on the device: context tokens per decode block
+  const int2* prefill_items;          // plan[2:]: [num_prefill_items] (sequence, first query row of the tile)
+  float* partial_out;                 // [num_seqs * max_parts, num_heads, head_dim] if max_parts > 1
+  float* partial_max;                 // [num_seqs * max_parts, num_heads]
   float* partial_sum;
+  int64_t q_row_stride;               // elements between query rows (heads contiguous)
   int num_heads, num_kv_heads, head_dim, block_size, max_blocks, group;
-  int partition_size, rows_per_tile;
+  int max_parts, rows_per_tile;
   float scale;
 };
 
@@ -208,10 +154,11 @@ __device__ __forceinline__ float merge_partitions(const Params& p, int first, in
 
 template <typename Q, typename KV>
 __global__ void decode_kernel(Params p) {
-  const int seq = p.decode_items[blockIdx.x].x, part = p.decode_items[blockIdx.x].y, kv_head = blockIdx.y;
-  const int q_row = p.query_start_loc[seq], ctx = p.context_lens[seq];
-  const int parts = num_parts(ctx, p.partition_size);
-  const int start = part * p.partition_size, end = min(ctx, start + p.partition_size);
+  const int seq = blockIdx.x / p.max_parts, part = blockIdx.x % p.max_parts, kv_head = blockIdx.y;
+  const int q_row = p.query_start_loc[seq], ctx = p.context_lens[seq], partition = *p.partition_size;
+  const int parts = num_parts(ctx, partition);
+  if (p.query_start_loc[seq + 1] - q_row != 1 || part >= parts) return;   // not decoding, or a spare block
+  const int start = part * partition, end = min(ctx, start + partition);
   const int G = p.group, D = p.head_dim, lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const KV* key_cache = static_cast<const KV*>(p.key_cache);
   const KV* value_cache = static_cast<const KV*>(p.value_cache);
@@ -224,7 +171,7 @@ __global__ void decode_kernel(Params p) {
 #else
   float (&q_s)[kMaxGroup][kMaxHeadDim] = s.q;
 #endif
-  const Q* query = static_cast<const Q*>(p.query) + (int64_t(q_row) * p.num_heads + kv_head * G) * D;
+  const Q* query = static_cast<const Q*>(p.query) + int64_t(q_row) * p.q_row_stride + kv_head * G * D;
   for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i / D][i % D] = to_float(query[i]) * p.scale;
   __syncthreads();
 
@@ -332,8 +279,9 @@ __global__ void decode_kernel(Params p) {
 // Merge the partitions of one (split row, head).
 template <typename Q>
 __global__ void reduce_kernel(Params p) {
-  const int seq = p.reduce_items[blockIdx.x].x, first = p.reduce_items[blockIdx.x].y, head = blockIdx.y;
-  const int parts = num_parts(p.context_lens[seq], p.partition_size);
+  const int seq = blockIdx.x, first = seq * p.max_parts, head = blockIdx.y;
+  const int parts = num_parts(p.context_lens[seq], *p.partition_size);
+  if (p.query_start_loc[seq + 1] - p.query_start_loc[seq] != 1 || parts == 1) return;   // nothing to merge
   Q* out = static_cast<Q*>(p.out) + (int64_t(p.query_start_loc[seq]) * p.num_heads + head) * p.head_dim;
   for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) out[d] = from_float<Q>(merge_partitions(p, first, parts, head, d));
 }
@@ -364,7 +312,7 @@ __global__ void prefill_kernel(Params p) {
   PrefillShared& s = block_shared<PrefillShared>();
   for (int i = threadIdx.x; i < num_vectors * D; i += blockDim.x) {
     const int m = i / D, d = i % D;
-    const int64_t src = (int64_t(q_begin + row0 + m / G) * p.num_heads + kv_head * G + m % G) * D + d;
+    const int64_t src = int64_t(q_begin + row0 + m / G) * p.q_row_stride + (kv_head * G + m % G) * D + d;
     s.q[m][d] = to_float(static_cast<const Q*>(p.query)[src]) * p.scale;
   }
 
@@ -433,37 +381,22 @@ __global__ void prefill_kernel(Params p) {
 
 template <typename Q, typename KV>
 __global__ void reshape_and_cache_kernel(const Q* key, const Q* value, KV* key_cache, KV* value_cache,
-                                         const int64_t* slot_mapping, int row) {
+                                         const int64_t* slot_mapping, int row, int64_t key_stride,
+                                         int64_t value_stride) {
   const int64_t slot = slot_mapping[blockIdx.x];
   if (slot < 0) return;                                        // -1: padding row, not cached
   for (int i = threadIdx.x; i < row; i += blockDim.x) {
-    key_cache[slot * row + i] = from_float<KV>(to_float(key[int64_t(blockIdx.x) * row + i]));
-    value_cache[slot * row + i] = from_float<KV>(to_float(value[int64_t(blockIdx.x) * row + i]));
+    key_cache[slot * row + i] = from_float<KV>(to_float(key[int64_t(blockIdx.x) * key_stride + i]));
+    value_cache[slot * row + i] = from_float<KV>(to_float(value[int64_t(blockIdx.x) * value_stride + i]));
   }
 }
 
 // ---- host: planning and launchers -----------------------------------------------------------
 
-// Context tokens per decode block, one size for the call: a row gets ceil(context / size)
-// blocks, so a long row is split more than a short one. No split while rows x KV heads already
-// give kBlocksPerSM blocks per SM; else the size that reaches about that many blocks, in
-// multiples of kMinPartition (each warp then gets at least one 32-token chunk).
-int choose_partition(const int* qsl, const int* ctx, int num_seqs, int num_kv_heads, int num_sms) {
-  int64_t rows = 0, tokens = 0;
-  for (int i = 0; i < num_seqs; ++i)
-    if (qsl[i + 1] - qsl[i] == 1) {
-      rows += 1;
-      tokens += ctx[i];
-    }
-  const int64_t target = int64_t(kBlocksPerSM) * max(num_sms, 1);
-  if (rows * num_kv_heads >= target) return kNoSplit;
-  const int64_t per_block = (tokens * num_kv_heads + target - 1) / target;
-  const int64_t size = (per_block + kMinPartition - 1) / kMinPartition * kMinPartition;
-  return size >= kNoSplit ? kNoSplit : size < kMinPartition ? kMinPartition : int(size);
-}
-
+// The step's fixed launch sequence: decode over rows x max_parts (max_parts 0: no decode row),
+// reduce whenever a row may be split, prefill over the planned tiles.
 template <typename Q, typename KV>
-void launch_attention(const Params& p, const int64_t* counts, cudaStream_t stream) {
+void launch_attention(const Params& p, int num_seqs, int num_prefill_items, cudaStream_t stream) {
   auto* decode = decode_kernel<Q, KV>;      // named pointers: a template's comma would split the macro
   auto* reduce = reduce_kernel<Q>;
   auto* prefill = prefill_kernel<Q, KV>;
@@ -471,121 +404,98 @@ void launch_attention(const Params& p, const int64_t* counts, cudaStream_t strea
   if (PLANTED(kSharedOptIn)) cudaFuncSetAttribute(decode, cudaFuncAttributeMaxDynamicSharedMemorySize, 32 * 1024);
 #endif
   const dim3 block(kThreads);
-  if (counts[0]) LAUNCH_KERNEL(decode, dim3(unsigned(counts[0]), p.num_kv_heads), block, stream, p);
-  if (counts[1] && !PLANTED(kLastBlockMerges))
-    LAUNCH_KERNEL(reduce, dim3(unsigned(counts[1]), p.num_heads), block, stream, p);
-  if (counts[2] && PLANTED(kOldPrefillGrid))                   // the tiles on gridDim.z, as before
-    LAUNCH_KERNEL(prefill, dim3(p.num_kv_heads, 1, unsigned(counts[2])), block, stream, p);
-  else if (counts[2])
-    LAUNCH_KERNEL(prefill, dim3(unsigned(counts[2]), p.num_kv_heads), block, stream, p);
+  const unsigned decode_blocks = unsigned(num_seqs) * unsigned(p.max_parts);
+  if (decode_blocks) LAUNCH_KERNEL(decode, dim3(decode_blocks, p.num_kv_heads), block, stream, p);
+  if (num_seqs && p.max_parts > 1 && !PLANTED(kLastBlockMerges))
+    LAUNCH_KERNEL(reduce, dim3(unsigned(num_seqs), p.num_heads), block, stream, p);
+  if (num_prefill_items && PLANTED(kOldPrefillGrid))           // the tiles on gridDim.z, as before
+    LAUNCH_KERNEL(prefill, dim3(p.num_kv_heads, 1, unsigned(num_prefill_items)), block, stream, p);
+  else if (num_prefill_items)
+    LAUNCH_KERNEL(prefill, dim3(unsigned(num_prefill_items), p.num_kv_heads), block, stream, p);
 }
 
 template <typename Q>
-void dispatch_kv(int kv_dtype, const Params& p, const int64_t* counts, cudaStream_t stream) {
-  if (kv_dtype == kFloat32) launch_attention<Q, float>(p, counts, stream);
-  if (kv_dtype == kBFloat16) launch_attention<Q, bf16>(p, counts, stream);
-  if (kv_dtype == kFloat16) launch_attention<Q, f16>(p, counts, stream);
+void dispatch_kv(int kv_dtype, const Params& p, int num_seqs, int num_prefill, cudaStream_t stream) {
+  if (kv_dtype == kFloat32) launch_attention<Q, float>(p, num_seqs, num_prefill, stream);
+  if (kv_dtype == kBFloat16) launch_attention<Q, bf16>(p, num_seqs, num_prefill, stream);
+  if (kv_dtype == kFloat16) launch_attention<Q, f16>(p, num_seqs, num_prefill, stream);
 }
 
 template <typename Q, typename KV>
 void launch_cache(const void* key, const void* value, void* key_cache, void* value_cache, const int64_t* slots,
-                  int num_tokens, int row, cudaStream_t stream) {
+                  int num_tokens, int row, int64_t key_stride, int64_t value_stride, cudaStream_t stream) {
   auto* kernel = reshape_and_cache_kernel<Q, KV>;
   const dim3 block(PLANTED(kTooManyThreads) ? 2 * 1024 : kThreads);
   LAUNCH_KERNEL(kernel, dim3(num_tokens), block, stream, static_cast<const Q*>(key), static_cast<const Q*>(value),
-                static_cast<KV*>(key_cache), static_cast<KV*>(value_cache), slots, row);
+                static_cast<KV*>(key_cache), static_cast<KV*>(value_cache), slots, row, key_stride, value_stride);
 }
 
 template <typename Q>
 void dispatch_cache(int kv_dtype, const void* key, const void* value, void* key_cache, void* value_cache,
-                    const int64_t* slots, int num_tokens, int row, cudaStream_t stream) {
-  if (kv_dtype == kFloat32) launch_cache<Q, float>(key, value, key_cache, value_cache, slots, num_tokens, row, stream);
-  if (kv_dtype == kBFloat16) launch_cache<Q, bf16>(key, value, key_cache, value_cache, slots, num_tokens, row, stream);
-  if (kv_dtype == kFloat16) launch_cache<Q, f16>(key, value, key_cache, value_cache, slots, num_tokens, row, stream);
+                    const int64_t* slots, int num_tokens, int row, int64_t ks, int64_t vs, cudaStream_t stream) {
+  if (kv_dtype == kFloat32) launch_cache<Q, float>(key, value, key_cache, value_cache, slots, num_tokens, row, ks, vs, stream);
+  if (kv_dtype == kBFloat16) launch_cache<Q, bf16>(key, value, key_cache, value_cache, slots, num_tokens, row, ks, vs, stream);
+  if (kv_dtype == kFloat16) launch_cache<Q, f16>(key, value, key_cache, value_cache, slots, num_tokens, row, ks, vs, stream);
 }
-
-bool valid_dtype(int dtype) { return dtype == kFloat32 || dtype == kBFloat16 || dtype == kFloat16; }
 
 }  // namespace
 
-// Host side, before paged_attention_launch: the work items of every kernel, from host copies
-// of query_start_loc and context_lens. Writes counts = {decode items, reduce items, prefill
-// items, partition size} and, if plan is not null, the items: decode, then reduce, then
-// prefill, each an int2. Returns the ints the plan takes. partition_size <= 0: choose_partition
-// with num_sms; rows with no query tokens get no item.
-extern "C" int64_t paged_attention_plan(const int* query_start_loc, const int* context_lens, int num_seqs,
-                                        int group, int num_kv_heads, int num_sms, int partition_size, int2* plan,
-                                        int64_t* counts) {
-  const int partition = partition_size > 0
-                            ? partition_size
-                            : choose_partition(query_start_loc, context_lens, num_seqs, num_kv_heads, num_sms);
-  const int rows_per_tile = kTileVectors / max(group, 1);
-  std::vector<int2> decode, reduce, prefill;
-  for (int i = 0; i < num_seqs; ++i) {
-    const int q_len = query_start_loc[i + 1] - query_start_loc[i];
-    if (q_len == 1) {
-      const int parts = num_parts(context_lens[i], partition);
-      if (parts > 1) reduce.push_back({i, int(decode.size())});
-      for (int k = 0; k < parts; ++k) decode.push_back({i, k});
-    }
-    for (int r = 0; q_len > 1 && r < q_len; r += rows_per_tile) prefill.push_back({i, r});
-  }
-  counts[0] = decode.size(), counts[1] = reduce.size(), counts[2] = prefill.size(), counts[3] = partition;
-  if (plan != nullptr)
-    for (const auto* items : {&decode, &reduce, &prefill}) plan = std::copy(items->begin(), items->end(), plan);
-  return 2 * (counts[0] + counts[1] + counts[2]);
+// Floats of scratch paged_attention_launch needs (0 when no row can be split).
+extern "C" int64_t paged_attention_workspace_floats(int num_seqs, int max_parts, int num_heads, int head_dim) {
+  return max_parts > 1 ? int64_t(num_seqs) * max_parts * num_heads * (head_dim + 2) : 0;
 }
 
-// Floats of scratch paged_attention_launch needs for a plan's counts (0 when no row is split).
-extern "C" int64_t paged_attention_workspace_floats(const int64_t* counts, int num_heads, int head_dim) {
-  return counts[1] > 0 ? counts[0] * num_heads * (head_dim + 2) : 0;
-}
-
-// Returns nullptr on success, else what is unsupported or the CUDA error. plan: the device copy
-// of paged_attention_plan's items, counts its host counts. dtypes: 0 float32, 1 bfloat16, 2 float16.
+// Returns nullptr on success, else what is unsupported or the CUDA error. plan: the device copy of
+// paged_attention.plan_cuda_launch's ints ({partition size, 0, prefill items...}); num_seqs rows
+// each get max_parts decode blocks (0: no decode launch). dtypes: 0 float32, 1 bfloat16, 2 float16.
+// Reads nothing on the host: every pointer may be device memory.
 extern "C" const char* paged_attention_launch(
-    void* out, const void* query, const void* key_cache, const void* value_cache, const int* block_tables,
-    const int* context_lens, const int* query_start_loc, const int2* plan, const int64_t* counts, float* workspace,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, int q_dtype, int kv_dtype,
-    float scale, void* stream) {
+    void* out, const void* query, int64_t q_row_stride, const void* key_cache, const void* value_cache,
+    const int* block_tables, const int* context_lens, const int* query_start_loc, const int* plan, int num_seqs,
+    int max_parts, int num_prefill_items, float* workspace, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, int max_blocks, int q_dtype, int kv_dtype, float scale, void* stream) {
   if (head_dim % kWarpSize != 0 || head_dim > kMaxHeadDim) return "head_dim must be a multiple of 32, at most 128";
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxGroup)
     return "num_heads / num_kv_heads must be a whole number in [1, 8]";
   if (unsigned(num_heads) > kMaxGridY) return "num_heads must be at most 65535 (gridDim.y)";
-  if (counts[0] + counts[1] + counts[2] == 0) return nullptr;
-  if (counts[0] > kMaxGridX || counts[2] > kMaxGridX) return "too many work items for gridDim.x";
+  if (num_seqs < 0 || max_parts < 0 || num_prefill_items < 0) return "negative rows, partitions or tiles";
+  if ((num_seqs == 0 || max_parts == 0) && num_prefill_items == 0) return nullptr;
+  if (int64_t(num_seqs) * max_parts > kMaxGridX || num_prefill_items > int64_t(kMaxGridX))
+    return "too many work items for gridDim.x";
   if (!valid_dtype(q_dtype) || !valid_dtype(kv_dtype)) return "dtypes must be float32, bfloat16 or float16";
   if (reinterpret_cast<uintptr_t>(key_cache) % 16 || reinterpret_cast<uintptr_t>(value_cache) % 16)
     return "KV caches must be 16-byte aligned (decode reads them 16 bytes at a time)";
   Params p{query, out, key_cache, value_cache, block_tables, context_lens, query_start_loc, plan,
-           plan + counts[0], plan + counts[0] + counts[1], nullptr, nullptr, nullptr, num_heads, num_kv_heads,
-           head_dim, block_size, max_blocks, num_heads / num_kv_heads, int(counts[3]), 0, scale};
+           reinterpret_cast<const int2*>(plan + 2), nullptr, nullptr, nullptr, q_row_stride, num_heads,
+           num_kv_heads, head_dim, block_size, max_blocks, num_heads / num_kv_heads, max_parts, 0, scale};
   p.rows_per_tile = kTileVectors / p.group;
-  if (counts[1] > 0) {                                         // layout of the workspace
-    const int64_t heads = counts[0] * num_heads;
+  if (max_parts > 1) {                                         // layout of the workspace
+    const int64_t heads = int64_t(num_seqs) * max_parts * num_heads;
     p.partial_out = workspace;
     p.partial_max = workspace + heads * head_dim;
     p.partial_sum = p.partial_max + heads;
   }
   const auto s = static_cast<cudaStream_t>(stream);
-  if (q_dtype == kFloat32) dispatch_kv<float>(kv_dtype, p, counts, s);
-  if (q_dtype == kBFloat16) dispatch_kv<bf16>(kv_dtype, p, counts, s);
-  if (q_dtype == kFloat16) dispatch_kv<f16>(kv_dtype, p, counts, s);
+  if (q_dtype == kFloat32) dispatch_kv<float>(kv_dtype, p, num_seqs, num_prefill_items, s);
+  if (q_dtype == kBFloat16) dispatch_kv<bf16>(kv_dtype, p, num_seqs, num_prefill_items, s);
+  if (q_dtype == kFloat16) dispatch_kv<f16>(kv_dtype, p, num_seqs, num_prefill_items, s);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-// key/value: [num_tokens, row] in q_dtype; caches: [num_slots, row] in kv_dtype. Slot -1 is
-// skipped (not cached); the binding has checked every other slot is in range.
+// key/value: [num_tokens, row] in q_dtype, rows key_stride/value_stride elements apart; caches:
+// [num_slots, row] in kv_dtype. Slot -1 is skipped (not cached); every other slot must be in range
+// (the binding checks them only under NANOSERVE_CHECK_INPUTS=1: the model runner built them).
 extern "C" const char* reshape_and_cache_launch(const void* key, const void* value, void* key_cache,
                                                 void* value_cache, const int64_t* slot_mapping, int num_tokens,
-                                                int row, int q_dtype, int kv_dtype, void* stream) {
+                                                int row, int64_t key_stride, int64_t value_stride, int q_dtype,
+                                                int kv_dtype, void* stream) {
   if (!valid_dtype(q_dtype) || !valid_dtype(kv_dtype)) return "dtypes must be float32, bfloat16 or float16";
   if (num_tokens == 0) return nullptr;
   const auto s = static_cast<cudaStream_t>(stream);
-  if (q_dtype == kFloat32) dispatch_cache<float>(kv_dtype, key, value, key_cache, value_cache, slot_mapping, num_tokens, row, s);
-  if (q_dtype == kBFloat16) dispatch_cache<bf16>(kv_dtype, key, value, key_cache, value_cache, slot_mapping, num_tokens, row, s);
-  if (q_dtype == kFloat16) dispatch_cache<f16>(kv_dtype, key, value, key_cache, value_cache, slot_mapping, num_tokens, row, s);
+  if (q_dtype == kFloat32) dispatch_cache<float>(kv_dtype, key, value, key_cache, value_cache, slot_mapping, num_tokens, row, key_stride, value_stride, s);
+  if (q_dtype == kBFloat16) dispatch_cache<bf16>(kv_dtype, key, value, key_cache, value_cache, slot_mapping, num_tokens, row, key_stride, value_stride, s);
+  if (q_dtype == kFloat16) dispatch_cache<f16>(kv_dtype, key, value, key_cache, value_cache, slot_mapping, num_tokens, row, key_stride, value_stride, s);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }

@@ -1,0 +1,182 @@
+"""
+The GPU section of bench.py: how close a decode step on the CUDA path comes to the HBM roofline, for
+models big enough that the GPU, not the host, sets the time.
+
+A 135M model is latency-bound on any GPU, so this section builds Llama-3.2-1B and Llama-3-8B shaped
+models from model.py with random bf16 weights (their values do not change the time) and decodes at
+batch 1, 8, 32, 64 and 128 after a fixed context, through model_runner.py (host plan, persistent
+buffers), replaying the captured CUDA graph and eagerly. For each: the step time against the HBM
+roofline (weight bytes + the KV bytes the step reads, over the read bandwidth measured here), the
+paged-attention kernel alone (CUDA events, the same plan), and the host's cost of one graph replay
+(cost_model.fit_host_overhead reads it). Skips, saying why, where there is no CUDA device.
+Owns only measuring; changes nothing in the engine.
+"""
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.harness import md_table, section_header
+
+SHAPES = {   # model.ModelConfig fields (Hugging Face's configs of these models)
+    "Llama-3.2-1B": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                         max_position_embeddings=131072),
+    "Llama-3-8B": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                       max_position_embeddings=8192),
+}
+BATCHES = (1, 8, 32, 64, 128)
+BLOCK_SIZE = 16
+
+
+@dataclass
+class GpuSizes:
+    context: int = 1024          # cached tokens per row when the timed steps run
+    steps: int = 20              # timed decode steps per (model, batch, mode)
+    kernel_repeats: int = 50
+
+
+def cuda_time(fn, repeats: int) -> float:
+    """Median seconds of fn() on the GPU between CUDA events (host costs excluded once queued)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def read_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """HBM read bandwidth: bytes of a bf16 tensor far larger than L2 over the time of summing it."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    return nbytes / cuda_time(lambda: x.sum(dtype=torch.float32), 10) / 1e9
+
+
+def random_model(shape: dict):
+    """model.Llama of this shape on the GPU, bf16, random normal weights (norms at 1)."""
+    import model as M
+    cfg = M.ModelConfig(**shape)
+    with torch.device("meta"):
+        net = M.Llama(cfg)
+    net = net.to(torch.bfloat16).to_empty(device="cuda").eval()
+    for name, p in net.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0, 0.02)
+    net.inv_freq = M.rope_inv_freq(cfg).to("cuda")
+    return net
+
+
+def decode_batch(batch: int, context: int):
+    """batch rows decoding after `context` cached tokens, each with its own run of blocks."""
+    from scheduler import ScheduledBatch
+    from sequence import Sequence
+    per_row = -(-(context + 1) // BLOCK_SIZE)
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(i, [1] * (context + 1), context + 1, 1)
+        seq.block_table = list(range(i * per_row, (i + 1) * per_row))
+        seq.num_computed_tokens = context
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [1] * batch, sample_rows=list(range(batch)))
+
+
+def bench_shape(name: str, shape: dict, gs: GpuSizes, bandwidth_gbs: float) -> dict:
+    from kv_cache import KVCachePool
+    from model_runner import ModelRunner
+    import paged_attention as pa
+    net = random_model(shape)
+    cfg = net.config
+    per_row = -(-(gs.context + 1) // BLOCK_SIZE)
+    pool = KVCachePool(cfg.num_hidden_layers, max(BATCHES) * per_row, BLOCK_SIZE, cfg.num_key_value_heads,
+                       cfg.head_dim, torch.bfloat16, "cuda")
+    runner = ModelRunner(net, pool, BLOCK_SIZE, torch.device("cuda"), pa.resolve_backend("cuda", "cuda"),
+                         max_num_seqs=max(BATCHES), max_num_batched_tokens=max(BATCHES),
+                         max_model_len=gs.context + BLOCK_SIZE)
+    t0 = time.perf_counter()
+    runner.capture_graphs()
+    capture_s = time.perf_counter() - t0
+    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    rows = {}
+    for b in BATCHES:
+        batch = decode_batch(b, gs.context)
+        kv_bytes = b * (gs.context + 1) * kv_token_bytes
+        roofline_s = (weight_bytes + kv_bytes) / (bandwidth_gbs * 1e9)
+        out = {"roofline_s": roofline_s, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
+        for mode in ("graph", "eager"):
+            def step():
+                inputs = runner.prepare(batch)
+                if mode == "eager":
+                    inputs.graph = None
+                return runner.forward(inputs).argmax(-1).tolist()    # the sampler's one read
+            step()
+            times = []
+            for _ in range(gs.steps):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            out[f"{mode}_step_s"] = statistics.median(times)
+            out[f"{mode}_over_roofline"] = out[f"{mode}_step_s"] / roofline_s
+        inputs = runner.prepare(batch)
+        graph = inputs.graph
+        if graph is not None:
+            torch.cuda.synchronize()
+            replays = []
+            for _ in range(gs.steps):
+                t = time.perf_counter()
+                graph.graph.replay()
+                replays.append(time.perf_counter() - t)
+                torch.cuda.synchronize()
+            out["graph_replay_host_s"] = statistics.median(replays)
+        q = torch.randn(b, cfg.num_attention_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+        k_cache, v_cache = pool.kv_caches[0]
+        m = inputs.meta
+        kernel_s = cuda_time(lambda: pa.paged_attention(q, k_cache, v_cache, m.block_tables, m.context_lens,
+                                                         m.query_start_loc, cfg.head_dim ** -0.5, "cuda",
+                                                         m.cuda_plan), gs.kernel_repeats)
+        layer_kv = kv_bytes / cfg.num_hidden_layers
+        out |= {"kernel_s": kernel_s, "kernel_gbs": layer_kv / kernel_s / 1e9,
+                "kernel_frac_of_bandwidth": layer_kv / kernel_s / 1e9 / bandwidth_gbs}
+        rows[str(b)] = out
+    del runner, pool, net
+    torch.cuda.empty_cache()
+    return {"capture_s": capture_s, "batches": rows}
+
+
+def bench_gpu(sz, seed, results):
+    """How close does a decode step on the CUDA path come to the HBM roofline, graphs against eager?"""
+    title = "GPU: decode step against the HBM roofline (CUDA graphs vs eager)"
+    if not torch.cuda.is_available():
+        why = f"no CUDA device (torch {torch.__version__})"
+        section_header(title, [f"skipped: {why}"])
+        results["gpu"] = {"skipped": why}
+        return
+    gs = GpuSizes(steps=3, kernel_repeats=5) if sz.name == "quick" else GpuSizes()
+    bw = read_bandwidth_gbs()
+    out = {"device": torch.cuda.get_device_name(), "read_bandwidth_gbs": bw, "context": gs.context, "models": {}}
+    for name, shape in SHAPES.items():
+        out["models"][name] = bench_shape(name, shape, gs, bw)
+    replays = [r["graph_replay_host_s"] for m in out["models"].values() for r in m["batches"].values()
+               if "graph_replay_host_s" in r]
+    if replays:
+        out["graph_replay_s"] = statistics.median(replays)
+    section_header(title, [
+        f"{out['device']}; HBM read bandwidth {bw:.0f} GB/s (sum of a 2 GiB bf16 tensor); random bf16 weights; "
+        f"each row decodes after {gs.context} cached tokens.",
+        "roofline = (weight bytes + KV bytes read) / read bandwidth; a step = prepare + forward + argmax read "
+        "back (host wall time, median); kernel = one layer's paged attention alone, CUDA events."])
+    print(md_table(["model", "batch", "roofline ms", "graph step ms", "graph / roofline", "eager step ms",
+                    "eager / roofline", "kernel us", "kernel of HBM bw"],
+                   [[name, b, r["roofline_s"] * 1e3, r["graph_step_s"] * 1e3, r["graph_over_roofline"],
+                     r["eager_step_s"] * 1e3, r["eager_over_roofline"], r["kernel_s"] * 1e6,
+                     r["kernel_frac_of_bandwidth"]]
+                    for name, m in out["models"].items() for b, r in m["batches"].items()]))
+    results["gpu"] = out
