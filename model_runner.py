@@ -77,5 +77,5 @@ class ModelRunner:
             block_tables=torch.tensor([seq.block_table], dtype=torch.int32, device=dev),
             context_lens=torch.tensor([hi], dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=dev), backend=self.attention_backend)
-        return self.model(torch.tensor(seq.token_ids[lo:hi], device=dev), torch.arange(lo, hi, device=dev),
-                          self.kv_pool.kv_caches, meta, torch.arange(q, device=dev))
+        return self.forward(StepInputs(torch.tensor(seq.token_ids[lo:hi], device=dev),
+                                       torch.arange(lo, hi, device=dev), meta, torch.arange(q, device=dev)))
