@@ -170,7 +170,7 @@ class EngineCore:
             self.engine.abort_request(request_id)
             update.failed.append((request_id, error))
         self.engine.check_invariants()  # an inconsistent engine must not keep serving
-        if failures >= MAX_STEP_FAILURES:
+        if failures >= MAX_STEP_FAILURES or getattr(exc, "fatal", False):   # fatal: a tensor-parallel rank is lost
             self.send(update)           # the failed requests hear why before the pipe closes
             raise RuntimeError(f"engine.step() failed {failures} times in a row") from exc
 
@@ -187,4 +187,7 @@ def run_core_process(config: EngineConfig, conn: Connection) -> None:
         conn.send(exc if isinstance(exc, ValueError) else RuntimeError(repr(exc)))
         return
     conn.send(EngineInfo.of(engine))
-    EngineCore(engine, conn).run()
+    try:
+        EngineCore(engine, conn).run()
+    finally:
+        engine.shutdown()           # tensor-parallel workers stop with the core
