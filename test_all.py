@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 import asyncio
+import contextlib
 import copy
 import ctypes
 import functools
@@ -68,6 +69,7 @@ from scheduler import Scheduler, SchedulerConfig
 from sequence import Sequence, Status
 from static_scheduler import StaticScheduler
 import paged_attention as pa
+import parallel
 import cost_model as cm
 import simulate_cluster as sc
 from router import PrefixTree, Router, RouterConfig
@@ -4229,6 +4231,201 @@ def test_sigterm_finishes_in_flight_stream_and_exits_0(server, booting_server, o
     assert done_long["error"]["code"] == "shutting_down" and "--shutdown-timeout" in done_long["error"]["message"]
     assert done_long["done"] and done_long["finish_reason"] is None
     assert proc.wait(timeout=20) == 0
+
+
+# ##################################################################################################
+# parallel.py: tensor parallelism over gloo (ranks are processes; every test shuts its group down)
+# ##################################################################################################
+# Oracles: transformers' logits and greedy tokens, hand-computed shard sizes. Each engine here starts
+# tp - 1 worker processes; tp_llm shuts it down (workers reaped, process group destroyed) on leaving.
+
+
+@contextlib.contextmanager
+def tp_llm(model=None, **kw):
+    llm = LLM(model, **{**CPU32, **kw})
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
+        assert not torch.distributed.is_initialized()
+        assert all(not p.is_alive() for p in llm.engine.tp.procs)
+
+
+def test_tp_sizes_follow_vllms_kv_head_rule_and_others_fail_at_start():
+    assert parallel.sizes_that_work(9, 3) == [1, 3, 9]           # SmolLM2-135M
+    assert parallel.sizes_that_work(8, 4) == [1, 2, 4, 8]        # 8 = each KV head on two ranks
+    assert parallel.sizes_that_work(32, 8) == [1, 2, 4, 8, 16, 32]
+    # uneven parts in units of 16 columns: 1536 = 6 * 176 + 3 * 160; 96 / 8 ranks: too few units, so 12 each
+    assert [parallel.split(1536, 9, r, 16) for r in (0, 5, 6, 8)] == [(0, 176), (880, 1056), (1056, 1216), (1376, 1536)]
+    assert [parallel.split(96, 8, r, 16) for r in (0, 7)] == [(0, 12), (84, 96)]
+    with pytest.raises(InvalidRequest, match="sizes that work: 1, 3, 9") as e:
+        LLM(tensor_parallel_size=2, **CPU32)
+    assert e.value.field == "tensor_parallel_size" and not torch.distributed.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(checkpoint_dir, tmp_path_factory):
+    """A random Llama with 8 query and 4 KV heads (head_dim 16) and an odd vocabulary (301 rows:
+    no rank's slice is a multiple of 16), with transformers as the oracle."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the oracle")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=301, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    out = tmp_path_factory.mktemp("tiny_gqa")
+    hf.save_pretrained(out, safe_serialization=True)
+    shutil.copy(checkpoint_dir / "gguf_tokenizer.json", out)
+    return out, hf
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4, pytest.param(8, id="8-replicated-kv")])
+def test_tp_logits_match_transformers_on_a_tiny_gqa_llama(tiny_gqa, tp):
+    prompt = list(range(3, 40)) + [300, 299, 150]                 # ids in every rank's vocabulary slice
+    with tp_llm(str(tiny_gqa[0]), tensor_parallel_size=tp, kv_cache_memory="4MiB") as llm:
+        engine = llm.engine
+        assert engine.model.config.num_key_value_heads == max(1, 4 // tp)   # this rank's KV heads
+        engine.add_request("r", prompt, greedy(2))
+        engine.step()                                             # the prefill: the prompt's K/V in the pool
+        seq = engine.requests["r"].completions[0].seq
+        ours = engine.runner.forward_cached(seq, 0, len(prompt))  # [len(prompt), 301], read from every rank's cache
+        run_until(engine, lambda: not engine.has_unfinished_requests())
+    ref = hf_forward(tiny_gqa[1], prompt)
+    assert ours.shape == ref.shape and (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def smollm_tp3():
+    """SmolLM2-135M over 3 ranks, each with 9 blocks of KV (like test_preemption_keeps_outputs_identical's
+    pool, per rank), a 16-token budget (prompts are chunked) and a host pool for swapping. One engine for
+    the cases below (3 ranks take ~10 s to start); the scheduler reads preemption_mode when it preempts."""
+    with tp_llm(tensor_parallel_size=3, kv_cache_memory=9 * 737280 // 3, max_num_batched_tokens=16,
+                swap_space="64MiB") as llm:
+        yield llm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tp3_preemption_and_chunked_prefill_give_transformers_greedy(smollm_tp3, expected_32, mode):
+    engine = smollm_tp3.engine
+    engine.config.preemption_mode = mode
+    before = (engine.scheduler.num_preemptions, engine.blocks.num_swapped_out)
+    outs = smollm_tp3.generate(PROMPTS[:6], greedy(32))
+    preempted = engine.scheduler.num_preemptions - before[0]
+    assert preempted >= 3
+    assert engine.blocks.num_swapped_out - before[1] == (preempted if mode == "swap" else 0)
+    assert token_ids(outs) == expected_32
+
+
+@pytest.mark.slow
+def test_tp3_prefix_cache_and_n_samples_match_transformers(smollm_tp3, hf_smollm):
+    engine, tok = smollm_tp3.engine, smollm_tp3.tokenizer
+    engine.config.preemption_mode = "recompute"
+    prompts = [LONG_PROMPT + " First", LONG_PROMPT + " Second"]
+    first = smollm_tp3.generate(prompts[:1], greedy(6))
+    hits = engine.blocks.prefix_hits
+    second = smollm_tp3.generate(prompts[1:], greedy(6))
+    assert engine.blocks.prefix_hits - hits >= 3 * 16             # the shared prefix's full blocks
+    for prompt, out in zip(prompts, first + second):
+        assert_greedy_under(hf_smollm, tok.encode(prompt), out.outputs[0].token_ids, prompt)
+    params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=6, ignore_eos=True)
+    out = smollm_tp3.generate(PROMPTS[0], params)[0]
+    assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert_samples_under(hf_smollm, tok.encode(PROMPTS[0]), c.index, c.token_ids, params, "n=3 under tp=3")
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """{pid: command line} of pid's descendants."""
+    found, todo = {}, [pid]
+    while todo:
+        children = child_processes(todo.pop())
+        found.update(children)
+        todo += children
+    return found
+
+
+def wait_healthy(proc, url, log, limit=240):
+    deadline = time.monotonic() + limit
+    while not health_ok(url):
+        assert proc.poll() is None and time.monotonic() < deadline, server_log(log)
+        time.sleep(0.3)
+
+
+def stop_and_check_no_orphans(proc, pids, log, timeout=60):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10                  # killed ranks are reaped by their parents
+    while (alive := [p for p in pids if os.path.exists(f"/proc/{p}") and
+                     open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"orphans {alive}\n{server_log(log)}"
+    return code
+
+
+@pytest.mark.slow
+def test_serve_tp3_serves_the_openai_client_and_a_killed_rank_ends_the_stream_with_an_error(tok, hf_greedy_32):
+    port, log = free_port(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--tensor-parallel-size", "3",
+                             "--kv-cache-memory", "32MiB", "--device", "cpu", "--dtype", "float32"],
+                            cwd=HERE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(proc, url, log)
+        pids = process_tree(proc.pid)                 # the engine core, its fork server, 2 worker ranks
+        workers = [p for p, cmd in pids.items() if "forkserver" in cmd and "forkserver" in pids.get(parent_of(p), "")]
+        assert len(workers) == 2, pids
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tok.decode(hf_greedy_32[PROMPTS[0]][:8]) and r.choices[0].finish_reason == "length"
+        body = {"prompt": "A very long story:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+            os.kill(workers[0], signal.SIGKILL)
+            killed_at = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - killed_at < 10
+        assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2][6:]), rest[-3:]
+        assert httpx.get(url + "/health").status_code == 503
+    finally:
+        code = stop_and_check_no_orphans(proc, pids, log)
+    assert code == 0, server_log(log)
+
+
+def parent_of(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+@pytest.mark.slow
+def test_torchrun_standalone_3_ranks_serves_a_request(tok, hf_greedy_32):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or pytest.skip("torchrun not installed")
+    port, log = free_port(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "3", "serve.py", "--port", str(port),
+                             "--tensor-parallel-size", "3", "--kv-cache-memory", "32MiB", "--device", "cpu",
+                             "--dtype", "float32"], cwd=HERE, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(proc, url, log)
+        pids = process_tree(proc.pid)
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tok.decode(hf_greedy_32[PROMPTS[0]][:6])
+    finally:
+        code = stop_and_check_no_orphans(proc, pids, log)
+    assert code == 0, server_log(log)
 
 
 # ##################################################################################################
