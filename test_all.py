@@ -4423,6 +4423,11 @@ def test_torchrun_standalone_3_ranks_serves_a_request(tok, hf_greedy_32):
                                                       "ignore_eos": True}, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == tok.decode(hf_greedy_32[PROMPTS[0]][:6])
+        # SIGTERM to rank 0 (torchrun itself would fail its ranks): it drains, its engine stops the other
+        # ranks, and torchrun sees all three exit 0
+        rank0 = [p for p in child_processes(proc.pid) if b"\0RANK=0\0" in b"\0" + open(f"/proc/{p}/environ", "rb").read()]
+        os.kill(rank0[0], signal.SIGTERM)
+        proc.wait(timeout=60)
     finally:
         code = stop_and_check_no_orphans(proc, pids, log)
     assert code == 0, server_log(log)
