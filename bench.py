@@ -33,6 +33,7 @@ import torch
 from benchmarks import batching as bench_batching
 from benchmarks import hardware as bench_hardware
 from benchmarks import online as bench_online
+from benchmarks import parallel as bench_tp
 from benchmarks import peers as bench_peers
 from benchmarks import report
 from cpu_linear import cpu_linear_path
@@ -321,7 +322,8 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "http": bench_online.bench_http, "peers": bench_peers.bench_peers,
                "roofline": bench_hardware.bench_roofline, "kernel": bench_hardware.bench_kernel,
                "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
-               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs}
+               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
+               "parallel": bench_tp.bench_parallel}
 SECTIONS = list(EXPERIMENTS)
 
 
