@@ -141,6 +141,7 @@ class PhaseTimes:
 
 
 class Engine:
+    @parallel.shut_down_on_failure      # a start that fails after the workers started stops them
     def __init__(self, config: EngineConfig | None = None, *, loaded_model=None, **overrides):
         """loaded_model: a (model, model_config, model_dir) from weights.load_model to share instead of
         loading again (bench.py runs many engines on one set of read-only weights)."""

@@ -16,6 +16,7 @@ model.py, the scheduler and the kernels do not know about ranks.
 """
 import ctypes
 import datetime
+import functools
 import os
 import signal
 import socket
@@ -339,6 +340,20 @@ class TPGroup:
         torch.set_num_threads(self.saved_threads[0])
         if self.saved_threads[1] is not None:
             os.sched_setaffinity(0, self.saved_threads[1])
+
+
+def shut_down_on_failure(init):
+    """Decorates Engine.__init__: if it raises once its TPGroup exists, stop the workers and leave the
+    group, so that a bad setting (say, a KV pool too small) leaves no process and no group behind."""
+    @functools.wraps(init)
+    def wrapped(engine, *args, **kwargs):
+        try:
+            init(engine, *args, **kwargs)
+        except BaseException:
+            if getattr(engine, "tp", None) is not None:
+                engine.tp.shutdown()
+            raise
+    return wrapped
 
 
 def _affinity():

@@ -28,6 +28,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import random
 import re
 import shutil
@@ -4293,6 +4294,14 @@ def test_tp_logits_match_transformers_on_a_tiny_gqa_llama(tiny_gqa, tp):
         run_until(engine, lambda: not engine.has_unfinished_requests())
     ref = hf_forward(tiny_gqa[1], prompt)
     assert ours.shape == ref.shape and (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_a_tp_engine_that_fails_to_start_leaves_no_worker_and_no_group(tiny_gqa):
+    with pytest.raises(InvalidRequest, match="kv_cache_memory"):
+        LLM(str(tiny_gqa[0]), tensor_parallel_size=2, kv_cache_memory=1000, **CPU32)
+    assert not torch.distributed.is_initialized()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanoserve-tp")]
 
 
 @pytest.fixture(scope="module")
