@@ -277,10 +277,11 @@ def free_port() -> int:
 
 
 class TPGroup:
-    broken: str | None = None        # why the group is down, once it is
     """This process's place in the tensor-parallel group: rank, device, the two groups (compute: the
     layers' collectives, with a timeout; control: rank 0's broadcasts, gloo, no timeout) and, on rank 0
     under torch.multiprocessing, the worker processes. One per process (torch.distributed's world)."""
+    broken: str | None = None        # why the group is down, once it is
+    closed: bool = False
 
     def __init__(self, rank: int, size: int, local_rank: int, local_size: int, device_type: str,
                  num_threads: int | None, address: tuple[str, int, bool], procs: list = ()):
@@ -296,8 +297,9 @@ class TPGroup:
         self.why_threads = set_threads(local_rank, local_size, num_threads)
         host, port, is_master = address
         store = dist.TCPStore(host, port, size, is_master, timeout=STARTUP_TIMEOUT, wait_for_workers=False)
-        store.add("nanoserve_tp_joined", 1)
-        while rank == 0 and store.add("nanoserve_tp_joined", 0) < size:
+        joined = f"nanoserve_tp_joined_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"   # a torchrun restart counts anew
+        store.add(joined, 1)
+        while rank == 0 and store.add(joined, 0) < size:
             self.check_workers()                 # a worker that died starting: say so now, not in 10 minutes
             time.sleep(0.05)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
@@ -328,8 +330,9 @@ class TPGroup:
 
     def shutdown(self):
         """Rank 0: stop the workers (a None step), reap them, leave the group, give back the threads."""
-        if not dist.is_initialized():
+        if self.closed or not dist.is_initialized():
             return
+        self.closed = True
         if not self.broken:
             try:
                 self.send(None)
