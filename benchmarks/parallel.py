@@ -6,7 +6,9 @@ SmolLM2-135M except for its heads (12 query, 6 KV: they split over 2 and 3 ranks
 split over 2). Reported: output tok/s and its ratio to tp = 1, the decode step time, and rank 0's
 seconds in collectives per step (the all-reduces after o_proj and down_proj, the embedding's, and
 lm_head's gather: waiting for the slowest rank is part of it). One machine's cores split among ranks
-do the same FLOPs as one process using them all, plus the collectives: no gain is expected here.
+do the same FLOPs as one process using them all, plus the collectives: no gain is expected from the
+FLOPs. A last row, tp = 1 with one thread, is the control for what one-thread ranks avoid: OpenMP's
+barriers between the threads of one process, where a thread descheduled on busy cores stalls the rest.
 """
 import os
 import shutil
@@ -45,7 +47,7 @@ def run_one(model_dir: str, tp: int, threads: int, batch: int, prompt_len: int, 
         llm.generate(prompts, greedy(out_len))
         wall = time.perf_counter() - t0
         steps = engine.num_steps - steps0
-        return {"tp": tp, "threads_per_rank": torch.get_num_threads() if tp == 1 else max(1, threads // tp),
+        return {"tp": tp, "threads_per_rank": max(1, threads // tp),
                 "out_tok_s": batch * out_len / wall, "wall_s": wall, "steps": steps,
                 "forward_ms_per_step": 1e3 * (engine.phase_times.forward - forward0) / steps,
                 "collective_ms_per_step": 1e3 * ((comm.seconds - seconds0) if comm else 0.0) / steps,
@@ -60,7 +62,11 @@ def bench_parallel(sz, seed, results):
     threads = os.cpu_count()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(tmp, layers)
-        rows = [run_one(model_dir, tp, threads, batch, prompt_len, out_len) for tp in (1, 2, 3)]
+        # the last row is a control: one process with one thread, no OpenMP barriers between threads
+        # (on busy shared cores a descheduled thread stalls the other at every barrier; ranks of one
+        # thread each do not have them)
+        rows = [run_one(model_dir, tp, n, batch, prompt_len, out_len) for tp, n in ((1, threads), (2, threads),
+                                                                                  (3, threads), (1, 1))]
     base = rows[0]["out_tok_s"]
     for r in rows:
         r["ratio_to_tp1"] = r["out_tok_s"] / base
@@ -69,7 +75,8 @@ def bench_parallel(sz, seed, results):
         f"requests of {prompt_len} prompt tokens and {out_len} output tokens at once; {threads} threads in all "
         f"(tp = 3 gets one per rank: {3 if threads < 3 else threads // 3 * 3} threads on {threads} cores).",
         "Collective ms/step: rank 0's time in all-reduce and gather, waiting for the slowest rank included. "
-        "Ranks on one machine split the same cores: no gain is expected on a CPU, only the collectives' cost."])
+        "Ranks on one machine split the same cores: no gain is expected from the FLOPs, only the collectives' cost; "
+        "the last row (tp = 1, one thread) shows what one process loses to its threads' OpenMP barriers here."])
     cols = ["tp", "threads_per_rank", "out_tok_s", "ratio_to_tp1", "forward_ms_per_step", "collective_ms_per_step",
             "collectives_per_step"]
     print(md_table(["tp", "threads/rank", "out tok/s", "vs tp=1", "forward ms/step", "collectives ms/step",
