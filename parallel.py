@@ -9,7 +9,7 @@ vocabulary on rank 0. KV heads are split with the query heads that read them; wh
 KV heads each KV head is replicated (vLLM's rule). Attention runs unchanged on each rank's heads.
 Rank 0 is the engine: it schedules, owns the block manager, broadcasts each step's inputs and block
 copies to the other ranks on a gloo group, and alone samples. The other ranks run worker_loop.
-Launch: torch.multiprocessing (spawn) on one machine, or torchrun's environment (vLLM's external
+Launch: torch.multiprocessing (from a fork server) on one machine, or torchrun's environment (vLLM's external
 launcher). gloo on CPUs, NCCL on GPUs; collectives have a timeout, and a dead rank ends the engine.
 Owns the process groups, the sharded layers and the shard plan; weights.py reads the slices, and
 model.py, the scheduler and the kernels do not know about ranks.
@@ -420,9 +420,9 @@ def spawn_workers(tp: int, address: tuple[str, int], device_type: str, num_threa
     # 2 busy cores 3 spawned workers took 20 s to import it), and later engines start sooner still.
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["parallel"])
-    # serve.py runs the engine in a daemonic process, and multiprocessing refuses a daemon children (to
-    # spare them from being orphaned); ours cannot be: PR_SET_PDEATHSIG kills them with their parent, and
-    # the closing group ends them. So the flag is lifted while they start.
+    # serve.py runs the engine in a daemonic process, and multiprocessing refuses a daemon children of
+    # its own (lest they be orphaned). Ours cannot be: the fork server exits when we do, PR_SET_PDEATHSIG
+    # kills each worker with the fork server, and a closed group ends them. So the flag is lifted to start them.
     me, was_daemon = mp.current_process(), mp.current_process().daemon
     me.daemon = False
     try:
@@ -440,10 +440,12 @@ def spawn_workers(tp: int, address: tuple[str, int], device_type: str, num_threa
 class DriverKVPool(KVCachePool):
     """Rank 0's pool: runs each block copy here and keeps it for the next Step, so every rank's pool
     changes alike before the forward that reads it (a step that only swaps sends its copies later)."""
-    pending: list
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending = []                   # block ops run here since the last Step
 
     def run(self, ops):
-        self.pending = getattr(self, "pending", []) + list(ops)
+        self.pending += ops
         super().run(ops)
 
 
@@ -463,7 +465,7 @@ class DriverRunner(ModelRunner):
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         self.group.check_workers()
         try:
-            ops, self.kv_pool.pending = getattr(self.kv_pool, "pending", []), []
+            ops, self.kv_pool.pending = self.kv_pool.pending, []
             self.group.send(Step(ops, to_device(inputs, torch.device("cpu"))))
             return super().forward(inputs)
         except Exception as exc:
@@ -481,7 +483,7 @@ def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
 # ---------------------------------------------------------------------------- the workers
 
 def _die_with_parent():
-    """Linux: the kernel sends us SIGKILL when the process that spawned us ends, however it ends."""
+    """Linux: the kernel sends us SIGKILL when our parent (the fork server) ends, however it ends."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG = 1
     except OSError:
@@ -489,7 +491,7 @@ def _die_with_parent():
 
 
 def worker_main(rank: int, size: int, address: tuple[str, int], device_type: str, num_threads: int | None):
-    """A spawned worker's main (torch.multiprocessing): rank `rank` on this machine."""
+    """A worker's main under torch.multiprocessing: rank `rank` on this machine."""
     _die_with_parent()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     group = TPGroup(rank, size, rank, size, device_type, num_threads, address + (False,))
