@@ -289,7 +289,8 @@ class TPGroup:
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process; shut it down first "
                                "(Engine.shutdown) or use one process per engine")
-        self.rank, self.size, self.local_rank, self.procs = rank, size, local_rank, list(procs)
+        self.rank, self.size, self.local_rank, self.local_size = rank, size, local_rank, local_size
+        self.procs = list(procs)
         self.device = torch.device(f"cuda:{local_rank}") if device_type == "cuda" else torch.device("cpu")
         if device_type == "cuda":
             torch.cuda.set_device(self.device)
@@ -493,7 +494,6 @@ def _die_with_parent():
 def worker_main(rank: int, size: int, address: tuple[str, int], device_type: str, num_threads: int | None):
     """A worker's main under torch.multiprocessing: rank `rank` on this machine."""
     _die_with_parent()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     group = TPGroup(rank, size, rank, size, device_type, num_threads, address + (False,))
     worker_loop(group)
 
@@ -501,7 +501,6 @@ def worker_main(rank: int, size: int, address: tuple[str, int], device_type: str
 def run_worker():
     """A torchrun rank other than 0 (serve.py calls this): join the group from torchrun's environment
     and serve rank 0's steps until it says stop."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     rank = int(os.environ["RANK"])
     group = TPGroup(rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
                     int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
@@ -517,6 +516,8 @@ def worker_loop(group: TPGroup):
         setup: WorkerSetup = group.recv()
         if setup is None:
             return
+        if setup.num_threads:            # a torchrun rank learns rank 0's --num-threads only now
+            set_threads(group.local_rank, group.local_size, setup.num_threads)
         model, cfg, _ = load_model(setup.model_dir, setup.dtype, group.device, tp=group)
         model.prepare()
         spec: PoolSpec = group.recv()
