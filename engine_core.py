@@ -16,7 +16,9 @@ the same pipe, so every message still pickles.
 """
 import contextlib
 import logging
+import os
 import signal
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -175,6 +177,15 @@ class EngineCore:
             raise RuntimeError(f"engine.step() failed {failures} times in a row") from exc
 
 
+def core_lost_a_rank(reason: str) -> None:
+    """A tensor-parallel worker died: a step in flight fails on its own (WorkerDied) within moments; give
+    its error events that long, then end the core, idle or not. The front end sees the pipe close and
+    reports 503; the remaining ranks end with the fork server."""
+    log.error("tensor-parallel rank lost (%s): the engine core ends", reason)
+    time.sleep(1.0)
+    os._exit(1)
+
+
 def run_core_process(config: EngineConfig, conn: Connection) -> None:
     """The engine core process's main: build the engine, say what it is, serve until told to stop."""
     # Ctrl-C reaches the whole process group: the front end decides when the core stops (after draining).
@@ -187,6 +198,8 @@ def run_core_process(config: EngineConfig, conn: Connection) -> None:
         conn.send(exc if isinstance(exc, ValueError) else RuntimeError(repr(exc)))
         return
     conn.send(EngineInfo.of(engine))
+    if engine.tp is not None:
+        engine.tp.watch(core_lost_a_rank)
     try:
         EngineCore(engine, conn).run()
     finally:

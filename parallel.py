@@ -17,10 +17,12 @@ model.py, the scheduler and the kernels do not know about ranks.
 import ctypes
 import datetime
 import functools
+import multiprocessing.connection
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -328,6 +330,17 @@ class TPGroup:
         if dead:
             self.broken = ", ".join(f"{name} exited with code {code}" for name, code in dead)
             raise WorkerDied(f"tensor-parallel group is down: {self.broken}")
+
+    def watch(self, on_death):
+        """Rank 0 under torch.multiprocessing: call on_death(reason) from a thread as soon as a worker
+        exits while the group is open, even while the engine is idle (serve.py's core then ends)."""
+        def wait():
+            multiprocessing.connection.wait([p.sentinel for p in self.procs])
+            if not self.closed:
+                on_death(", ".join(f"{p.name} exited with code {p.exitcode}" for p in self.procs
+                                   if p.exitcode is not None))
+        if self.procs:
+            threading.Thread(target=wait, name="tp-watch", daemon=True).start()
 
     def shutdown(self):
         """Rank 0: stop the workers (a None step), reap them, leave the group, give back the threads."""
