@@ -174,7 +174,8 @@ class EngineCore:
         self.engine.check_invariants()  # an inconsistent engine must not keep serving
         if failures >= MAX_STEP_FAILURES or getattr(exc, "fatal", False):   # fatal: a tensor-parallel rank is lost
             self.send(update)           # the failed requests hear why before the pipe closes
-            raise RuntimeError(f"engine.step() failed {failures} times in a row") from exc
+            raise RuntimeError(f"engine.step() failed {failures} times in a row" if failures >= MAX_STEP_FAILURES
+                               else f"engine.step() failed for good: {exc}") from exc
 
 
 def core_lost_a_rank(reason: str) -> None:
