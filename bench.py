@@ -34,6 +34,7 @@ from benchmarks import batching as bench_batching
 from benchmarks import gpu as bench_gpu
 from benchmarks import hardware as bench_hardware
 from benchmarks import online as bench_online
+from benchmarks import parallel as bench_tp
 from benchmarks import peers as bench_peers
 from benchmarks import report
 from cpu_linear import cpu_linear_path
@@ -323,7 +324,7 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "roofline": bench_hardware.bench_roofline, "kernel": bench_hardware.bench_kernel,
                "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
                "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
-               "gpu": bench_gpu.bench_gpu}
+               "gpu": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel}
 SECTIONS = list(EXPERIMENTS)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 
 import paged_attention
+import parallel
 from cpu_linear import cpu_linear_path
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
@@ -36,7 +37,7 @@ from sequence import Completion, CompletionOutput, Request, RequestMetrics, Requ
 from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
-from weights import load_model
+from weights import load_model, read_config
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "PromptLimits", "SamplingParams",
            "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
@@ -55,7 +56,8 @@ class EngineConfig(SchedulerConfig):
     swap_space: int | str = 0           # bytes of host memory for swapped-out blocks
     attention_backend: str = "auto"     # auto | cpu | cuda | torch
     enforce_eager: bool = False         # no CUDA graphs: every decode step runs eagerly (vLLM's name)
-    num_threads: int | None = None      # default: all cores
+    num_threads: int | None = None      # default: all cores (under tensor parallelism: shared by the ranks)
+    tensor_parallel_size: int = 1       # ranks that split each layer (parallel.py)
     seed: int = 0                       # for unseeded sampling
 
     def validate(self):
@@ -65,6 +67,8 @@ class EngineConfig(SchedulerConfig):
              self.block_size)
         need(self.dtype in dtypes, "dtype", "|".join(dtypes), self.dtype)
         need(self.kv_cache_dtype in dtypes, "kv_cache_dtype", "|".join(dtypes), self.kv_cache_dtype)
+        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+             "tensor_parallel_size", "an integer >= 1", self.tensor_parallel_size)
 
 
 @dataclass
@@ -138,6 +142,7 @@ class PhaseTimes:
 
 
 class Engine:
+    @parallel.shut_down_on_failure      # a start that fails after the workers started stops them
     def __init__(self, config: EngineConfig | None = None, *, loaded_model=None, **overrides):
         """loaded_model: a (model, model_config, model_dir) from weights.load_model to share instead of
         loading again (bench.py runs many engines on one set of read-only weights)."""
@@ -154,7 +159,15 @@ class Engine:
         dtype, why = resolve_dtype(config.dtype, self.device)
         self.dtype = dtype                                  # what ran; bench.py prints it
         _log_once(f"nanoserve: dtype {str(dtype).removeprefix('torch.')} ({why})")
-        self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device)
+        self.attention_backend = paged_attention.resolve_backend(config.attention_backend, self.device.type)
+        self.tp = None                                      # rank 0's parallel.TPGroup under tensor parallelism
+        if config.tensor_parallel_size > 1:
+            need(loaded_model is None, "loaded_model", "None under tensor parallelism", "a model")
+            model_dir, mc = read_config(config.model)
+            self.tp = parallel.launch(config, model_dir, mc, dtype, self.device, self.attention_backend)
+            _log_once(f"nanoserve: tensor parallel over {self.tp.size} ranks; {self.tp.why_threads}")
+        self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device,
+                                                                                   self.tp)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: linear layers {cpu_linear_path(dtype)}; {self.model.gguf_log}")
         self.model.prepare()     # not in the first request (the first after serve.py says it is up)
@@ -165,11 +178,10 @@ class Engine:
              f"in [1, {mc.max_position_embeddings}]", config.max_model_len)
         self.max_model_len = config.max_model_len
         self.eos_token_ids = set(mc.eos_token_id) | {self.tokenizer.eos_token_id} - {None}
-        self.attention_backend = paged_attention.resolve_backend(config.attention_backend, self.device.type)
         self._init_kv_cache(dtype)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
-                                  config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                  config.enforce_eager)
+        runner_args = (self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
+                       config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.enforce_eager)
+        self.runner = ModelRunner(*runner_args) if self.tp is None else parallel.DriverRunner(*runner_args, self.tp)
         self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
         self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
@@ -183,15 +195,16 @@ class Engine:
         self.phase_times = PhaseTimes()
 
     def _init_kv_cache(self, dtype):
-        c, mc = self.config, self.model_config
+        c, mc = self.config, self.model.config      # the model's own: under tensor parallelism this rank's heads
         kv_dtype = dtype if c.kv_cache_dtype == "auto" else getattr(torch, c.kv_cache_dtype)
         per_block = bytes_per_block(mc.num_hidden_layers, c.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype)
         num_blocks = parse_memory(c.kv_cache_memory) // per_block
         need(num_blocks >= 2, "kv_cache_memory", f"enough for at least 2 blocks of {per_block} bytes",
              c.kv_cache_memory)
         num_host_blocks = parse_memory(c.swap_space) // per_block
-        self.kv_pool = KVCachePool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
-                                   mc.head_dim, kv_dtype, self.device, num_host_blocks)
+        pool = KVCachePool if self.tp is None else parallel.DriverKVPool   # rank 0 also sends its block copies
+        self.kv_pool = pool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
+                            mc.head_dim, kv_dtype, self.device, num_host_blocks)
         self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, num_host_blocks)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
@@ -410,6 +423,11 @@ class Engine:
         prompt_logprobs = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics,
                              prompt_logprobs)
+
+    def shutdown(self):
+        """Stop the tensor-parallel workers and leave the group (nothing to do on one rank)."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self):

@@ -16,7 +16,9 @@ the same pipe, so every message still pickles.
 """
 import contextlib
 import logging
+import os
 import signal
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -170,9 +172,19 @@ class EngineCore:
             self.engine.abort_request(request_id)
             update.failed.append((request_id, error))
         self.engine.check_invariants()  # an inconsistent engine must not keep serving
-        if failures >= MAX_STEP_FAILURES:
+        if failures >= MAX_STEP_FAILURES or getattr(exc, "fatal", False):   # fatal: a tensor-parallel rank is lost
             self.send(update)           # the failed requests hear why before the pipe closes
-            raise RuntimeError(f"engine.step() failed {failures} times in a row") from exc
+            raise RuntimeError(f"engine.step() failed {failures} times in a row" if failures >= MAX_STEP_FAILURES
+                               else f"engine.step() failed for good: {exc}") from exc
+
+
+def core_lost_a_rank(reason: str) -> None:
+    """A tensor-parallel worker died: a step in flight fails on its own (WorkerDied) within moments; give
+    its error events that long, then end the core, idle or not. The front end sees the pipe close and
+    reports 503; the remaining ranks end with the fork server."""
+    log.error("tensor-parallel rank lost (%s): the engine core ends", reason)
+    time.sleep(1.0)
+    os._exit(1)
 
 
 def run_core_process(config: EngineConfig, conn: Connection) -> None:
@@ -187,4 +199,9 @@ def run_core_process(config: EngineConfig, conn: Connection) -> None:
         conn.send(exc if isinstance(exc, ValueError) else RuntimeError(repr(exc)))
         return
     conn.send(EngineInfo.of(engine))
-    EngineCore(engine, conn).run()
+    if engine.tp is not None:
+        engine.tp.watch(core_lost_a_rank)
+    try:
+        EngineCore(engine, conn).run()
+    finally:
+        engine.shutdown()           # tensor-parallel workers stop with the core

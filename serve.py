@@ -38,6 +38,7 @@ from engine import Engine, EngineConfig, InvalidRequest
 from engine_client import ClientGone, EngineClient, Failed, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
     OpenAIProtocol
+import parallel
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -306,6 +307,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preemption-mode", help=f"recompute or swap (default {default.preemption_mode})")
     p.add_argument("--swap-space",
                    help=f"host memory for --preemption-mode swap, bytes or e.g. 1GiB (default {default.swap_space})")
+    p.add_argument("--tensor-parallel-size", type=int,
+                   help="ranks that split each layer; under torchrun, its number of processes (default 1)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for the engine; beyond that: 503 with Retry-After (default 256)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
@@ -368,6 +371,8 @@ async def wait_until(done, timeout: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if parallel.launched_by_torchrun() and int(os.environ["RANK"]) > 0:
+        return parallel.run_worker()        # torchrun's other ranks: only rank 0 serves HTTP
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         client = EngineClient.in_process(engine_config(args))   # builds the engine in the core process

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 import asyncio
 import collections
+import contextlib
 import copy
 import ctypes
 import functools
@@ -28,6 +29,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import random
 import re
 import shutil
@@ -69,6 +71,7 @@ from scheduler import Scheduler, SchedulerConfig
 from sequence import Sequence, Status
 from static_scheduler import StaticScheduler
 import paged_attention as pa
+import parallel
 import cost_model as cm
 import simulate_cluster as sc
 from router import PrefixTree, Router, RouterConfig
@@ -4594,6 +4597,231 @@ def test_sigterm_finishes_in_flight_stream_and_exits_0(server, booting_server, o
 
 
 # ##################################################################################################
+# parallel.py: tensor parallelism over gloo (ranks are processes; every test shuts its group down)
+# ##################################################################################################
+# Oracles: transformers' logits and greedy tokens, hand-computed shard sizes. Each engine here starts
+# tp - 1 worker processes; tp_llm shuts it down (workers reaped, process group destroyed) on leaving.
+
+
+@contextlib.contextmanager
+def tp_llm(model=None, **kw):
+    llm = LLM(model, **{**CPU32, **kw})
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
+        assert not torch.distributed.is_initialized()
+        assert llm.engine.tp is None or all(not p.is_alive() for p in llm.engine.tp.procs)
+
+
+def test_tp_sizes_follow_vllms_kv_head_rule_and_others_fail_at_start():
+    assert parallel.sizes_that_work(9, 3) == [1, 3, 9]           # SmolLM2-135M
+    assert parallel.sizes_that_work(8, 4) == [1, 2, 4, 8]        # 8 = each KV head on two ranks
+    assert parallel.sizes_that_work(32, 8) == [1, 2, 4, 8, 16, 32]
+    # uneven parts in units of 16 columns: 1536 = 6 * 176 + 3 * 160; 96 / 8 ranks: too few units, so 12 each
+    assert [parallel.split(1536, 9, r, 16) for r in (0, 5, 6, 8)] == [(0, 176), (880, 1056), (1056, 1216), (1376, 1536)]
+    assert [parallel.split(96, 8, r, 16) for r in (0, 7)] == [(0, 12), (84, 96)]
+    with pytest.raises(InvalidRequest, match="sizes that work: 1, 3, 9") as e:
+        LLM(tensor_parallel_size=2, **CPU32)
+    assert e.value.field == "tensor_parallel_size" and not torch.distributed.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(checkpoint_dir, tmp_path_factory):
+    """A random Llama with 8 query and 4 KV heads (head_dim 16) and an odd vocabulary (301 rows:
+    no rank's slice is a multiple of 16), with transformers as the oracle."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the oracle")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=301, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    out = tmp_path_factory.mktemp("tiny_gqa")
+    hf.save_pretrained(out, safe_serialization=True)
+    shutil.copy(checkpoint_dir / "gguf_tokenizer.json", out)
+    return out, hf
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4, pytest.param(8, id="8-replicated-kv")])
+def test_tp_logits_match_transformers_on_a_tiny_gqa_llama(tiny_gqa, tp):
+    prompt = list(range(3, 40)) + [300, 299, 150]                 # ids in every rank's vocabulary slice
+    with tp_llm(str(tiny_gqa[0]), tensor_parallel_size=tp, kv_cache_memory="4MiB") as llm:
+        engine = llm.engine
+        assert engine.model.config.num_key_value_heads == max(1, 4 // tp)   # this rank's KV heads
+        engine.add_request("r", prompt, greedy(2))
+        engine.step()                                             # the prefill: the prompt's K/V in the pool
+        seq = engine.requests["r"].completions[0].seq
+        ours = engine.runner.forward_cached(seq, 0, len(prompt))  # [len(prompt), 301], read from every rank's cache
+        run_until(engine, lambda: not engine.has_unfinished_requests())
+    ref = hf_forward(tiny_gqa[1], prompt)
+    assert ours.shape == ref.shape and (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_a_tp_engine_that_fails_to_start_leaves_no_worker_and_no_group(tiny_gqa):
+    with pytest.raises(InvalidRequest, match="kv_cache_memory"):
+        LLM(str(tiny_gqa[0]), tensor_parallel_size=2, kv_cache_memory=1000, **CPU32)
+    assert not torch.distributed.is_initialized()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanoserve-tp")]
+
+
+@pytest.mark.slow
+def test_tp3_greedy_on_smollm2_matches_transformers(hf_greedy_32):
+    with tp_llm(tensor_parallel_size=3, kv_cache_memory=SMALL_KV) as llm:
+        outs = llm.generate(PROMPTS, greedy(24))
+    for prompt, ours in zip(PROMPTS, token_ids(outs)):
+        assert ours == hf_greedy_32[prompt][:24], f"differs from transformers for {prompt!r}"
+
+
+@pytest.fixture(scope="module")
+def tiny_tp3(checkpoint_dir, tmp_path_factory):
+    """A random Llama whose 6 query / 3 KV heads split over 3 ranks (head_dim 16, vocab 301). Weights of
+    std 0.3: logits peaked enough that float32 summation order never flips a pick, not so peaked that
+    sampling is always greedy."""
+    transformers = pytest.importorskip("transformers", reason="transformers builds the checkpoint")
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=301, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512,
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.3)
+    out = tmp_path_factory.mktemp("tiny_tp3")
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(out, safe_serialization=True)
+    shutil.copy(checkpoint_dir / "gguf_tokenizer.json", out)
+    return out
+
+
+TINY_TP3_BLOCK_BYTES = 2 * 2 * 16 * 3 * 16 * 4      # K and V, 2 layers, 16 tokens, 3 KV heads x 16, float32
+
+
+def tp_workload(llm) -> tuple[list, dict]:
+    """Six 20-token prompts that outgrow a 9-block pool (preemption), each chunked by a 16-token budget; two prompts
+    sharing 3 full blocks (prefix cache); n = 3 seeded samples. -> (every token, what happened)."""
+    engine = llm.engine
+    prompts = [[(37 * i + 11 * j) % 290 + 10 for j in range(20)] for i in range(6)]
+    tokens = token_ids(llm.generate(prompts, greedy(24)))
+    preempted, swapped = engine.scheduler.num_preemptions, engine.blocks.num_swapped_out
+    shared = list(range(100, 150))
+    hits = engine.blocks.prefix_hits
+    tokens += token_ids(llm.generate([shared + [7], shared + [8, 9]], greedy(6)))
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    tokens += [c.token_ids for c in llm.generate([[20, 21, 22]], params)[0].outputs]
+    return tokens, {"preempted": preempted, "swapped": swapped, "prefix_hits": engine.blocks.prefix_hits - hits}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tp3_preemption_chunking_prefix_cache_and_n_give_tp1s_tokens(tiny_tp3, mode):
+    runs = {}
+    for tp in (1, 3):
+        with tp_llm(str(tiny_tp3), tensor_parallel_size=tp, kv_cache_memory=9 * TINY_TP3_BLOCK_BYTES // tp,
+                    max_num_batched_tokens=16, preemption_mode=mode, swap_space="1MiB") as llm:
+            runs[tp] = tp_workload(llm)
+    (tokens1, seen1), (tokens3, seen3) = runs[1], runs[3]
+    assert seen1["preempted"] >= 3 and seen3["preempted"] >= 3
+    assert seen3["swapped"] == (seen3["preempted"] if mode == "swap" else 0)
+    assert seen3["prefix_hits"] >= 48                              # the shared prefix's 3 full blocks
+    assert len({tuple(t) for t in tokens3[-3:]}) > 1               # the n samples differ
+    assert tokens3 == tokens1
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """{pid: command line} of pid's descendants."""
+    found, todo = {}, [pid]
+    while todo:
+        children = child_processes(todo.pop())
+        found.update(children)
+        todo += children
+    return found
+
+
+def wait_healthy(proc, url, log, limit=240):
+    deadline = time.monotonic() + limit
+    while not health_ok(url):
+        assert proc.poll() is None and time.monotonic() < deadline, server_log(log)
+        time.sleep(0.3)
+
+
+def stop_and_check_no_orphans(proc, pids, log, timeout=60):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10                  # killed ranks are reaped by their parents
+    while (alive := [p for p in pids if os.path.exists(f"/proc/{p}") and
+                     open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"orphans {alive}\n{server_log(log)}"
+    return code
+
+
+@pytest.mark.slow
+def test_serve_tp3_serves_the_openai_client_and_a_killed_rank_ends_the_stream_with_an_error(tok, hf_greedy_32):
+    port, log = free_port(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--tensor-parallel-size", "3",
+                             "--kv-cache-memory", "32MiB", "--device", "cpu", "--dtype", "float32"],
+                            cwd=HERE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(proc, url, log)
+        pids = process_tree(proc.pid)                 # the engine core, its fork server, 2 worker ranks
+        workers = [p for p, cmd in pids.items() if "forkserver" in cmd and "forkserver" in pids.get(parent_of(p), "")]
+        assert len(workers) == 2, pids
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tok.decode(hf_greedy_32[PROMPTS[0]][:8]) and r.choices[0].finish_reason == "length"
+        body = {"prompt": "A very long story:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+            os.kill(workers[0], signal.SIGKILL)
+            killed_at = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - killed_at < 10
+        assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2][6:]), rest[-3:]
+        assert httpx.get(url + "/health").status_code == 503
+    finally:
+        code = stop_and_check_no_orphans(proc, pids, log)
+    assert code == 0, server_log(log)
+
+
+def parent_of(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+@pytest.mark.slow
+def test_torchrun_standalone_3_ranks_serves_a_request(tok, hf_greedy_32):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or pytest.skip("torchrun not installed")
+    port, log = free_port(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "3", "serve.py", "--port", str(port),
+                             "--tensor-parallel-size", "3", "--kv-cache-memory", "32MiB", "--device", "cpu",
+                             "--dtype", "float32"], cwd=HERE, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(proc, url, log)
+        pids = process_tree(proc.pid)
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tok.decode(hf_greedy_32[PROMPTS[0]][:6])
+        # SIGTERM to rank 0 (torchrun itself would fail its ranks): it drains, its engine stops the other
+        # ranks, and torchrun sees all three exit 0
+        rank0 = [p for p in child_processes(proc.pid) if b"\0RANK=0\0" in b"\0" + open(f"/proc/{p}/environ", "rb").read()]
+        os.kill(rank0[0], signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        code = stop_and_check_no_orphans(proc, pids, log)
+    assert code == 0, server_log(log)
+
+
+# ##################################################################################################
 # simulate.py
 # ##################################################################################################
 
@@ -5082,7 +5310,7 @@ def test_bad_cluster_arguments_are_rejected_naming_the_flag(capsys):
 # ##################################################################################################
 
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
-                  "copy_on_write", "preemption", "hot", "api", "gpu"]
+                  "copy_on_write", "preemption", "hot", "api", "gpu", "parallel"]
 
 
 @pytest.mark.slow

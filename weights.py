@@ -8,15 +8,19 @@ about a second. Beside the float32 weights that directory keeps the file's own Q
 blocks, laid out for csrc/linear_cpu.cpp: at a few rows (decode at small batch) a linear layer
 is a stream over its weight, and the blocks are a sixth of the bytes for the same values.
 load_model hands each Linear its blocks; model.linear decides when to read them.
+Under tensor parallelism (parallel.py) each rank reads only its slice of every tensor (safetensors'
+get_slice), so no rank ever holds the whole model.
 """
 import importlib.util
 import json
 import os
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import extensions
+import parallel
 from cpu_linear import GGUF_ROWS, GGUFBlocks, Linear, _cpu_linear_kernels
 from model import Llama, ModelConfig
 
@@ -209,7 +213,9 @@ def resolve_model_dir(model: str | None) -> str:
     return model
 
 
-def load_state_dict(model_dir: str) -> dict:
+def load_state_dict(model_dir: str, plan=None, head_dim: int = 0) -> dict:
+    """Every tensor of the checkpoint, or with plan (parallel.ShardPlan) this rank's slice of each,
+    read as a slice from the file."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):                                   # sharded checkpoint
         with open(index) as f:
@@ -220,7 +226,16 @@ def load_state_dict(model_dir: str) -> dict:
         raise ValueError(f"model: no *.safetensors files in {model_dir!r}")
     sd = {}
     for name in files:
-        sd.update(load_file(os.path.join(model_dir, name)))
+        if plan is None:
+            sd.update(load_file(os.path.join(model_dir, name)))
+            continue
+        with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+            for key in f.keys():
+                part = f.get_slice(key)
+                shape = tuple(part.get_shape())
+                read = lambda rows, cols, part=part: (part[rows[0]:rows[1]] if cols is None
+                                                      else part[rows[0]:rows[1], cols[0]:cols[1]])
+                sd[key] = plan.slice(key, read, shape, head_dim)
     return sd
 
 
@@ -249,18 +264,29 @@ def fuse_weights(sd: dict, cfg: ModelConfig, partial: bool = False) -> dict:
     return out
 
 
-def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """-> (Llama in eval mode, ModelConfig, model_dir)."""
+def read_config(model: str | None) -> tuple[str, ModelConfig]:
+    """-> (model_dir, its ModelConfig); a GGUF file is converted first (once)."""
     model_dir = resolve_model_dir(model)
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = ModelConfig.from_hf(json.load(f))
+        return model_dir, ModelConfig.from_hf(json.load(f))
+
+
+def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu", tp=None):
+    """-> (Llama in eval mode, ModelConfig, model_dir). tp: a parallel.TPGroup; the model is then
+    this rank's shard (its config the shard's: its heads, MLP slice and vocabulary rows), while the
+    ModelConfig returned is the whole model's."""
+    model_dir, cfg = read_config(model)
+    plan = tp.plan(cfg) if tp is not None else None
     with torch.device("meta"):
-        net = Llama(cfg)
-    sd = fuse_weights(load_state_dict(model_dir), cfg)
+        net = Llama(plan.local_config(cfg) if plan else cfg)
+        if plan:
+            parallel.shard_model(net, plan, cfg, tp.comm)
+    sd = fuse_weights(load_state_dict(model_dir, plan, cfg.head_dim), cfg)
     net.load_state_dict(sd, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     net = net.to(device=device, dtype=dtype).eval()
     net.inv_freq = net.inv_freq.to(device)
-    net.gguf_log = attach_gguf_blocks(net, model_dir)
+    net.gguf_log = (f"GGUF blocks unused: rank {tp.rank} of {tp.size} reads its float32 slice" if plan
+                    else attach_gguf_blocks(net, model_dir))
     return net, cfg, model_dir
