@@ -1,12 +1,13 @@
 """
-bench_peers.py: the other engines nanoserve is measured against, on the same weights and requests.
+benchmarks/peers.py: the other engines nanoserve is measured against, on the same weights and requests.
 
 Owns driving Hugging Face transformers (padded `generate` and its continuous batching) in this process,
 and vLLM's CPU build in a subprocess of its own virtual environment (VLLM_PYTHON), plus exporting our
 weights in the Hugging Face layout with a tokenizer vLLM can read. It earns a file because each peer
 brings its own loading and driving code that has nothing to do with nanoserve's engine. It never
 imports vLLM into this process (its torch build and threads are its own) and never changes nanoserve.
-Run as `$VLLM_PYTHON bench_peers.py vllm-worker SPEC.json` it is the vLLM side of that subprocess.
+llama.cpp, the third peer, runs from benchmarks/llamacpp.py on the GGUF file itself.
+Run as `$VLLM_PYTHON benchmarks/peers.py vllm-worker SPEC.json` it is the vLLM side of that subprocess.
 """
 import inspect
 import json
@@ -258,16 +259,22 @@ def bench_peers(sz, seed, results):
     import random
     import torch
     from benchmarks.harness import make_workload, md_table, random_prompt, section_header
+    from benchmarks.llamacpp import llamacpp_runs
     reqs = make_workload(sz.peer_requests, seed + 3, sz.peer_out_range, sz.peer_prompt_median, 49152)
     b1_prompt = random_prompt(random.Random(seed), 32, 49152)
     ours, model_dir = nanoserve_runs(sz, reqs, b1_prompt)
     vllm = vllm_runs(sz, reqs, b1_prompt, model_dir)
     hf = hf_runs(sz, reqs[:sz.hf_requests], model_dir)
+    from weights import embedded_gguf_path
+    lcpp = llamacpp_runs(sz, reqs, embedded_gguf_path(), torch.get_num_threads())
     base = ours["default"]["useful_tok_s"]
     rows = [[f"nanoserve {k} ({v['dtype']})", len(reqs), v["useful_tok_s"], base / v["useful_tok_s"], v["batch1_decode_tok_s"]]
             for k, v in ours.items()]
     rows += [[f"vLLM CPU {d}", len(reqs), v["useful_tok_s"], base / v["useful_tok_s"], v["batch1_decode_tok_s"]]
              for d, v in vllm.items() if isinstance(v, dict) and "skipped" not in v]
+    if "skipped" not in lcpp:
+        rows.append([f"llama.cpp {lcpp['file']} ({lcpp['parallel']} x {lcpp['prompt_len']}+{lcpp['out_len']} tokens)",
+                     lcpp["parallel"], lcpp["useful_tok_s"], base / lcpp["useful_tok_s"], lcpp["batch1_decode_tok_s"]])
     rows += [[k, min(sz.hf_requests, len(reqs)), v, "- (fewer requests)", "-"] for k, v in hf.items() if k != "skipped"]
     section_header("Peers: same weights, same requests, same threads", [
         f"{len(reqs)} requests, random token-id prompts ({sum(len(r.prompt) for r in reqs):,} prompt tokens), outputs "
@@ -279,12 +286,16 @@ def bench_peers(sz, seed, results):
         + ([] if "bfloat16" in ours or ours["default"]["dtype"] == "bfloat16" else
            ["nanoserve bfloat16 not run: oneDNN has no bfloat16 path on this CPU (it would be emulated)."])
         + ([f"vLLM setup: {VLLM_SETUP}"] if "skipped" in vllm else [])
+        + ([f"llama.cpp skipped: {lcpp['skipped']}"] if "skipped" in lcpp else
+           ["llama.cpp: llama-batched-bench on the same GGUF at fixed shapes (the workload's mean prompt and output "
+            "lengths, all sequences at once), random token ids; out tok/s = output tokens / its whole run."])
         + [f"vLLM {d}skipped: {v['skipped']}" for d, v in ({"": vllm} if "skipped" in vllm else vllm).items()
            if isinstance(v, dict) and "skipped" in v])
     print(md_table(["contender", "requests", "useful out tok/s", "nanoserve default / contender", "batch-1 decode tok/s"],
                    rows))
     results["peers"] = {"num_requests": len(reqs), "prompt_tokens": sum(len(r.prompt) for r in reqs),
-                        "output_tokens": sum(r.max_tokens for r in reqs), "nanoserve": ours, "vllm": vllm, "hf_tok_s": hf}
+                        "output_tokens": sum(r.max_tokens for r in reqs), "nanoserve": ours, "vllm": vllm, "llamacpp": lcpp,
+                        "hf_tok_s": hf}
 
 
 if __name__ == "__main__":
