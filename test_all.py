@@ -810,6 +810,109 @@ def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
         eng.step()
 
 
+# ---- batch-invariant mode: the same bits whatever the batch (docs/batch-invariance.md) ----------
+# bfloat16, where the default kernels round differently at different batch shapes. The oracle is the
+# engine itself with nothing beside the prompt (alone, batch 1): every other configuration must give
+# bit-identical tokens and logprobs. Lean: 16 prompts of 31-35 tokens that share a 26-token prefix
+# (one full block), 4 tokens out each (their growth into a third block forces the preemption).
+
+INV_PREFIX = "System: be brief. Answer the user with care and with facts only, please. Never guess, and say so when unsure."
+INV_PROMPTS = [f"{INV_PREFIX} User: {q}" for q in (
+    "What is 2+2?", "Name a color.", "Where is Paris?", "Say hello.", "Count to three.", "Spell cat.",
+    "Is ice cold?", "Name a fruit.", "What is the sun?", "Who wrote Hamlet?", "Say yes or no.", "Pick a number.",
+    "Name a river.", "What do cows eat?", "Define a noun.", "List two metals.")]
+INV_CROWD = [f"Note {i}: " + "alpha beta gamma " * (i % 6) for i in range(48)]     # the unrelated requests
+INV_BF16 = dict(device="cpu", dtype="bfloat16", kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    """SmolLM2 in bfloat16, loaded once and shared by the engines below (Engine's loaded_model)."""
+    return W.load_model(None, torch.bfloat16, torch.device("cpu"))
+
+
+def inv_llm(bf16_model, **kw):
+    return LLM(loaded_model=bf16_model, **{**INV_BF16, **kw})
+
+
+def tokens_and_logprobs(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def in_a_crowd(llm, params: list, crowd_params):
+    """INV_PROMPTS scattered among INV_CROWD, 64 requests in one batch -> INV_PROMPTS' outputs."""
+    order = [("crowd", i) for i in range(16)] + [("ours", i) for i in range(8)] + \
+            [("crowd", i) for i in range(16, 40)] + [("ours", i) for i in range(8, 16)] + [("crowd", i) for i in range(40, 48)]
+    outs = llm.generate([INV_CROWD[i] if who == "crowd" else INV_PROMPTS[i] for who, i in order],
+                        [crowd_params if who == "crowd" else params[i] for who, i in order])
+    return [outs[order.index(("ours", i))] for i in range(16)]
+
+
+def inv_configurations(bf16_model, batch_invariant):
+    """{configuration: INV_PROMPTS' greedy (tokens, logprobs)}, each configuration an engine of its own."""
+    kw, params = dict(batch_invariant=batch_invariant), greedy(4, logprobs=2)
+    alone = inv_llm(bf16_model, **kw)
+    runs = {"alone": [alone.generate([p], params)[0] for p in INV_PROMPTS],
+            "in a batch of 64": in_a_crowd(alone, [params] * 16, greedy(4))}
+    cached = inv_llm(bf16_model, enable_prefix_caching=True, **kw)
+    cached.generate([INV_PREFIX + " User: warm up."], greedy(1))          # caches the shared prefix's block
+    runs["prefix cache hit"] = cached.generate(INV_PROMPTS, params)
+    assert all(o.metrics.num_cached_tokens >= 16 for o in runs["prefix cache hit"])
+    for budget in (64, 512):
+        runs[f"chunks of {budget}"] = inv_llm(bf16_model, max_num_batched_tokens=budget, **kw).generate(INV_PROMPTS, params)
+    block = kv_cache.bytes_per_block(30, 16, 3, 64, torch.bfloat16)
+    small = inv_llm(bf16_model, kv_cache_memory=8 * block, max_num_batched_tokens=64, **kw)   # 8 blocks: preempts
+    runs["after recompute preemption"] = small.generate(INV_PROMPTS, params)
+    assert small.engine.scheduler.num_preemptions >= 1
+    return {name: tokens_and_logprobs(outs) for name, outs in runs.items()}
+
+
+def differing_outputs(runs):
+    """{configuration: how many of the 16 outputs differ from 'alone' in a token or a logprob's bits}"""
+    return {name: sum(a != b for a, b in zip(outs, runs["alone"])) for name, outs in runs.items() if name != "alone"}
+
+
+@pytest.mark.slow
+def test_batch_invariant_mode_gives_bit_identical_tokens_and_logprobs_in_every_configuration(bf16_model):
+    runs = inv_configurations(bf16_model, batch_invariant=True)
+    assert differing_outputs(runs) == {name: 0 for name in runs if name != "alone"}
+    # seeded temperature-1 sampling: the same draws alone and in a crowd of unseeded requests
+    llm = inv_llm(bf16_model, batch_invariant=True)
+    seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=4, ignore_eos=True, logprobs=1) for i in range(16)]
+    alone = [llm.generate([p], s)[0] for p, s in zip(INV_PROMPTS, seeded)]
+    crowd = in_a_crowd(llm, seeded, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+    assert tokens_and_logprobs(crowd) == tokens_and_logprobs(alone)
+
+
+@pytest.mark.slow
+def test_without_batch_invariant_mode_bfloat16_outputs_depend_on_the_configuration(bf16_model):
+    # documents what the flag changes: the default kernels' rounding follows the batch shape, so the
+    # same configurations differ (in a logprob's last bits at least). A count, not an assertion: how
+    # many differ depends on the CPU's kernels.
+    print(f"\nwithout batch_invariant, outputs of 16 differing from alone: {differing_outputs(inv_configurations(bf16_model, False))}")
+
+
+def test_batch_invariant_float32_still_gives_transformers_greedy_tokens(llm, hf_greedy_32):
+    model = (llm.engine.model, llm.engine.model_config, llm.engine.model_dir)
+    inv = LLM(loaded_model=model, kv_cache_memory=SMALL_KV, batch_invariant=True, **CPU32)
+    assert token_ids(inv.generate(PROMPTS, greedy(16))) == [hf_greedy_32[p][:16] for p in PROMPTS]
+
+
+def test_batch_invariant_flag_comes_from_llm_serve_and_vllms_variable_and_is_refused_on_cuda(monkeypatch):
+    import engine
+    import serve
+    assert serve.engine_config(serve.parse_args(["--batch-invariant"])).batch_invariant
+    assert not serve.engine_config(serve.parse_args([])).batch_invariant
+    for var in ("VLLM_BATCH_INVARIANT", "NANOSERVE_BATCH_INVARIANT"):
+        monkeypatch.setenv(var, "1")
+        assert engine.EngineConfig().batch_invariant and serve.engine_config(serve.parse_args([])).batch_invariant
+        assert not serve.engine_config(serve.parse_args(["--no-batch-invariant"])).batch_invariant
+        monkeypatch.delenv(var)
+    with pytest.raises(InvalidRequest, match="off on CUDA") as err:   # checked before any model loads
+        LLM(device="cuda", batch_invariant=True)
+    assert err.value.field == "batch_invariant"
+
+
 def test_static_and_continuous_give_transformers_outputs(hf_greedy_32):
     params = [greedy(4 + 3 * i) for i in range(len(PROMPTS))]
     cont = LLM(kv_cache_memory=SMALL_KV, **CPU32)
