@@ -867,9 +867,9 @@ def inv_configurations(bf16_model, batch_invariant):
     return {name: tokens_and_logprobs(outs) for name, outs in runs.items()}
 
 
-def differing_outputs(runs):
-    """{configuration: how many of the 16 outputs differ from 'alone' in a token or a logprob's bits}"""
-    return {name: sum(a != b for a, b in zip(outs, runs["alone"])) for name, outs in runs.items() if name != "alone"}
+def differing_outputs(runs, base="alone"):
+    """{configuration: how many of the 16 outputs differ from base's in a token or a logprob's bits}"""
+    return {name: sum(a != b for a, b in zip(outs, runs[base])) for name, outs in runs.items() if name != base}
 
 
 @pytest.mark.slow
@@ -887,9 +887,16 @@ def test_batch_invariant_mode_gives_bit_identical_tokens_and_logprobs_in_every_c
 @pytest.mark.slow
 def test_without_batch_invariant_mode_bfloat16_outputs_depend_on_the_configuration(bf16_model):
     # documents what the flag changes: the default kernels' rounding follows the batch shape, so the
-    # same configurations differ (in a logprob's last bits at least). A count, not an assertion: how
-    # many differ depends on the CPU's kernels.
-    print(f"\nwithout batch_invariant, outputs of 16 differing from alone: {differing_outputs(inv_configurations(bf16_model, False))}")
+    # same prompts differ between configurations (in a logprob's last bits at least). A count, not an
+    # assertion: how many differ depends on the CPU's kernels. Three of the configurations above
+    # (bf16 without the flag runs F.linear on AVX2 CPUs: slow).
+    params = greedy(4, logprobs=2)
+    runs = {f"chunks of {n}": tokens_and_logprobs(inv_llm(bf16_model, max_num_batched_tokens=n).generate(INV_PROMPTS, params))
+            for n in (512, 64)}
+    cached = inv_llm(bf16_model, enable_prefix_caching=True)
+    cached.generate([INV_PREFIX + " User: warm up."], greedy(1))
+    runs["prefix cache hit"] = tokens_and_logprobs(cached.generate(INV_PROMPTS, params))
+    print(f"\nwithout batch_invariant, outputs of 16 differing from chunks of 512: {differing_outputs(runs, 'chunks of 512')}")
 
 
 def test_batch_invariant_float32_still_gives_transformers_greedy_tokens(llm, hf_greedy_32):
@@ -1837,6 +1844,30 @@ def test_cpu_linear_bfloat16_matches_float32_math_on_smollm2_shapes(smollm2_line
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_linear_gives_a_row_the_same_bits_at_every_row_count(smollm2_linear_weights, dtype):
+    # batch-invariant mode takes one kernel, the panels, at every row count, and its sums run along K
+    # in one order: a row's output must be bit-identical whatever rows share the call. Oracle for the
+    # values: the same inputs multiplied in float64, within one bf16 rounding plus float32 summation.
+    if not CL._cpu_linear_kernels()[0]:
+        pytest.skip(f"csrc/linear_cpu.cpp unavailable: {extensions.failed.get('linear_cpu')}")
+    g = torch.Generator().manual_seed(7)
+    for w in smollm2_linear_weights[:2] + smollm2_linear_weights[-1:]:
+        w = w.to(dtype)
+        packed = CL.pack_weight(w, invariant=True)
+        assert packed is not None and not packed.is_mkldnn, "batch-invariant mode packs panels on every CPU"
+        x, bias = torch.randn(70, w.shape[1], generator=g).to(dtype), torch.randn(w.shape[0], generator=g).to(dtype)
+        for b, float_out in [(None, False), (bias, False), (None, True)]:
+            full = CL.linear(x, w, b, packed, float_out=float_out, invariant=True)
+            for lo, hi in [(0, 1), (5, 6), (3, 5), (7, 20), (10, 70)]:   # 1, 2, 13 and 60 rows: every tile height
+                assert torch.equal(CL.linear(x[lo:hi], w, b, packed, float_out=float_out, invariant=True), full[lo:hi]), \
+                    f"{tuple(w.shape)} rows {lo}:{hi}, bias {b is not None}, float_out {float_out}"
+            ref = x.double() @ w.double().T + (0 if b is None else b.double())
+            sums = 1e-5 * (x.double().abs() @ w.double().abs().T + 1)
+            rounding = 2 ** -8 * ref.abs() if dtype == torch.bfloat16 and not float_out else 0
+            assert ((full.double() - ref).abs() <= rounding + sums).all(), f"{tuple(w.shape)}, float_out {float_out}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_module_repacks_when_its_weight_changes(dtype):
     # the packed copy is a cache of the weight: after an in-place edit or a new weight, the
     # output must follow the weight (oracle: F.linear in float32 on the current weight)
@@ -2030,6 +2061,60 @@ def test_cpu_kernel_rejects_block_table_too_short(cpu_backend):
     query, kc, vc, tables, ctx, qsl, scale = make_batch([1], [40], block_size=16)
     with pytest.raises(RuntimeError, match="block_tables has"):
         pa.paged_attention(query, kc, vc, tables[:, :2], ctx, qsl, scale, backend="cpu")
+
+
+INVARIANT_CHUNKINGS = {   # the 150 query rows of one sequence, cut into the calls of a few schedules
+    "one chunk": [(0, 150)],
+    "chunks of 64": [(0, 64), (64, 128), (128, 150)],
+    "chunks of 7": [(a, min(a + 7, 150)) for a in range(0, 150, 7)],
+    "prefix cached, then decode rows": [(0, 32), (32, 140)] + [(p, p + 1) for p in range(140, 150)],
+}
+
+
+def attention_by_chunks(kc, vc, tables, q0, scale, chunks, others, **kw):
+    """Rows of sequence 0 (q0 [150, heads, D], its KV already in the cache) computed chunk by chunk,
+    each call with other sequences beside it (others: their q_lens, contexts, query rows) -> [150, heads, D]"""
+    out = torch.empty_like(q0)
+    for n, (a, b) in enumerate(chunks):
+        q_lens, ctx, q = [b - a], [b], [q0[a:b]]
+        for q_len, c, rows in others[:n % (len(others) + 1)]:   # 0 to all of them, changing per call
+            q_lens.append(q_len), ctx.append(c), q.append(rows)
+        qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+        got = pa.paged_attention(torch.cat(q), kc, vc, tables[:len(q_lens)], torch.tensor(ctx, dtype=torch.int32), qsl,
+                                 scale, **kw)
+        out[a:b] = got[:b - a]
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend, head_dim, group, block_size", [
+    ("cpu", 64, 3, 16), ("cpu", 128, 1, 32), ("cpu", 64, 16, 8),   # SIMD decode path everywhere; prefill path (group 16)
+    ("cpu", 32, 3, 16), ("torch", 64, 3, 16)])                    # the generic path; the reference row by row
+def test_batch_invariant_attention_gives_a_query_the_same_bits_in_any_chunk_or_batch(
+        cpu_backend, kv_dtype, backend, head_dim, group, block_size):
+    # a query's attention in batch-invariant mode depends on its sequence's KV and its position only:
+    # the rows of one sequence computed in one chunk, in chunks of 64 or 7, or as decode rows after a
+    # cached prefix, beside 0-3 other sequences, must be bit-identical; and within ATOL of the reference
+    if backend == "torch" and kv_dtype == torch.bfloat16:
+        pytest.skip("the reference row by row: float32 shows it")
+    _, kc, vc, tables, _, _, scale = make_batch([1, 1, 1, 1], [150, 40, 90, 300], num_kv_heads=2, group=group,
+                                                head_dim=head_dim, block_size=block_size, kv_dtype=kv_dtype, seed=head_dim + group)
+    g = torch.Generator().manual_seed(group)
+    q0 = torch.randn(150, 2 * group, head_dim, generator=g)
+    others = [(1, 40, torch.randn(1, 2 * group, head_dim, generator=g)), (17, 90, torch.randn(17, 2 * group, head_dim, generator=g)),
+              (1, 300, torch.randn(1, 2 * group, head_dim, generator=g))]
+    runs = {name: attention_by_chunks(kc, vc, tables, q0, scale, chunks, others, backend=backend, batch_invariant=True)
+            for name, chunks in INVARIANT_CHUNKINGS.items()}
+    for name, out in runs.items():
+        assert torch.equal(out, runs["one chunk"]), f"{name}: {(out != runs['one chunk']).any(-1).any(-1).sum()} rows differ"
+    expected = pa.paged_attention_reference(q0, kc, vc, tables[:1], torch.tensor([150], dtype=torch.int32),
+                                            torch.tensor([0, 150], dtype=torch.int32), scale)
+    assert (runs["one chunk"] - expected).abs().max().item() <= ATOL[kv_dtype]
+    if backend == "cpu":   # what the mode changes: by default the same rows differ between schedules
+        default = {name: attention_by_chunks(kc, vc, tables, q0, scale, chunks, others, backend="cpu")
+                   for name, chunks in INVARIANT_CHUNKINGS.items()}
+        print(f"\nwithout batch_invariant, rows of 150 differing from one chunk: "
+              f"{ {n: int((o != default['one chunk']).any(-1).any(-1).sum()) for n, o in default.items()} }")
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
