@@ -32,6 +32,7 @@ import torch
 
 from benchmarks import batching as bench_batching
 from benchmarks import hardware as bench_hardware
+from benchmarks import invariance as bench_invariance
 from benchmarks import online as bench_online
 from benchmarks import peers as bench_peers
 from benchmarks import report
@@ -273,6 +274,9 @@ def targets(results):
     """Every target that this run measured, met or missed; a target it could not measure says why."""
     rows = []
     t, p, r, h = (results.get(k) for k in ("throughput", "peers", "roofline", "http"))
+    for tp in (results.get("invariance") or {}).get("throughput", []):
+        rows.append((f"batch-invariant mode >= 0.9x the default's throughput ({tp['dtype']}, peers workload)",
+                     tp["invariant_over_default"], 0.9))
     if t:
         rows.append(("continuous >= 2x best static batching (useful tok/s)", t["continuous_over_best_static"], 2.0))
     if p:
@@ -321,7 +325,8 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "http": bench_online.bench_http, "peers": bench_peers.bench_peers,
                "roofline": bench_hardware.bench_roofline, "kernel": bench_hardware.bench_kernel,
                "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
-               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs}
+               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
+               "invariance": bench_invariance.bench_invariance}
 SECTIONS = list(EXPERIMENTS)
 
 

@@ -137,22 +137,28 @@ def panel_columns(dtype: torch.dtype) -> int:
     return torch.ops.nanoserve_linear.panel_columns(dtype == torch.bfloat16)
 
 
-def pack_weight(weight: torch.Tensor, invariant: bool = False) -> torch.Tensor | None:
-    """The copy of a CPU float32/bfloat16 weight [N, K] that linear() reads: panels for our GEMM
-    at every row count (see LINEAR_PANELS; always in batch-invariant mode, where the kernel is
-    built), else oneDNN's blocked copy (a mkldnn tensor) from a few rows up, or None where
-    neither applies."""
+def pack_kind(weight: torch.Tensor, invariant: bool = False) -> str | None:
+    """Which copy of a weight [N, K] linear() reads: "panels" for our GEMM at every row count (see
+    LINEAR_PANELS; always in batch-invariant mode, where the kernel is built and N fits), else
+    "onednn" (its blocked copy, from a few rows up), or None where neither applies."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    panels = invariant or (LINEAR_PANELS and panels_available(weight.dtype))
-    if panels and _cpu_linear_kernels()[0]:
+    if (invariant or (LINEAR_PANELS and panels_available(weight.dtype))) and _cpu_linear_kernels()[0]:
         cols = panel_columns(weight.dtype)
         pair = 2 if cols == 32 else 1                            # AVX512_BF16 panels hold K's values in pairs
         if weight.shape[0] % cols == 0 and weight.shape[1] % pair == 0:
-            return torch.ops.nanoserve_linear.pack_panels(weight.detach())
+            return "panels"
     if invariant or not onednn_prepack_available() or (weight.dtype == torch.bfloat16 and not onednn_bf16_available()):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+    return "onednn"
+
+
+def pack_weight(weight: torch.Tensor, invariant: bool = False) -> torch.Tensor | None:
+    """The copy pack_kind names: panels, oneDNN's blocked copy (a mkldnn tensor), or None."""
+    kind = pack_kind(weight, invariant)
+    if kind == "panels":
+        return torch.ops.nanoserve_linear.pack_panels(weight.detach())
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT) if kind == "onednn" else None
 
 
 def cpu_linear_path(dtype: torch.dtype, invariant: bool = False) -> str:
@@ -252,6 +258,7 @@ class Linear(nn.Linear):
     replaced or changed, and the GGUF blocks weights.attach_gguf_blocks gave it (dropped if the
     weight changes)."""
     _packed = (None, None)                    # (which weight it was made from, packed copy)
+    _packed_invariant = (None, None)          # the same for batch-invariant mode, where the copy may differ
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
     batch_invariant = False                   # model.Llama.set_batch_invariant sets it
 
@@ -262,16 +269,20 @@ class Linear(nn.Linear):
     def weight_key(self):
         w = self.weight
         # inference tensors keep no version counter: for them only a new weight is noticed
-        return (w.data_ptr(), w.dtype, w.device, None if w.is_inference() else w._version, self.batch_invariant)
+        return (w.data_ptr(), w.dtype, w.device, None if w.is_inference() else w._version)
 
     def prepared(self) -> tuple[torch.Tensor | None, GGUFBlocks | None]:
         """(the packed copy, GGUF blocks) for the current weight, checked with one key per
         call (at batch 1 a step makes 121 of these calls): the copy is remade and the blocks
         dropped once the weight is replaced or changed."""
         key = self.weight_key()
-        if self._packed[0] != key:
-            self._packed = (key, pack_weight(self.weight, self.batch_invariant))
-        return self._packed[1], (self._gguf[1] if self._gguf[0] == key else None)
+        slot, other = ("_packed_invariant", self._packed) if self.batch_invariant else ("_packed", self._packed_invariant)
+        if getattr(self, slot)[0] != key:
+            # one copy for both modes where both read the same kind (float32 panels on AVX2): a model
+            # shared by engines of both modes (bench.py) neither repacks per step nor holds it twice
+            same = other[0] == key and pack_kind(self.weight, True) == pack_kind(self.weight, False)
+            setattr(self, slot, (key, other[1] if same else pack_weight(self.weight, self.batch_invariant)))
+        return getattr(self, slot)[1], (self._gguf[1] if self._gguf[0] == key else None)
 
     def packed_weight(self) -> torch.Tensor | None:
         return self.prepared()[0]

@@ -199,8 +199,8 @@ class Llama(nn.Module):
         for m in self.modules():
             if isinstance(m, (Linear, Attention)):
                 m.batch_invariant = on
-        self.batch_invariant, self.rope_table = on, None
-        if on:
+        self.batch_invariant = on
+        if on and self.rope_table is None:   # kept when turned off: engines sharing the model take turns
             pos = torch.arange(self.config.max_position_embeddings, device=self.embed_tokens.weight.device)
             freqs = pos.unsqueeze(1).float() * self.inv_freq.to(pos.device)              # [max_pos, head_dim/2]
             self.rope_table = (freqs.cos(), freqs.sin())
@@ -220,7 +220,7 @@ class Llama(nn.Module):
         Returns float32 logits [num_sampled, vocab]."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
         fused = self.use_fused_ops and fused_ops_available(x.device, x.dtype)
-        if self.rope_table is not None:                                   # batch-invariant mode
+        if self.batch_invariant:
             cos, sin = (t.index_select(0, positions) for t in self.rope_table)   # float32 [T, head_dim/2]
         else:
             freqs = positions.unsqueeze(1).float() * self.inv_freq        # [T, head_dim/2]
