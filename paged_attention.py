@@ -162,10 +162,10 @@ def _reference_row_by_row(query, key_cache, value_cache, block_tables, context_l
     row computed alone (as a decode row at its position) is what every chunking must give."""
     out = torch.empty_like(query)
     qsl, ctx = query_start_loc.tolist(), context_lens.tolist()
+    one = torch.tensor([0, 1], dtype=query_start_loc.dtype, device=query.device)   # query_start_loc of one row
     for i in range(len(ctx)):
         for j in range(qsl[i], qsl[i + 1]):
             pos = ctx[i] - (qsl[i + 1] - j)                  # absolute position of row j
-            one = torch.tensor([0, 1], dtype=query_start_loc.dtype, device=query.device)
             out[j:j + 1] = paged_attention_reference(query[j:j + 1], key_cache, value_cache, block_tables[i:i + 1],
                                                      context_lens.new_tensor([pos + 1]), one, scale)
     return out
