@@ -33,6 +33,7 @@ import torch
 from benchmarks import batching as bench_batching
 from benchmarks import gpu as bench_gpu
 from benchmarks import hardware as bench_hardware
+from benchmarks import invariance as bench_invariance
 from benchmarks import online as bench_online
 from benchmarks import parallel as bench_tp
 from benchmarks import peers as bench_peers
@@ -275,6 +276,9 @@ def targets(results):
     """Every target that this run measured, met or missed; a target it could not measure says why."""
     rows = []
     t, p, r, h = (results.get(k) for k in ("throughput", "peers", "roofline", "http"))
+    for tp in (results.get("invariance") or {}).get("throughput", []):
+        rows.append((f"batch-invariant mode >= 0.9x the default's throughput ({tp['dtype']}, peers workload)",
+                     tp["invariant_over_default"], 0.9))
     if t:
         rows.append(("continuous >= 2x best static batching (useful tok/s)", t["continuous_over_best_static"], 2.0))
     if p:
@@ -324,7 +328,8 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "roofline": bench_hardware.bench_roofline, "kernel": bench_hardware.bench_kernel,
                "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
                "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
-               "gpu": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel}
+               "gpu": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
+               "invariance": bench_invariance.bench_invariance}
 SECTIONS = list(EXPERIMENTS)
 
 

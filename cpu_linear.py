@@ -7,6 +7,8 @@ prepacked weight, made once per weight (`pack_weight`); `linear()` is F.linear w
 and `Linear` is nn.Linear that keeps its packed copy. Also what this CPU multiplies natively
 (`cpu_bf16_native`, read by model.resolve_dtype). Every choice below was measured; the numbers
 are in the comments and in results/. On other devices and dtypes linear() is plain F.linear.
+Batch-invariant mode (`invariant=True`, docs/batch-invariance.md) takes one kernel at every row
+count, the panels, whose sums run along K in one fixed order: a row's result never depends on M.
 Holds no model structure (model.py) and reads no files (weights.py attaches GGUF blocks).
 """
 import functools
@@ -130,24 +132,45 @@ def panels_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The copy of a CPU float32/bfloat16 weight [N, K] that linear() reads: panels for our GEMM
-    at every row count (see LINEAR_PANELS), else oneDNN's blocked copy (a mkldnn tensor) from a
-    few rows up, or None where neither applies."""
+def panel_columns(dtype: torch.dtype) -> int:
+    """Output columns per panel at `dtype` on this build: 16, or 32 for bf16 with AVX512_BF16."""
+    return torch.ops.nanoserve_linear.panel_columns(dtype == torch.bfloat16)
+
+
+def pack_kind(weight: torch.Tensor, invariant: bool = False) -> str | None:
+    """Which copy of a weight [N, K] linear() reads: "panels" for our GEMM at every row count (see
+    LINEAR_PANELS; always in batch-invariant mode, where the kernel is built and N fits), else
+    "onednn" (its blocked copy, from a few rows up), or None where neither applies."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    pair = 2 if weight.dtype == torch.bfloat16 else 1                # bf16 panels hold K's values in pairs
-    if LINEAR_PANELS and panels_available(weight.dtype) and weight.shape[0] % PANEL_COLUMNS[weight.dtype] == 0 \
-            and weight.shape[1] % pair == 0:
-        return torch.ops.nanoserve_linear.pack_panels(weight.detach())
-    if not onednn_prepack_available() or (weight.dtype == torch.bfloat16 and not onednn_bf16_available()):
+    if (invariant or (LINEAR_PANELS and panels_available(weight.dtype))) and _cpu_linear_kernels()[0]:
+        cols = panel_columns(weight.dtype)
+        pair = 2 if cols == 32 else 1                            # AVX512_BF16 panels hold K's values in pairs
+        if weight.shape[0] % cols == 0 and weight.shape[1] % pair == 0:
+            return "panels"
+    if invariant or not onednn_prepack_available() or (weight.dtype == torch.bfloat16 and not onednn_bf16_available()):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+    return "onednn"
 
 
-def cpu_linear_path(dtype: torch.dtype) -> str:
+def pack_weight(weight: torch.Tensor, invariant: bool = False) -> torch.Tensor | None:
+    """The copy pack_kind names: panels, oneDNN's blocked copy (a mkldnn tensor), or None."""
+    kind = pack_kind(weight, invariant)
+    if kind == "panels":
+        return torch.ops.nanoserve_linear.pack_panels(weight.detach())
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT) if kind == "onednn" else None
+
+
+def cpu_linear_path(dtype: torch.dtype, invariant: bool = False) -> str:
     """Which kernels linear() runs on this CPU at `dtype` (the engine logs it, bench.py prints it)."""
     small_m, onednn = _cpu_linear_kernels()
+    name = str(dtype).removeprefix('torch.')
+    if invariant:
+        if not small_m:
+            return f"{name}, batch-invariant: F.linear one row at a time (csrc/linear_cpu.cpp not built; slow)"
+        simd = "AVX512_BF16 pairs" if panel_columns(dtype) == 32 else "AVX2, bf16 widened in registers" \
+            if dtype == torch.bfloat16 else "AVX2"
+        return f"{name}, batch-invariant: csrc GEMM on weight panels ({simd}) at every row count"
     if LINEAR_PANELS and dtype in PANEL_COLUMNS and panels_available(dtype):
         simd = "AVX2" if dtype == torch.float32 else "AVX512_BF16"
         return f"{str(dtype).removeprefix('torch.')}: csrc GEMM on weight panels ({simd}) at every row count"
@@ -177,13 +200,15 @@ GGUF_ROWS = 3
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, gguf: GGUFBlocks | None = None,
-           float_out: bool = False) -> torch.Tensor:
+           float_out: bool = False, invariant: bool = False) -> torch.Tensor:
     """F.linear, with faster kernels on CPU: the GGUF's blocks at a few rows where the layer has
     them; our GEMM on the weight's panels (pack_weight) at any row count, in float32 on AVX2
     CPUs and in bfloat16 on AVX512_BF16 ones without AMX;
     elsewhere our small-M kernel for few rows (oneDNN and MKL are slow there), then oneDNN on the
     prepacked weight, or on the plain one without it. float_out: return float32 whatever the dtype
-    (the logits); the bf16 panels then skip rounding their float32 sums to bf16 and back."""
+    (the logits); the bf16 panels then skip rounding their float32 sums to bf16 and back.
+    invariant (batch-invariant mode): the panels (pack_weight(..., invariant=True)) at every row
+    count and never the GGUF blocks; without panels, F.linear one row at a time (slow, warned)."""
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
         out = F.linear(x, weight, bias)
         return out.float() if float_out else out
@@ -191,7 +216,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (M, K), N = x2.shape, weight.shape[0]
     small_m, onednn = _cpu_linear_kernels()
     bf16 = x.dtype == torch.bfloat16
-    if small_m and gguf is not None and not bf16 and M < GGUF_ROWS:
+    if invariant:
+        out = _linear_invariant(x2, weight, bias, packed, float_out)
+    elif small_m and gguf is not None and not bf16 and M < GGUF_ROWS:
         out = torch.ops.nanoserve_linear.linear_small_m_gguf(x2, gguf.qs, gguf.scales, gguf.mins, bias)
     elif packed is not None and not packed.is_mkldnn:                    # panels, any M
         out = torch.ops.nanoserve_linear.linear_panels(x2, packed, bias, float_out)
@@ -209,16 +236,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], N)                                 # [..., N]
 
 
+def _linear_invariant(x2, weight, bias, packed, float_out):
+    """x2 [M, K] -> [M, N], each row by the same kernel and in the same order at every M."""
+    if packed is not None and not packed.is_mkldnn:
+        return torch.ops.nanoserve_linear.linear_panels(x2, packed, bias, float_out)
+    _warn_rows_alone(tuple(weight.shape), str(x2.dtype))
+    # one row per call: every row takes the M = 1 path of whatever F.linear runs
+    return torch.cat([F.linear(row, weight, bias) for row in x2.split(1)]) if len(x2) else F.linear(x2, weight, bias)
+
+
+@functools.cache
+def _warn_rows_alone(shape, dtype):
+    warnings.warn(f"batch-invariant mode: no csrc panels for a {dtype} weight {list(shape)} (kernel not built, "
+                  f"or N not a multiple of the panel width); it runs F.linear one row at a time (slow)",
+                  RuntimeWarning)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) whose forward is linear() above, with the
     weight's packed copy (pack_weight) made at the first call and remade if the weight is
     replaced or changed, and the GGUF blocks weights.attach_gguf_blocks gave it (dropped if the
     weight changes)."""
     _packed = (None, None)                    # (which weight it was made from, packed copy)
+    _packed_invariant = (None, None)          # the same for batch-invariant mode, where the copy may differ
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
+    batch_invariant = False                   # model.Llama.set_batch_invariant sets it
 
     def forward(self, x, float_out=False):
-        return linear(x, self.weight, self.bias, *self.prepared(), float_out=float_out)
+        return linear(x, self.weight, self.bias, *self.prepared(), float_out=float_out,
+                      invariant=self.batch_invariant)
 
     def weight_key(self):
         w = self.weight
@@ -230,9 +276,13 @@ class Linear(nn.Linear):
         call (at batch 1 a step makes 121 of these calls): the copy is remade and the blocks
         dropped once the weight is replaced or changed."""
         key = self.weight_key()
-        if self._packed[0] != key:
-            self._packed = (key, pack_weight(self.weight))
-        return self._packed[1], (self._gguf[1] if self._gguf[0] == key else None)
+        slot, other = ("_packed_invariant", self._packed) if self.batch_invariant else ("_packed", self._packed_invariant)
+        if getattr(self, slot)[0] != key:
+            # one copy for both modes where both read the same kind (float32 panels on AVX2): a model
+            # shared by engines of both modes (bench.py) neither repacks per step nor holds it twice
+            same = other[0] == key and pack_kind(self.weight, True) == pack_kind(self.weight, False)
+            setattr(self, slot, (key, other[1] if same else pack_weight(self.weight, self.batch_invariant)))
+        return getattr(self, slot)[1], (self._gguf[1] if self._gguf[0] == key else None)
 
     def packed_weight(self) -> torch.Tensor | None:
         return self.prepared()[0]

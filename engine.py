@@ -20,7 +20,7 @@ import itertools
 import os
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -59,6 +59,10 @@ class EngineConfig(SchedulerConfig):
     num_threads: int | None = None      # default: all cores (under tensor parallelism: shared by the ranks)
     tensor_parallel_size: int = 1       # ranks that split each layer (parallel.py)
     seed: int = 0                       # for unseeded sampling
+    # same tokens and logprobs whatever the batch, chunking or prefix cache (docs/batch-invariance.md);
+    # CPU only. Default from vLLM's VLLM_BATCH_INVARIANT=1 or NANOSERVE_BATCH_INVARIANT=1.
+    batch_invariant: bool = field(default_factory=lambda: any(
+        os.environ.get(v, "0") not in ("", "0") for v in ("VLLM_BATCH_INVARIANT", "NANOSERVE_BATCH_INVARIANT")))
 
     def validate(self):
         super().validate()
@@ -156,6 +160,9 @@ class Engine:
         torch.set_num_threads(config.num_threads or os.cpu_count())
         self.device = torch.device(config.device if config.device != "auto"
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
+        need(not (config.batch_invariant and self.device.type == "cuda"), "batch_invariant",
+             "off on CUDA: the GPU kernels' reduction order still depends on the batch (docs/batch-invariance.md)",
+             config.batch_invariant)
         dtype, why = resolve_dtype(config.dtype, self.device)
         self.dtype = dtype                                  # what ran; bench.py prints it
         _log_once(f"nanoserve: dtype {str(dtype).removeprefix('torch.')} ({why})")
@@ -169,7 +176,8 @@ class Engine:
         self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device,
                                                                                    self.tp)
         if self.device.type == "cpu":
-            _log_once(f"nanoserve: linear layers {cpu_linear_path(dtype)}; {self.model.gguf_log}")
+            _log_once(f"nanoserve: linear layers {cpu_linear_path(dtype, config.batch_invariant)}; {self.model.gguf_log}")
+        self.model.set_batch_invariant(config.batch_invariant)
         self.model.prepare()     # not in the first request (the first after serve.py says it is up)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
@@ -267,6 +275,8 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()   # the sampler edits the model's logits in place: they are inference tensors
     def step(self) -> list[RequestOutput]:
+        if self.model.batch_invariant != self.config.batch_invariant:   # a model shared by engines (bench.py)
+            self.model.set_batch_invariant(self.config.batch_invariant)
         batch = self.schedule()
         if not batch.seqs:                                  # everyone was preempted: only the swaps run
             self.kv_pool.run(batch.block_ops)

@@ -124,6 +124,7 @@ class Attention(nn.Module):
                                bias=cfg.attention_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
+        self.batch_invariant = False          # Llama.set_batch_invariant
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, fused=False):
         T = x.shape[0]
@@ -138,7 +139,7 @@ class Attention(nn.Module):
         paged_attention.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         o = paged_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                             meta.query_start_loc, self.scale, backend=meta.backend,
-                                            cuda_plan=meta.cuda_plan)
+                                            cuda_plan=meta.cuda_plan, batch_invariant=self.batch_invariant)
         return self.o_proj(o.reshape(T, self.n_heads * self.head_dim))
 
 
@@ -187,6 +188,22 @@ class Llama(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)
         self.use_fused_ops = True     # csrc/fused_cpu.cpp where it applies (bench turns it off to compare)
         self.gguf_log = ""            # which layers read GGUF blocks: weights.load_model says
+        self.batch_invariant = False  # set_batch_invariant
+        self.rope_table = None        # batch-invariant mode: (cos, sin) [max_position_embeddings, head_dim/2]
+
+    def set_batch_invariant(self, on: bool):
+        """Batch-invariant mode (docs/batch-invariance.md): every linear layer and attention call takes
+        its batch-invariant kernel, and RoPE reads cos/sin from a table made once: torch's cos() of a
+        whole step may split it between threads at a point where one thread's vector tail, computed
+        by the scalar libm, meets the other's vector code, and the two can round apart."""
+        for m in self.modules():
+            if isinstance(m, (Linear, Attention)):
+                m.batch_invariant = on
+        self.batch_invariant = on
+        if on and self.rope_table is None:   # kept when turned off: engines sharing the model take turns
+            pos = torch.arange(self.config.max_position_embeddings, device=self.embed_tokens.weight.device)
+            freqs = pos.unsqueeze(1).float() * self.inv_freq.to(pos.device)              # [max_pos, head_dim/2]
+            self.rope_table = (freqs.cos(), freqs.sin())
 
     def prepare(self):
         """Do now what the first forward pass would: make every linear layer's packed copy (~0.2 s)
@@ -203,8 +220,11 @@ class Llama(nn.Module):
         Returns float32 logits [num_sampled, vocab]."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
         fused = self.use_fused_ops and fused_kernels(x.device, x.dtype, meta.backend)
-        freqs = positions.unsqueeze(1).float() * self.inv_freq            # [T, head_dim/2]
-        cos, sin = freqs.cos(), freqs.sin()                               # float32 [T, head_dim/2]
+        if self.batch_invariant:
+            cos, sin = (t.index_select(0, positions) for t in self.rope_table)   # float32 [T, head_dim/2]
+        else:
+            freqs = positions.unsqueeze(1).float() * self.inv_freq        # [T, head_dim/2]
+            cos, sin = freqs.cos(), freqs.sin()                           # float32 [T, head_dim/2]
         residual = None
         # Past the last layer's attention only the rows that get logits matter: every token's K
         # and V are cached by then, so a prompt chunk's other rows skip that layer's MLP.

@@ -222,16 +222,37 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, backend=
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                    scale, backend="torch", cuda_plan: CudaPlan | None = None):
+                    scale, backend="torch", cuda_plan: CudaPlan | None = None, batch_invariant=False):
     """Dispatch to a backend. Every backend computes exactly what the reference does. The CUDA
-    backends take the step's cuda_plan; without one, a plan is made here from a host copy."""
+    backends take the step's cuda_plan; without one, a plan is made here from a host copy.
+    batch_invariant: each query row's result depends only on its sequence's KV and its position,
+    never on the batch or the chunk it came in (docs/batch-invariance.md); CPU backends only."""
     if backend == "torch":
+        if batch_invariant:
+            return _reference_row_by_row(query, key_cache, value_cache, block_tables, context_lens,
+                                         query_start_loc, scale)
         return paged_attention_reference(query, key_cache, value_cache, block_tables,
                                          context_lens, query_start_loc, scale)
     if backend == "cpu":
         return _ops(backend).paged_attention(query, key_cache, value_cache, block_tables,
-                                             context_lens, query_start_loc, float(scale))
+                                             context_lens, query_start_loc, float(scale), batch_invariant)
+    if batch_invariant:
+        raise ValueError(f"batch-invariant attention is not implemented for backend {backend!r}")
     plan = cuda_plan or host_cuda_plan(query, key_cache, context_lens, query_start_loc, backend)
     return _ops(backend).paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                          query_start_loc, plan.plan, float(scale), plan.max_parts,
                                          plan.num_prefill_items)
+
+
+def _reference_row_by_row(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale):
+    """The reference, one query row per call: SDPA's blocking depends on the query length, so a
+    row computed alone (as a decode row at its position) is what every chunking must give."""
+    out = torch.empty_like(query)
+    qsl, ctx = query_start_loc.tolist(), context_lens.tolist()
+    one = torch.tensor([0, 1], dtype=query_start_loc.dtype, device=query.device)   # query_start_loc of one row
+    for i in range(len(ctx)):
+        for j in range(qsl[i], qsl[i + 1]):
+            pos = ctx[i] - (qsl[i + 1] - j)                  # absolute position of row j
+            out[j:j + 1] = paged_attention_reference(query[j:j + 1], key_cache, value_cache, block_tables[i:i + 1],
+                                                     context_lens.new_tensor([pos + 1]), one, scale)
+    return out

@@ -303,6 +303,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", help=f"KV cache dtype, auto = model dtype (default {default.kv_cache_dtype})")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help=f"reuse KV blocks of shared prompt prefixes (default {default.enable_prefix_caching})")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="same tokens and logprobs whatever the batch, chunking or prefix cache; CPU only "
+                        "(default: on if VLLM_BATCH_INVARIANT=1 or NANOSERVE_BATCH_INVARIANT=1)")
     p.add_argument("--scheduling-policy", help=f"fcfs, priority or lpm (default {default.scheduling_policy})")
     p.add_argument("--preemption-mode", help=f"recompute or swap (default {default.preemption_mode})")
     p.add_argument("--swap-space",

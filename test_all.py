@@ -814,6 +814,114 @@ def test_chunked_prefill_mixes_decode_and_prefill_in_one_step():
         eng.step()
 
 
+# ---- batch-invariant mode: the same bits whatever the batch (docs/batch-invariance.md) ----------
+# bfloat16, where the default kernels round differently at different batch shapes. The oracle is the
+# engine itself with nothing beside the prompt (alone, batch 1): every other configuration must give
+# bit-identical tokens and logprobs. Lean: 16 prompts of 31-35 tokens that share a 26-token prefix
+# (one full block), 4 tokens out each (their growth into a third block forces the preemption).
+
+INV_PREFIX = "System: be brief. Answer the user with care and with facts only, please. Never guess, and say so when unsure."
+INV_PROMPTS = [f"{INV_PREFIX} User: {q}" for q in (
+    "What is 2+2?", "Name a color.", "Where is Paris?", "Say hello.", "Count to three.", "Spell cat.",
+    "Is ice cold?", "Name a fruit.", "What is the sun?", "Who wrote Hamlet?", "Say yes or no.", "Pick a number.",
+    "Name a river.", "What do cows eat?", "Define a noun.", "List two metals.")]
+INV_CROWD = [f"Note {i}: " + "alpha beta gamma " * (i % 6) for i in range(48)]     # the unrelated requests
+INV_BF16 = dict(device="cpu", dtype="bfloat16", kv_cache_memory=SMALL_KV, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    """SmolLM2 in bfloat16, loaded once and shared by the engines below (Engine's loaded_model)."""
+    return W.load_model(None, torch.bfloat16, torch.device("cpu"))
+
+
+def inv_llm(bf16_model, **kw):
+    return LLM(loaded_model=bf16_model, **{**INV_BF16, **kw})
+
+
+def tokens_and_logprobs(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def in_a_crowd(llm, params: list, crowd_params):
+    """INV_PROMPTS scattered among INV_CROWD, 64 requests in one batch -> INV_PROMPTS' outputs."""
+    order = [("crowd", i) for i in range(16)] + [("ours", i) for i in range(8)] + \
+            [("crowd", i) for i in range(16, 40)] + [("ours", i) for i in range(8, 16)] + [("crowd", i) for i in range(40, 48)]
+    outs = llm.generate([INV_CROWD[i] if who == "crowd" else INV_PROMPTS[i] for who, i in order],
+                        [crowd_params if who == "crowd" else params[i] for who, i in order])
+    return [outs[order.index(("ours", i))] for i in range(16)]
+
+
+def inv_configurations(bf16_model, batch_invariant):
+    """{configuration: INV_PROMPTS' greedy (tokens, logprobs)}, each configuration an engine of its own."""
+    kw, params = dict(batch_invariant=batch_invariant), greedy(4, logprobs=2)
+    alone = inv_llm(bf16_model, **kw)
+    runs = {"alone": [alone.generate([p], params)[0] for p in INV_PROMPTS],
+            "in a batch of 64": in_a_crowd(alone, [params] * 16, greedy(4))}
+    cached = inv_llm(bf16_model, enable_prefix_caching=True, **kw)
+    cached.generate([INV_PREFIX + " User: warm up."], greedy(1))          # caches the shared prefix's block
+    runs["prefix cache hit"] = cached.generate(INV_PROMPTS, params)
+    assert all(o.metrics.num_cached_tokens >= 16 for o in runs["prefix cache hit"])
+    for budget in (64, 512):
+        runs[f"chunks of {budget}"] = inv_llm(bf16_model, max_num_batched_tokens=budget, **kw).generate(INV_PROMPTS, params)
+    block = kv_cache.bytes_per_block(30, 16, 3, 64, torch.bfloat16)
+    small = inv_llm(bf16_model, kv_cache_memory=8 * block, max_num_batched_tokens=64, **kw)   # 8 blocks: preempts
+    runs["after recompute preemption"] = small.generate(INV_PROMPTS, params)
+    assert small.engine.scheduler.num_preemptions >= 1
+    return {name: tokens_and_logprobs(outs) for name, outs in runs.items()}
+
+
+def differing_outputs(runs, base="alone"):
+    """{configuration: how many of the 16 outputs differ from base's in a token or a logprob's bits}"""
+    return {name: sum(a != b for a, b in zip(outs, runs[base])) for name, outs in runs.items() if name != base}
+
+
+@pytest.mark.slow
+def test_batch_invariant_mode_gives_bit_identical_tokens_and_logprobs_in_every_configuration(bf16_model):
+    runs = inv_configurations(bf16_model, batch_invariant=True)
+    assert differing_outputs(runs) == {name: 0 for name in runs if name != "alone"}
+    # seeded temperature-1 sampling: the same draws alone and in a crowd of unseeded requests
+    llm = inv_llm(bf16_model, batch_invariant=True)
+    seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=4, ignore_eos=True, logprobs=1) for i in range(16)]
+    alone = [llm.generate([p], s)[0] for p, s in zip(INV_PROMPTS, seeded)]
+    crowd = in_a_crowd(llm, seeded, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+    assert tokens_and_logprobs(crowd) == tokens_and_logprobs(alone)
+
+
+@pytest.mark.slow
+def test_without_batch_invariant_mode_bfloat16_outputs_depend_on_the_configuration(bf16_model):
+    # documents what the flag changes: the default kernels' rounding follows the batch shape, so the
+    # same prompts differ between configurations (in a logprob's last bits at least). A count, not an
+    # assertion: how many differ depends on the CPU's kernels (here, 16 prompts: 6 in chunks of 64, 1
+    # after a prefix-cache hit). Two of the configurations above: bf16 without the flag runs F.linear
+    # on AVX2-only CPUs, which is slow.
+    params = greedy(4, logprobs=2)
+    runs = {f"chunks of {n}": tokens_and_logprobs(inv_llm(bf16_model, max_num_batched_tokens=n).generate(INV_PROMPTS, params))
+            for n in (512, 64)}
+    print(f"\nwithout batch_invariant, outputs of 16 differing from chunks of 512: {differing_outputs(runs, 'chunks of 512')}")
+
+
+def test_batch_invariant_float32_still_gives_transformers_greedy_tokens(llm, hf_greedy_32):
+    model = (llm.engine.model, llm.engine.model_config, llm.engine.model_dir)
+    inv = LLM(loaded_model=model, kv_cache_memory=SMALL_KV, batch_invariant=True, **CPU32)
+    assert token_ids(inv.generate(PROMPTS, greedy(16))) == [hf_greedy_32[p][:16] for p in PROMPTS]
+
+
+def test_batch_invariant_flag_comes_from_llm_serve_and_vllms_variable_and_is_refused_on_cuda(monkeypatch):
+    import engine
+    import serve
+    assert serve.engine_config(serve.parse_args(["--batch-invariant"])).batch_invariant
+    assert not serve.engine_config(serve.parse_args([])).batch_invariant
+    for var in ("VLLM_BATCH_INVARIANT", "NANOSERVE_BATCH_INVARIANT"):
+        monkeypatch.setenv(var, "1")
+        assert engine.EngineConfig().batch_invariant and serve.engine_config(serve.parse_args([])).batch_invariant
+        assert not serve.engine_config(serve.parse_args(["--no-batch-invariant"])).batch_invariant
+        monkeypatch.delenv(var)
+    with pytest.raises(InvalidRequest, match="off on CUDA") as err:   # checked before any model loads
+        LLM(device="cuda", batch_invariant=True)
+    assert err.value.field == "batch_invariant"
+
+
 def test_static_and_continuous_give_transformers_outputs(hf_greedy_32):
     params = [greedy(4 + 3 * i) for i in range(len(PROMPTS))]
     cont = LLM(kv_cache_memory=SMALL_KV, **CPU32)
@@ -1738,6 +1846,30 @@ def test_cpu_linear_bfloat16_matches_float32_math_on_smollm2_shapes(smollm2_line
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_linear_gives_a_row_the_same_bits_at_every_row_count(smollm2_linear_weights, dtype):
+    # batch-invariant mode takes one kernel, the panels, at every row count, and its sums run along K
+    # in one order: a row's output must be bit-identical whatever rows share the call. Oracle for the
+    # values: the same inputs multiplied in float64, within one bf16 rounding plus float32 summation.
+    if not CL._cpu_linear_kernels()[0]:
+        pytest.skip(f"csrc/linear_cpu.cpp unavailable: {extensions.failed.get('linear_cpu')}")
+    g = torch.Generator().manual_seed(7)
+    for w in smollm2_linear_weights[:2] + smollm2_linear_weights[-1:]:
+        w = w.to(dtype)
+        packed = CL.pack_weight(w, invariant=True)
+        assert packed is not None and not packed.is_mkldnn, "batch-invariant mode packs panels on every CPU"
+        x, bias = torch.randn(70, w.shape[1], generator=g).to(dtype), torch.randn(w.shape[0], generator=g).to(dtype)
+        for b, float_out in [(None, False), (bias, False), (None, True)]:
+            full = CL.linear(x, w, b, packed, float_out=float_out, invariant=True)
+            for lo, hi in [(0, 1), (5, 6), (3, 5), (7, 20), (10, 70)]:   # 1, 2, 13 and 60 rows: every tile height
+                assert torch.equal(CL.linear(x[lo:hi], w, b, packed, float_out=float_out, invariant=True), full[lo:hi]), \
+                    f"{tuple(w.shape)} rows {lo}:{hi}, bias {b is not None}, float_out {float_out}"
+            ref = x.double() @ w.double().T + (0 if b is None else b.double())
+            sums = 1e-5 * (x.double().abs() @ w.double().abs().T + 1)
+            rounding = 2 ** -8 * ref.abs() if dtype == torch.bfloat16 and not float_out else 0
+            assert ((full.double() - ref).abs() <= rounding + sums).all(), f"{tuple(w.shape)}, float_out {float_out}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_module_repacks_when_its_weight_changes(dtype):
     # the packed copy is a cache of the weight: after an in-place edit or a new weight, the
     # output must follow the weight (oracle: F.linear in float32 on the current weight)
@@ -1931,6 +2063,60 @@ def test_cpu_kernel_rejects_block_table_too_short(cpu_backend):
     query, kc, vc, tables, ctx, qsl, scale = make_batch([1], [40], block_size=16)
     with pytest.raises(RuntimeError, match="block_tables has"):
         pa.paged_attention(query, kc, vc, tables[:, :2], ctx, qsl, scale, backend="cpu")
+
+
+INVARIANT_CHUNKINGS = {   # the 150 query rows of one sequence, cut into the calls of a few schedules
+    "one chunk": [(0, 150)],
+    "chunks of 64": [(0, 64), (64, 128), (128, 150)],
+    "chunks of 7": [(a, min(a + 7, 150)) for a in range(0, 150, 7)],
+    "prefix cached, then decode rows": [(0, 32), (32, 140)] + [(p, p + 1) for p in range(140, 150)],
+}
+
+
+def attention_by_chunks(kc, vc, tables, q0, scale, chunks, others, **kw):
+    """Rows of sequence 0 (q0 [150, heads, D], its KV already in the cache) computed chunk by chunk,
+    each call with other sequences beside it (others: their q_lens, contexts, query rows) -> [150, heads, D]"""
+    out = torch.empty_like(q0)
+    for n, (a, b) in enumerate(chunks):
+        q_lens, ctx, q = [b - a], [b], [q0[a:b]]
+        for q_len, c, rows in others[:n % (len(others) + 1)]:   # 0 to all of them, changing per call
+            q_lens.append(q_len), ctx.append(c), q.append(rows)
+        qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+        got = pa.paged_attention(torch.cat(q), kc, vc, tables[:len(q_lens)], torch.tensor(ctx, dtype=torch.int32), qsl,
+                                 scale, **kw)
+        out[a:b] = got[:b - a]
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend, head_dim, group, block_size", [
+    ("cpu", 64, 3, 16), ("cpu", 128, 1, 32), ("cpu", 64, 16, 8),   # SIMD decode path everywhere; prefill path (group 16)
+    ("cpu", 32, 3, 16), ("torch", 64, 3, 16)])                    # the generic path; the reference row by row
+def test_batch_invariant_attention_gives_a_query_the_same_bits_in_any_chunk_or_batch(
+        cpu_backend, kv_dtype, backend, head_dim, group, block_size):
+    # a query's attention in batch-invariant mode depends on its sequence's KV and its position only:
+    # the rows of one sequence computed in one chunk, in chunks of 64 or 7, or as decode rows after a
+    # cached prefix, beside 0-3 other sequences, must be bit-identical; and within ATOL of the reference
+    if backend == "torch" and kv_dtype == torch.bfloat16:
+        pytest.skip("the reference row by row: float32 shows it")
+    _, kc, vc, tables, _, _, scale = make_batch([1, 1, 1, 1], [150, 40, 90, 300], num_kv_heads=2, group=group,
+                                                head_dim=head_dim, block_size=block_size, kv_dtype=kv_dtype, seed=head_dim + group)
+    g = torch.Generator().manual_seed(group)
+    q0 = torch.randn(150, 2 * group, head_dim, generator=g)
+    others = [(1, 40, torch.randn(1, 2 * group, head_dim, generator=g)), (17, 90, torch.randn(17, 2 * group, head_dim, generator=g)),
+              (1, 300, torch.randn(1, 2 * group, head_dim, generator=g))]
+    runs = {name: attention_by_chunks(kc, vc, tables, q0, scale, chunks, others, backend=backend, batch_invariant=True)
+            for name, chunks in INVARIANT_CHUNKINGS.items()}
+    for name, out in runs.items():
+        assert torch.equal(out, runs["one chunk"]), f"{name}: {(out != runs['one chunk']).any(-1).any(-1).sum()} rows differ"
+    expected = pa.paged_attention_reference(q0, kc, vc, tables[:1], torch.tensor([150], dtype=torch.int32),
+                                            torch.tensor([0, 150], dtype=torch.int32), scale)
+    assert (runs["one chunk"] - expected).abs().max().item() <= ATOL[kv_dtype]
+    if backend == "cpu":   # what the mode changes: by default the same rows differ between schedules
+        default = {name: attention_by_chunks(kc, vc, tables, q0, scale, chunks, others, backend="cpu")
+                   for name, chunks in INVARIANT_CHUNKINGS.items()}
+        print(f"\nwithout batch_invariant, rows of 150 differing from one chunk: "
+              f"{ {n: int((o != default['one chunk']).any(-1).any(-1).sum()) for n, o in default.items()} }")
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -5310,7 +5496,7 @@ def test_bad_cluster_arguments_are_rejected_naming_the_flag(capsys):
 # ##################################################################################################
 
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
-                  "copy_on_write", "preemption", "hot", "api", "gpu", "parallel"]
+                  "copy_on_write", "preemption", "hot", "api", "gpu", "parallel", "invariance"]
 
 
 @pytest.mark.slow

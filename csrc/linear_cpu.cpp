@@ -8,13 +8,15 @@
 // products along K. Threads split the output columns (torch's thread count). Past a few rows
 // the work is arithmetic, and the last sections are a register-blocked GEMM on a repacked copy
 // of the weight (panels), which model.linear takes at every row count: in float32 on AVX2 CPUs,
-// in bfloat16 on CPUs with AVX512_BF16 and no AMX.
+// in bfloat16 on CPUs with AVX512_BF16 and no AMX, and in every dtype in batch-invariant mode
+// (bf16 panels without AVX512_BF16 are the float32 GEMM with the weights widened in registers).
 //
 // Registered as torch.ops.nanoserve_linear.linear_small_m (float32; needs K % 8 == 0 and
 // N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0), linear_small_m_gguf (float32
 // activations against a GGUF file's Q4_1 / Q8_0 blocks, a sixth / a quarter of the float32
 // bytes; K % 64 == 0), pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
-// AVX512_BF16, N % 32 == 0 and K % 2 == 0; float_out: float32 out from bf16), contiguous inputs
+// AVX512_BF16, N % 32 == 0 and K % 2 == 0, without it N % 16 == 0: panel_columns says; float_out:
+// float32 out from bf16), contiguous inputs
 // (model.linear checks). Built with -O3 -march=native: AVX2+FMA at least, AVX512_BF16 used
 // where present.
 #include <ATen/Parallel.h>
@@ -316,18 +318,46 @@ at::Tensor linear_small_m_gguf(const at::Tensor& x, const at::Tensor& qs, const 
 constexpr int kPanel = 16;   // output columns per panel: two 8-float vectors
 constexpr int kTile = 6;     // rows per register tile: 6 x 2 accumulators + 2 weights + 1 x = 15 of 16 ymm
 
+// The 16 weights of one k as two float vectors: float32 panels as stored; bfloat16 panels (CPUs
+// without AVX512_BF16) widened in registers, bf16 being the top half of a float32.
+inline void load_panel_k(const float* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_load_ps(p);
+  w1 = _mm256_load_ps(p + 8);
+}
+inline void load_panel_k(const uint16_t* p, __m256& w0, __m256& w1) {
+  const __m256i raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+}
+
+// 16 float32 sums to out: as they are, or rounded to bf16 (nearest even, as round_to_bf16)
+inline void store16(float* out, __m256 a, __m256 b) {
+  _mm256_storeu_ps(out, a);
+  _mm256_storeu_ps(out + 8, b);
+}
+inline void store16(uint16_t* out, __m256 a, __m256 b) {
+  alignas(32) float sums[16];
+  _mm256_store_ps(sums, a);
+  _mm256_store_ps(sums + 8, b);
+  for (int j = 0; j < 16; ++j) out[j] = round_to_bf16(sums[j]);
+}
+
 // out[0:MR, 0:16] = x[0:MR, :] @ panel + bias, rows of x K apart, of out N apart. While the first
-// row block passes over a panel, the next panel is prefetched one line per k.
-template <int MR>
-void panel_tile(const float* __restrict x, const float* __restrict panel, const float* bias,
-                float* __restrict out, int64_t K, int64_t N, const float* next_panel) {
+// row block passes over a panel, the next panel is prefetched one line per k. x is float32 (bf16
+// x is widened once per call); each output's sum runs over k = 0 .. K-1 in order whatever MR is,
+// so a row's result never depends on the rows beside it (batch-invariant: cpu_linear.py).
+template <int MR, typename WT, typename OT>
+void panel_tile(const float* __restrict x, const WT* __restrict panel, const float* bias,
+                OT* __restrict out, int64_t K, int64_t N, const WT* next_panel) {
   // named accumulators, not an array: __m256 may alias any float, so GCC would store an array
   // back to the stack on every k
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
          c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   for (int64_t k = 0; k < K; ++k) {
-    if (next_panel) _mm_prefetch(reinterpret_cast<const char*>(next_panel + kPanel * k), _MM_HINT_T0);
-    const __m256 w0 = _mm256_load_ps(panel + kPanel * k), w1 = _mm256_load_ps(panel + kPanel * k + 8);
+    if (next_panel && (sizeof(WT) == 4 || k % 2 == 0))   // one 64-byte line per 16 (bf16: 32) weights
+      _mm_prefetch(reinterpret_cast<const char*>(next_panel + kPanel * k), _MM_HINT_T0);
+    __m256 w0, w1;
+    load_panel_k(panel + kPanel * k, w0, w1);
 #define ROW(i)                                                     \
     if constexpr (MR > i) {                                        \
       const __m256 a = _mm256_broadcast_ss(x + i * K + k);         \
@@ -339,18 +369,40 @@ void panel_tile(const float* __restrict x, const float* __restrict panel, const 
   }
   const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-#define STORE(i)                                                   \
-  if constexpr (MR > i) {                                          \
-    _mm256_storeu_ps(out + i * N, _mm256_add_ps(c##i##0, b0));     \
-    _mm256_storeu_ps(out + i * N + 8, _mm256_add_ps(c##i##1, b1)); \
-  }
+#define STORE(i) \
+  if constexpr (MR > i) store16(out + i * N, _mm256_add_ps(c##i##0, b0), _mm256_add_ps(c##i##1, b1));
   STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
 #undef STORE
 }
 
-using PanelTile = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, const float*);
-constexpr PanelTile kPanelTiles[kTile + 1] = {nullptr, panel_tile<1>, panel_tile<2>, panel_tile<3>,
-                                              panel_tile<4>, panel_tile<5>, panel_tile<6>};
+template <typename WT, typename OT>
+using PanelTile = void (*)(const float*, const WT*, const float*, OT*, int64_t, int64_t, const WT*);
+template <typename WT, typename OT>   // [rows]
+constexpr PanelTile<WT, OT> kPanelTiles[kTile + 1] = {
+    nullptr, panel_tile<1, WT, OT>, panel_tile<2, WT, OT>, panel_tile<3, WT, OT>,
+    panel_tile<4, WT, OT>, panel_tile<5, WT, OT>, panel_tile<6, WT, OT>};
+
+// x [M, K] float32 against panels [P, K, 16] of WT -> out [M, P * 16] of OT
+template <typename WT, typename OT>
+void run_panels(const float* xp, const WT* wp, const float* b, OT* op, int64_t M, int64_t K, int64_t P) {
+  const int64_t N = P * kPanel;
+  // rows per block: x's block within ~384 KB, so it stays in a Zen 3 core's 512 KB L2 beside
+  // the panel streaming past (a batch-64 decode step is one block at K = 576 and 1536)
+  const int64_t block = std::max<int64_t>(kTile, 98304 / K / kTile * kTile);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block);
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const WT* panel = wp + p * K * kPanel;
+        const WT* next = p + 1 < end ? panel + K * kPanel : nullptr;
+        for (int64_t m = m0; m < m1; m += kTile, next = nullptr) {
+          const int rows = int(std::min<int64_t>(kTile, m1 - m));
+          kPanelTiles<WT, OT>[rows](xp + m * K, panel, b ? b + p * kPanel : nullptr, op + m * N + p * kPanel, K, N, next);
+        }
+      }
+    });
+  }
+}
 
 // ---- bfloat16 GEMM on weight panels: AVX512_BF16 dot products ----------------------------------
 // The same GEMM in bf16, where the CPU has AVX512_BF16 (Zen 4, Cooper Lake and later Xeons):
@@ -427,14 +479,25 @@ void linear_panels_bf16(const at::Tensor& x, const at::Tensor& panels, const flo
 }
 #endif
 
-// weight [N, K] -> panels: float32 [N / 16, K, 16], bfloat16 [N / 32, K / 2, 32, 2]; a copy made
-// once per weight (model.pack_weight)
+// Where bf16 panels hold pairs of k for AVX512_BF16 dot products ([N / 32, K / 2, 32, 2]); elsewhere
+// they are the float32 layout in bf16 ([N / 16, K, 16]), widened in registers.
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Pairs = true;
+#else
+constexpr bool kBf16Pairs = false;
+#endif
+
+// output columns per panel for a dtype on this build (cpu_linear.py checks N against it)
+int64_t panel_columns(bool bf16) { return bf16 && kBf16Pairs ? kPanelBf16 : kPanel; }
+
+// weight [N, K] -> panels: float32 [N / 16, K, 16]; bfloat16 [N / 32, K / 2, 32, 2] with
+// AVX512_BF16, else [N / 16, K, 16]; a copy made once per weight (cpu_linear.pack_weight)
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
               "weight must be float32 or bfloat16 [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1);
   // 64-byte aligned by torch's CPU allocator, so each k's (each pair's) 16 weights are one cache line
-  if (weight.scalar_type() == at::kBFloat16) {
+  if (weight.scalar_type() == at::kBFloat16 && kBf16Pairs) {
     TORCH_CHECK(N % kPanelBf16 == 0 && K % 2 == 0, "bfloat16 panels need N % 32 == 0 and K % 2 == 0");
     return weight.reshape({N / kPanelBf16, kPanelBf16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
   }
@@ -446,49 +509,36 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 // float32 with float_out (bf16 x: the float32 sums unrounded, as logits want them)
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          bool float_out) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool bf16 = x.scalar_type() == at::kBFloat16, pairs = bf16 && kBf16Pairs;
   TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(panels.scalar_type() == x.scalar_type() && panels.is_contiguous() &&
-              (bf16 ? panels.dim() == 4 && panels.size(1) * 2 == x.size(1) && panels.size(2) == kPanelBf16 && panels.size(3) == 2
-                    : panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == kPanel),
-              "panels must be pack_panels' [N/16, K, 16] (float32) or [N/32, K/2, 32, 2] (bfloat16), in x's dtype");
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * (bf16 ? kPanelBf16 : kPanel);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.const_data_ptr()) % (bf16 ? 64 : 32) == 0,
-              "panels must be ", bf16 ? 64 : 32, "-byte aligned (aligned loads)");
+              (pairs ? panels.dim() == 4 && panels.size(1) * 2 == x.size(1) && panels.size(2) == kPanelBf16 && panels.size(3) == 2
+                     : panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == kPanel),
+              "panels must be pack_panels' [N/16, K, 16] or (bfloat16 with AVX512_BF16) [N/32, K/2, 32, 2], in x's dtype");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * (pairs ? kPanelBf16 : kPanel);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.const_data_ptr()) % (pairs ? 64 : 32) == 0,
+              "panels must be ", pairs ? 64 : 32, "-byte aligned (aligned loads)");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == N && (bf16 || (bias->scalar_type() == at::kFloat && bias->is_contiguous()))),
               "bias must be [N] (float32 for float32 x)");
   at::Tensor out = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
-  if (bf16) {
+  const at::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
 #if defined(__AVX512BF16__)
-    const at::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    const float* b = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
+  if (pairs) {
     if (float_out) linear_panels_bf16<float>(x, panels, b, out);
     else linear_panels_bf16<uint16_t>(x, panels, b, out);
     return out;
-#else
-    TORCH_CHECK(false, "bfloat16 panels need a CPU with AVX512_BF16 (this build has none)");
+  }
 #endif
+  if (!bf16) {
+    run_panels(x.const_data_ptr<float>(), panels.const_data_ptr<float>(), b, out.mutable_data_ptr<float>(), M, K, P);
+    return out;
   }
-  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  // rows per block: x's block within ~384 KB, so it stays in a Zen 3 core's 512 KB L2 beside
-  // the panel streaming past (a batch-64 decode step is one block at K = 576 and 1536)
-  const int64_t block = std::max<int64_t>(kTile, 98304 / K / kTile * kTile);
-  for (int64_t m0 = 0; m0 < M; m0 += block) {
-    const int64_t m1 = std::min(M, m0 + block);
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const float* panel = wp + p * K * kPanel;
-        const float* next = p + 1 < end ? panel + K * kPanel : nullptr;
-        for (int64_t m = m0; m < m1; m += kTile, next = nullptr) {
-          const int rows = int(std::min<int64_t>(kTile, m1 - m));
-          kPanelTiles[rows](xp + m * K, panel, b ? b + p * kPanel : nullptr, op + m * N + p * kPanel, K, N, next);
-        }
-      }
-    });
-  }
+  const at::Tensor xf = x.to(at::kFloat);   // bf16 -> float32 is exact; once per call, not per panel
+  const auto* wp = reinterpret_cast<const uint16_t*>(panels.const_data_ptr());
+  if (float_out) run_panels(xf.const_data_ptr<float>(), wp, b, out.mutable_data_ptr<float>(), M, K, P);
+  else run_panels(xf.const_data_ptr<float>(), wp, b, reinterpret_cast<uint16_t*>(out.mutable_data_ptr()), M, K, P);
   return out;
 }
 
@@ -501,6 +551,7 @@ TORCH_LIBRARY(nanoserve_linear, m) {
   m.impl("linear_small_m_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_bf16));
   m.def("linear_small_m_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? mins, Tensor? bias) -> Tensor");
   m.impl("linear_small_m_gguf", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_gguf));
+  m.def("panel_columns(bool bf16) -> int", TORCH_FN(panel_columns));
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.impl("pack_panels", c10::DispatchKey::CPU, TORCH_FN(pack_panels));
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, bool float_out=False) -> Tensor");

@@ -17,6 +17,8 @@
 // vectors) of those head sizes take the SIMD prefill path ("prefill tiles in SIMD registers":
 // query vectors across the lanes, softmax and both products on whole registers). Other head
 // sizes, and every tile on a CPU without AVX2 + FMA, take the generic path (attend_tile).
+// batch_invariant: tiles sized so that every query vector takes the same path whatever its batch
+// and chunk (invariant_tile_rows below).
 // Registered as torch.ops.nanoserve_cpu.{paged_attention, reshape_and_cache}; built by
 // paged_attention.py with -O3 -march=native -fopenmp. Lean headers keep the build ~10 s.
 #include <ATen/Parallel.h>
@@ -931,6 +933,19 @@ void run_items(const Batch& b, const at::Tensor& key_cache, const at::Tensor& va
 
 // ---- ops ----------------------------------------------------------------------------------
 
+// Batch-invariant mode (docs/batch-invariance.md): query rows per tile such that every tile, a
+// decode row's or a prefill chunk's, takes the same path. Each path computes a query vector
+// exactly as it would alone: the softmax goes in steps fixed by absolute key positions (64 keys,
+// or a block), keys past the vector's position weigh exactly 0, and the tile's other vectors only
+// share the loads. But the paths differ from one another in summation order (the decode path's
+// dot products end in a shuffle tree, the prefill path's run along head_dim), and by default a
+// chunk's tiles of 16 rows take the prefill path while its short last tile and every decode row
+// take the decode one. So: tiles of fewer than 16 query vectors (15 / group rows, e.g. 5 rows
+// for a GQA group of 3), which all take the decode path (the generic one for other head sizes,
+// with plain dot products too); a group of 16 or more makes every tile, one row included, a
+// prefill tile, and the usual tiles stay.
+int invariant_tile_rows(int group) { return group < kLanes ? std::max(1, (kLanes - 1) / group) : kTileRows; }
+
 void check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
               key_cache.sizes());
@@ -945,7 +960,7 @@ void check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) 
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, const at::Tensor& query_start_loc,
-                               double scale) {
+                               double scale, bool batch_invariant) {
   check_kv_cache(key_cache, value_cache);
   TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim], got ", query.sizes());
   const int num_blocks = key_cache.size(0), block_size = key_cache.size(1);
@@ -968,6 +983,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
           (float)scale};
 
   // Flatten (sequence, KV head, query tile) into work items; validate what the kernel will read.
+  const int tile_rows = batch_invariant ? invariant_tile_rows(b.group) : kTileRows;
   const int* qs = qsl.const_data_ptr<int>();
   const int* cl = ctx.const_data_ptr<int>();
   TORCH_CHECK(qs[0] == 0 && qs[num_seqs] == num_tokens, "query_start_loc must run from 0 to num_tokens");
@@ -984,8 +1000,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
       TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", i, ": block id ", block, " outside [0, ",
                   num_blocks, ")");
     }
-    for (int r = 0; r < q_len; r += kTileRows) {
-      const int rows = std::min(kTileRows, q_len - r), first_pos = cl[i] - q_len + r;
+    for (int r = 0; r < q_len; r += tile_rows) {
+      const int rows = std::min(tile_rows, q_len - r), first_pos = cl[i] - q_len + r;
       const int64_t cost = (int64_t)rows * (first_pos + rows);
 #if defined(NANOSERVE_SIMD_TILES)
       if (whole_sequence_items(b, num_seqs, rows)) {
@@ -1043,7 +1059,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
 
 TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor context_lens, Tensor query_start_loc, float scale) -> Tensor");
+        "Tensor context_lens, Tensor query_start_loc, float scale, bool batch_invariant=False) -> Tensor");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }
