@@ -121,6 +121,7 @@ class Run:
         self.error: Exception | None = None
         self.active = active                       # the server's runs in flight (shutdown drains them)
         self.closed = False
+        self.num_seqs = len(request_ids) * (params.n if params is not None else 1)   # what admission counts
         active.add(self)
 
     def notify(self, notice: Notice) -> None:
@@ -217,7 +218,7 @@ class EngineClient:
         self.stopping = False
         self.keys = itertools.count()
         self.adding: dict[int, Run] = {}   # AddRequests key -> run, until the core admits or rejects it
-        self.num_pending_adds = 0          # their prompts: the queue before the engine's own
+        self.num_pending_adds = 0          # their sequences (prompts x n): the queue before the engine's own
         self.tracked: dict[str, Tracked] = {}
         self.outbox = queue.SimpleQueue()  # commands for the writer thread: a big prompt never blocks the loop
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -269,14 +270,16 @@ class EngineClient:
         return self.dead_reason is None and self.core.is_alive()
 
     def num_waiting(self) -> int:
-        return self.stats.num_waiting + self.stats.num_swapped + self.num_pending_adds
+        """Sequences waiting for the engine (prompts x n): what admission counts against --max-waiting."""
+        s = self.stats
+        return s.num_waiting + s.num_swapped + s.num_unforked_samples + self.num_pending_adds
 
     def submit(self, run: Run) -> None:
         if self.dead_reason is not None:
             raise APIError(503, f"engine is dead: {self.dead_reason}", code="engine_dead")
         key = next(self.keys)
         self.adding[key] = run
-        self.num_pending_adds += len(run.request_ids)
+        self.num_pending_adds += run.num_seqs
         for index, request_id in enumerate(run.request_ids):
             self.tracked[request_id] = Tracked(run, index)
         self.outbox.put(AddRequests(key, run.request_ids, run.prompts, run.params, run.priority, run.cache_salt,
@@ -322,11 +325,11 @@ class EngineClient:
         self.stats = update.stats
         for key in update.admitted:
             run = self.adding.pop(key)
-            self.num_pending_adds -= len(run.request_ids)
+            self.num_pending_adds -= run.num_seqs
             run.notify(Admitted())
         for key, exc in update.rejected:
             run = self.adding.pop(key)
-            self.num_pending_adds -= len(run.request_ids)
+            self.num_pending_adds -= run.num_seqs
             for request_id in run.request_ids:
                 self.tracked.pop(request_id, None)
             run.notify(Failed(api_error(exc)))

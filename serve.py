@@ -71,7 +71,7 @@ class OpenAIServer:
             req = self.api.parse(await read_body(request, self.max_request_bytes), schema)
             # tokenizing and templating a long prompt takes a while: off the event loop, so others keep streaming
             exchange = await asyncio.to_thread(exchange_type, self.api, req)
-            self.check_capacity(len(exchange.prompts))
+            self.check_capacity(len(exchange.prompts) * exchange.params.n)   # sequences, as the engine holds them
         except BaseException:
             requests["rejected"] += 1
             raise
@@ -95,8 +95,8 @@ class OpenAIServer:
             raise APIError(503, "server is shutting down; retry on another replica", code="shutting_down",
                            headers={"Retry-After": "5"})
 
-    def check_capacity(self, num_prompts: int) -> None:
-        if self.client.num_waiting() + num_prompts > self.max_waiting:
+    def check_capacity(self, num_seqs: int) -> None:
+        if self.client.num_waiting() + num_seqs > self.max_waiting:
             raise APIError(503, f"too many waiting requests (max {self.max_waiting}); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
 

@@ -1090,6 +1090,26 @@ def test_swap_preemption_with_n_samples_and_seeded_sampling(tiny, swap_space):
             assert_samples_under(tiny[1], o.prompt_token_ids, c.index, c.token_ids, p, f"seed {p.seed}")
 
 
+def test_forked_samples_wait_for_a_slot_and_never_exceed_max_num_seqs(tiny):
+    # n=6 under max_num_seqs=4: the forks beyond the cap wait (sharing the prompt's cached blocks
+    # when admitted), so no step runs more than 4 rows, and every sample still replays under transformers
+    llm = tiny_llm(tiny, max_num_seqs=4)
+    eng, params = llm.engine, [SamplingParams(n=6, temperature=1.0, seed=s, max_tokens=6, ignore_eos=True)
+                               for s in (1, 2)]
+    for i, p in enumerate(params):
+        eng.add_request(f"r{i}", TINY_PROMPTS[i + 2], p)
+    reqs, most = [eng.requests[f"r{i}"] for i in range(2)], 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        most = max(most, eng.last_step["num_seqs_last_step"], len(eng.scheduler.running))
+    assert most == 4
+    for req, p in zip(reqs, params):
+        for c in req.completions:
+            out = c.seq.token_ids[c.seq.num_prompt_tokens:]
+            assert len(out) == 6
+            assert_samples_under(tiny[1], req.prompt_token_ids, c.index, out, p, f"seed {p.seed}")
+
+
 def run_until(engine, done, limit=200):
     for _ in range(limit):
         if done():
