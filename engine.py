@@ -220,12 +220,14 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
-    def _grammar(self, structured: StructuredOutputsParams | None):
-        if structured is None:
-            return None
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built at the first structured request; engine_core.py compiles ahead on its worker thread."""
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        return self.grammars.compile(structured)
+        return self.grammars
+
+    def _grammar(self, structured: StructuredOutputsParams | None):
+        return None if structured is None else self.grammar_compiler().compile(structured)
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):

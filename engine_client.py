@@ -30,6 +30,7 @@ from tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.serve")
 DISCONNECT_POLL_S = 0.5    # how often a non-streamed request checks whether its client is gone
+STOP_WAIT_S = 1.0          # at shutdown, how long the core may finish its step before it is killed
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -224,12 +225,12 @@ class EngineClient:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     @staticmethod
-    def in_process(config: EngineConfig) -> "EngineClient":
+    def in_process(config: EngineConfig, grammar_timeout: float = 10.0) -> "EngineClient":
         """serve.py: the engine core in a process of its own; returns once its engine is built.
         Raises the core's ValueError for a bad engine flag."""
         context = multiprocessing.get_context("spawn")   # never fork a process that may hold OpenMP threads
         conn, core_conn = context.Pipe()
-        core = context.Process(target=run_core_process, args=(config, core_conn), name="nanoserve-engine-core",
+        core = context.Process(target=run_core_process, args=(config, core_conn, grammar_timeout), name="nanoserve-engine-core",
                                daemon=True)
         core.start()
         core_conn.close()                  # ours is the only end left here, so the core's exit reads as EOF
@@ -261,10 +262,17 @@ class EngineClient:
         """Stop the core (requests still in it are aborted) and wait for it."""
         self.stopping = True
         self.outbox.put(Stop())
-        self.core.join(timeout=30)
+        self.core.join(timeout=STOP_WAIT_S)     # the core stops after the step it is in
         if isinstance(self.core, multiprocessing.process.BaseProcess) and self.core.is_alive():
-            log.warning("the engine core did not stop in 30 s; killing it")
+            log.warning("the engine core did not stop within %g s; killing it", STOP_WAIT_S)
+            self.kill()
+
+    def kill(self) -> None:
+        """End the core process now (a second signal, a refused start); a core thread cannot be."""
+        self.stopping = True
+        if isinstance(self.core, multiprocessing.process.BaseProcess) and self.core.is_alive():
             self.core.kill()
+            self.core.join(1)
 
     def alive(self) -> bool:
         return self.dead_reason is None and self.core.is_alive()
@@ -316,6 +324,8 @@ class EngineClient:
             self.loop.call_soon_threadsafe(self.died, repr(exc))
             return
         if not self.stopping:
+            if isinstance(self.core, multiprocessing.process.BaseProcess):
+                self.core.join(1)          # reap it: its exit code is None until then
             code = getattr(self.core, "exitcode", None)
             self.loop.call_soon_threadsafe(self.died, f"the engine core exited (exit code {code})")
 

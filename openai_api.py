@@ -466,8 +466,9 @@ class ChatExchange(Exchange):
         prompt = render_chat(api, req.messages)
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, api.max_model_len - len(prompt))  # OpenAI: up to the context length
+        if max_tokens is None:   # OpenAI: up to the context length; capped at what the KV pool holds, as vLLM does
+            fits = api.limits.usable_blocks * api.limits.block_size
+            max_tokens = max(1, min(api.max_model_len, fits) - len(prompt))
         aliases = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_field}
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         super().__init__(api, req, [prompt], max_tokens, logprobs, aliases, [""])

@@ -3950,6 +3950,20 @@ BAD_INPUTS = [  # (path, body, status, param)
     ("/v1/chat/completions", {"messages": OK_CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": OK_CHAT, "model": "nope"}, 404, "model"),
+    # non-finite and absurd numbers
+    ("/v1/completions", '{"prompt": "hi", "temperature": Infinity}', 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 10 ** 30}, 400, "top_k"),
+    # per-request limits, counted in sequences and bytes (serve.py's defaults)
+    ("/v1/completions", {"prompt": ["hi"] * 20, "n": 16}, 400, "n"),
+    ("/v1/completions", {"prompt": [[5]] * 129}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 5000]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [7] * 257}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": [f"c{i}" * 20 for i in range(2000)]}},
+     400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 2, "structured_outputs": {"choice": ["a", "b"]}},
+     400, "min_tokens"),
 ]
 
 
@@ -3960,6 +3974,7 @@ def test_bad_input_gets_openai_error_naming_the_field(server, path, body, status
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"]
+    assert len(error["message"]) <= 450, error["message"]   # an error never echoes a huge value back
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
@@ -4006,8 +4021,14 @@ def test_api_key_guards_every_v1_route_but_not_health(offline, monkeypatch):
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
                 assert r.json()["error"]["type"] == "invalid_request_error"
         assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        for docs in ("/docs", "/openapi.json", "/redoc"):                  # the API's map needs the key too
+            assert http.get(docs).status_code == 401
+            assert http.get(docs, headers={"Authorization": f"Bearer {key}"}).status_code == 200
         ok = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    with TestClient(build_app(offline.engine, MODEL, api_key=key, metrics_require_key=True)) as http:
+        assert http.get("/metrics").status_code == 401 and http.get("/health").status_code == 200
+        assert http.get("/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     for var in ("VLLM_API_KEY", "NANOSERVE_API_KEY"):
         monkeypatch.delenv("VLLM_API_KEY", raising=False)
         monkeypatch.setenv(var, "from-env")
