@@ -26,6 +26,7 @@ import hmac
 import logging
 import signal
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -427,15 +428,23 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if self.drain_task is not None:
-            log.warning("signal %d again: exiting now", sig)
-            self.server.client.kill()
-            os._exit(1)
+            self.exit_now(f"signal {sig} again", 1)
         if not self.started:
             return super().handle_exit(sig, frame)
         log.info("signal %d: draining %d requests (--shutdown-timeout %gs)", sig, len(self.server.runs),
                  self.shutdown_timeout)
+        # the promise, whatever a slow step or teardown does: out within the timeout + 2 s
+        watchdog = threading.Timer(self.shutdown_timeout + EXIT_GRACE_S, self.exit_now, ("shutdown took too long",))
+        watchdog.daemon = True
+        watchdog.start()
         loop = asyncio.get_running_loop()   # the handler runs on the loop's thread; the self-pipe wakes it
         self.drain_task = loop.call_soon_threadsafe(lambda: loop.create_task(self.drain()))
+
+    def exit_now(self, why: str, status: int = 0) -> None:
+        log.warning("%s: ending the engine core and exiting now", why)
+        self.server.client.kill()
+        logging.shutdown()
+        os._exit(status)
 
     async def drain(self) -> None:
         server = self.server
@@ -448,6 +457,9 @@ class DrainingServer(uvicorn.Server):
                                       code="shutting_down"))
             await wait_until(lambda: not server.runs, 0.5)   # their error events go out
         self.should_exit = True
+
+
+EXIT_GRACE_S = 1.5     # after --shutdown-timeout: the error events, uvicorn's close and the core's stop
 
 
 async def wait_until(done, timeout: float) -> None:
@@ -478,6 +490,12 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     DrainingServer(config, app.state.server, args.shutdown_timeout).run()
+    # Everything is closed: connections, the engine core. The interpreter's own teardown (torch's
+    # modules, idle pools) took seconds here, past the --shutdown-timeout + 2 s promise: skip it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def check_fits_one_sequence(args: argparse.Namespace, client: EngineClient) -> None:

@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -4228,6 +4229,150 @@ def test_max_waiting_counts_every_prompt_of_a_request(tiny):
     assert [r.status_code for r in accepted] == [200, 200]
     assert [len(r.json()["choices"]) for r in accepted] == [2, 1]
     assert [r.json()["usage"]["completion_tokens"] for r in accepted] == [6, 3]
+
+
+def stream_gaps(http, body) -> tuple[int, list[float]]:
+    """A streamed completion: its status and the seconds between its chunks after the first."""
+    times = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+    return r.status_code, [b - a for a, b in zip(times[1:], times[2:])]
+
+
+HOSTILE = [  # (body, status): each gets a 400, or waits its turn and is served
+    ({"prompt": ["hi"] * 250, "n": 16, "max_tokens": 4}, 400),
+    ({"prompt": "hi", "max_tokens": 4, "logit_bias": {str(t): 1.0 for t in range(49152)}}, 400),
+    ({"prompt": "hi", "max_tokens": 4, "n": 4, "logit_bias": {str(t): 1.0 for t in range(300)}}, 200),
+    ({"prompt": "hi", "max_tokens": 4, "stop": [f"s{i}" for i in range(60_000)]}, 400),
+    ({"prompt": "hi", "max_tokens": 4, "structured_outputs": {"choice": [f"option {i}" for i in range(5000)]}}, 200),
+]
+
+
+@pytest.mark.slow
+def test_a_bystander_stream_keeps_its_pace_while_hostile_requests_arrive(offline):
+    """The worst gap between a stream's tokens, while one hostile request of each kind arrives, stays
+    under 3x its median gap alone: none of them makes a step slow (a full-vocabulary logit_bias
+    rebuilt every step, a grammar compiled on the engine's loop) or takes the bystander's place."""
+    body = {"prompt": "The history of the printing press", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(offline.engine, MODEL)) as http, ThreadPoolExecutor(len(HOSTILE) + 1) as pool:
+        stream_gaps(http, {**body, "max_tokens": 4})                         # warm up
+        status, alone = stream_gaps(http, body)
+        assert status == 200
+        bystander = pool.submit(stream_gaps, http, body)
+        time.sleep(0.5)
+        hostile = [pool.submit(http.post, "/v1/completions", json=b) for b, _ in HOSTILE]
+        status, attacked = bystander.result(timeout=300)
+        answers = [h.result(timeout=300) for h in hostile]
+    assert status == 200
+    assert [r.status_code for r in answers] == [s for _, s in HOSTILE], [r.text[:200] for r in answers]
+    median = statistics.median(alone)
+    print(f"\nbystander gap alone: median {median * 1000:.0f} ms; under attack: worst {max(attacked) * 1000:.0f} ms")
+    assert max(attacked) < 3 * median, (median, sorted(attacked)[-5:])
+
+
+# ----------------------------------------------------------------------------- connections and shutdown, tiny model
+
+def start_tiny_server(tiny, *flags) -> tuple[subprocess.Popen, str, object]:
+    port, log = free_port(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--model", str(tiny[0]),
+                             "--kv-cache-memory", "16MiB", "--device", "cpu", "--dtype", "float32", *flags],
+                            cwd=HERE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while not health_ok(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(server_log(log))
+        time.sleep(0.2)
+    return proc, url, log
+
+
+def closed_within(sock, seconds: float) -> float | None:
+    """Seconds until the server closed sock (reads EOF or a reset), None if still open after `seconds`."""
+    start = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_idle_slow_header_and_slow_body_connections_are_closed_within_their_timeouts(tiny):
+    """Without deadlines, a connection that sends nothing, headers a byte at a time or half a body holds
+    a socket (and a place under --limit-concurrency) forever; past the limit new requests get 503."""
+    proc, url, log = start_tiny_server(tiny, "--timeout-header", "1", "--timeout-body", "1",
+                                       "--timeout-keep-alive", "1", "--limit-concurrency", "6")
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        crowd = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+        time.sleep(0.3)                                         # the server accepts them
+        full = httpx.get(url + "/health", timeout=5)           # 6 connections open: past the limit
+        assert full.status_code == 503, (full.text, server_log(log))
+        for sock in crowd:
+            sock.close()
+        time.sleep(0.3)
+        idle, slow_header, slow_body, kept = (socket.create_connection(("127.0.0.1", port)) for _ in range(4))
+        slow_header.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        for sock in (idle, slow_header, slow_body, kept):
+            took = closed_within(sock, 4)
+            assert took is not None and took < 3, took           # 1 s deadlines, checked to the second
+            sock.close()
+        assert httpx.get(url + "/health", timeout=5).status_code == 200   # their places are free again
+        hang_up = socket.create_connection(("127.0.0.1", port))  # a client that leaves mid-upload
+        hang_up.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.3)
+        hang_up.close()
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, server_log(log)
+    text = server_log(log)
+    assert "Traceback" not in text and text.count("hung up while sending its request body") == 1, text
+
+
+@pytest.mark.slow
+def test_sigterm_drains_with_health_503_and_exits_in_time_and_a_second_signal_exits_at_once(tiny):
+    long = {"prompt": [5, 6, 7], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    for signals in (1, 2):
+        proc, url, log = start_tiny_server(tiny, "--shutdown-timeout", "3", "--max-model-len", "256")
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(read_stream, url, {**long, "max_tokens": 200}, started)
+            assert started.wait(60)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            if signals == 2:
+                time.sleep(0.3)
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=10)
+                assert time.monotonic() - sent < 1.5, "a second signal must exit at once"
+                assert not child_processes(proc.pid)
+                continue
+            time.sleep(0.3)
+            health = httpx.get(url + "/health", timeout=5)
+            assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+            assert proc.wait(timeout=20) == 0, server_log(log)
+            took = time.monotonic() - sent
+            result = stream.result(timeout=10)
+        assert 3 <= took < 3 + 2, took                          # --shutdown-timeout + 2 s at most
+        assert result["error"]["code"] == "shutting_down" and result["done"]
+
+
+def test_a_max_model_len_the_kv_pool_cannot_hold_is_refused_at_start(tiny):
+    out = subprocess.run([sys.executable, "serve.py", "--model", str(tiny[0]), "--kv-cache-memory",
+                          str(8 * TINY_BLOCK_BYTES), "--max-model-len", "1000", "--device", "cpu", "--dtype",
+                          "float32"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--max-model-len 1000 cannot fit" in out.stderr, out.stderr[-2000:]
+    assert "8 usable blocks x 16 tokens = 128 tokens" in out.stderr
 
 
 # ----------------------------------------------------------------------------- shutdown (last: stops the server)
