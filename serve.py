@@ -74,9 +74,10 @@ class OpenAIServer:
         requests["received"] += 1
         try:
             self.check_accepting()
-            req = self.api.parse(await read_body(request, self.max_request_bytes, self.body_timeout), schema)
-            # tokenizing and templating a long prompt takes a while: off the event loop, so others keep streaming
-            exchange = await asyncio.to_thread(exchange_type, self.api, req)
+            body = await read_body(request, self.max_request_bytes, self.body_timeout)
+            # parsing a big body, tokenizing and templating a long prompt take a while: off the event loop,
+            # so others keep streaming
+            exchange = await asyncio.to_thread(lambda: exchange_type(self.api, self.api.parse(body, schema)))
             self.check_capacity(len(exchange.prompts) * exchange.params.n)   # sequences, as the engine holds them
         except BaseException:
             requests["rejected"] += 1

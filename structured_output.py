@@ -38,6 +38,9 @@ except ImportError:   # only structured requests need it; they get a clear error
     llguidance = None
 
 
+MAX_CHOICES = 1999     # llguidance's Earley parser takes at most 2000 items in one row
+
+
 @dataclass
 class StructuredOutputsParams:
     """Exactly one of these constrains the output (as in vLLM 0.32's SamplingParams.structured_outputs)."""
@@ -56,13 +59,20 @@ class StructuredOutputsParams:
         if llguidance is None:
             raise errors.InvalidRequest("structured_outputs", "structured outputs need the llguidance package "
                                                               "(pip install llguidance)")
+        errors.need(not isinstance(self.choice, list) or len(self.choice) <= MAX_CHOICES, "structured_outputs",
+                    f"a choice list of at most {MAX_CHOICES} entries (llguidance's parser stops past that)",
+                    f"{len(self.choice or ())} entries")
 
     def kinds(self) -> list[str]:
         return [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
 
     def cache_key(self) -> str:
-        """The same schema, however it was written, compiles once."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=repr)
+        """The same schema, however it was written, compiles once. Computed once per request: it is
+        as long as the schema."""
+        if "_key" not in self.__dict__:
+            fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+            self.__dict__["_key"] = json.dumps(fields, sort_keys=True, default=repr)
+        return self.__dict__["_key"]
 
     def to_grammar(self) -> str:
         """The llguidance grammar text of whichever kind is set."""
@@ -131,7 +141,8 @@ class GrammarCompiler:
             done.set_result(None)
             return done
         if self.worker is None:
-            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler",
+                                                                initializer=_lowest_priority)
         return self.worker.submit(self._compiled, params)
 
     def compile(self, params: StructuredOutputsParams) -> "Grammar":
@@ -162,6 +173,15 @@ class GrammarCompiler:
             while len(self.cache) > self.CACHE_SIZE:
                 self.cache.popitem(last=False)
         return compiled
+
+
+def _lowest_priority():
+    """The compiler thread takes only the CPU the engine leaves: on 2 cores a compile beside a step
+    otherwise stalls the step's OpenMP threads (Linux: a thread id is a process id to setpriority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass                                # elsewhere it just runs at the engine's priority
 
 
 class Grammar:

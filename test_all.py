@@ -27,6 +27,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import random
 import re
 import shutil
@@ -1126,6 +1127,8 @@ ABORT_CASES = {   # engine settings; the state the victim is aborted in
                 lambda seq: seq.status is Status.SWAPPED),
     "static": (dict(scheduler_mode="static", static_batch_size=3), lambda seq: seq.num_output_tokens >= 3),
     "fork": (dict(), lambda seq: seq.num_output_tokens >= 3),
+    "preempted": (dict(kv_cache_memory=8 * TINY_BLOCK_BYTES),                  # recomputed later: holds no block
+                  lambda seq: seq.num_preemptions > 0 and seq.status is Status.WAITING),
 }
 
 
@@ -4231,10 +4234,10 @@ def test_max_waiting_counts_every_prompt_of_a_request(tiny):
     assert [r.json()["usage"]["completion_tokens"] for r in accepted] == [6, 3]
 
 
-def stream_gaps(http, body) -> tuple[int, list[float]]:
+def stream_gaps(url, body) -> tuple[int, list[float]]:
     """A streamed completion: its status and the seconds between its chunks after the first."""
     times = []
-    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 times.append(time.monotonic())
@@ -4246,30 +4249,131 @@ HOSTILE = [  # (body, status): each gets a 400, or waits its turn and is served
     ({"prompt": "hi", "max_tokens": 4, "logit_bias": {str(t): 1.0 for t in range(49152)}}, 400),
     ({"prompt": "hi", "max_tokens": 4, "n": 4, "logit_bias": {str(t): 1.0 for t in range(300)}}, 200),
     ({"prompt": "hi", "max_tokens": 4, "stop": [f"s{i}" for i in range(60_000)]}, 400),
-    ({"prompt": "hi", "max_tokens": 4, "structured_outputs": {"choice": [f"option {i}" for i in range(5000)]}}, 200),
+    ({"prompt": "hi", "max_tokens": 4, "structured_outputs": {"choice": [f"option {i}" for i in range(1500)]}}, 200),
 ]
 
 
 @pytest.mark.slow
-def test_a_bystander_stream_keeps_its_pace_while_hostile_requests_arrive(offline):
+def test_a_bystander_stream_keeps_its_pace_while_hostile_requests_arrive(server):
     """The worst gap between a stream's tokens, while one hostile request of each kind arrives, stays
     under 3x its median gap alone: none of them makes a step slow (a full-vocabulary logit_bias
     rebuilt every step, a grammar compiled on the engine's loop) or takes the bystander's place."""
     body = {"prompt": "The history of the printing press", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    with TestClient(build_app(offline.engine, MODEL)) as http, ThreadPoolExecutor(len(HOSTILE) + 1) as pool:
-        stream_gaps(http, {**body, "max_tokens": 4})                         # warm up
-        status, alone = stream_gaps(http, body)
-        assert status == 200
-        bystander = pool.submit(stream_gaps, http, body)
-        time.sleep(0.5)
-        hostile = [pool.submit(http.post, "/v1/completions", json=b) for b, _ in HOSTILE]
+    hostile = [json.dumps(b).encode() for b, _ in HOSTILE]            # serialized before the clock starts
+    stream_gaps(server, {**body, "max_tokens": 4})                     # warm up
+    status, alone = stream_gaps(server, body)
+    assert status == 200
+    median = statistics.median(alone)
+    if max(alone) > 2 * median:
+        pytest.skip(f"the machine is too busy to time this: alone, the worst gap is {max(alone) / median:.1f}x "
+                    f"the median (load average {os.getloadavg()[0]:.1f})")
+    with ThreadPoolExecutor(len(HOSTILE) + 1) as pool:
+        bystander = pool.submit(stream_gaps, server, body)
+        time.sleep(1.0)
+        answers = [pool.submit(httpx.post, server + "/v1/completions", content=b, timeout=300,
+                               headers={"Content-Type": "application/json"}) for b in hostile]
         status, attacked = bystander.result(timeout=300)
-        answers = [h.result(timeout=300) for h in hostile]
+        answers = [a.result(timeout=300) for a in answers]
     assert status == 200
     assert [r.status_code for r in answers] == [s for _, s in HOSTILE], [r.text[:200] for r in answers]
-    median = statistics.median(alone)
     print(f"\nbystander gap alone: median {median * 1000:.0f} ms; under attack: worst {max(attacked) * 1000:.0f} ms")
     assert max(attacked) < 3 * median, (median, sorted(attacked)[-5:])
+
+
+class FailOnce:
+    """Wraps a method: its `at`-th call raises (an injected fault), every other call runs it."""
+
+    def __init__(self, fn, at: int):
+        self.fn, self.calls, self.at = fn, 0, at
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("injected fault mid-step")
+        return self.fn(*args, **kwargs)
+
+
+FAULTS = {   # where in a step the fault strikes: (object holding the method, its name)
+    "after_scheduling": (lambda eng: eng, "run_model"),
+    "after_block_copies": (lambda eng: eng.runner, "forward"),          # prepare ran the copy-on-write copies
+    "in_sampling": (lambda eng: eng, "_sample"),                         # the step's blocks were just cached
+}
+
+
+@pytest.mark.parametrize("where", FAULTS)
+def test_a_fault_mid_step_fails_its_requests_and_leaks_nothing(tiny, where):
+    """The requests in the engine when a step fails get an error; the next ones are served with the
+    oracle's tokens (no block or prefix-cache entry was left half-written) and every block comes back."""
+    eng = tiny_llm(tiny).engine
+    holder, name = FAULTS[where]
+    setattr(holder(eng), name, FailOnce(getattr(holder(eng), name), at=3))
+    prompt = list(range(200, 236))                                        # 2 full blocks and a partial one
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(eng, "tiny")) as http:
+        failed = http.post("/v1/completions", json={**body, "n": 2})      # forks: copy-on-write of the tail
+        assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
+        served = http.post("/v1/completions", json=body)                  # hits the prefix cache
+    alone = tiny_llm(tiny).generate([prompt], greedy(6))[0].outputs[0]
+    assert_greedy_under(tiny[1], prompt, alone.token_ids, where)
+    assert served.status_code == 200 and served.json()["choices"][0]["text"] == alone.text
+    eng.check_invariants()
+
+
+def test_preemption_over_http_with_n_samples_gives_the_offline_engines_tokens(tiny):
+    """A KV pool too small for everyone: samples are preempted, recomputed and resumed, streams hang
+    up; every completed answer still carries exactly the tokens the offline engine gives alone."""
+    eng = tiny_llm(tiny, kv_cache_memory=12 * TINY_BLOCK_BYTES, max_num_seqs=6).engine
+    offline_tiny = tiny_llm(tiny)
+    bodies = [{"prompt": TINY_PROMPTS[i], "max_tokens": 24, "n": 2, "temperature": 1.0, "seed": i,
+               "ignore_eos": True} for i in range(5)]
+    expected = [[c.text for c in offline_tiny.generate([b["prompt"]], SamplingParams(
+        n=2, temperature=1.0, seed=b["seed"], max_tokens=24, ignore_eos=True))[0].outputs] for b in bodies]
+
+    def hang_up(http, body):
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            next(r.iter_lines())                                          # one chunk, then leave
+
+    with TestClient(build_app(eng, "tiny")) as http, ThreadPoolExecutor(7) as pool:
+        client, most = http.app.state.server.client, 0
+        answers = [pool.submit(http.post, "/v1/completions", json=b) for b in bodies]
+        leavers = [pool.submit(hang_up, http, {**bodies[0], "seed": 99, "max_tokens": 200}) for _ in range(2)]
+        while not all(a.done() for a in answers):                         # what each step ran, as /metrics sees it
+            most = max(most, client.stats.num_running, client.stats.num_seqs_last_step)
+            time.sleep(0.005)
+        answers = [a.result(timeout=300) for a in answers]
+        [h.result(timeout=300) for h in leavers]
+    assert eng.scheduler.num_preemptions > 0
+    assert 0 < most <= 6                                                  # 14 samples asked for, max_num_seqs=6
+    for answer, want in zip(answers, expected):
+        assert answer.status_code == 200
+        assert [c["text"] for c in answer.json()["choices"]] == want
+
+
+def test_disconnect_while_being_added_leaks_nothing(tiny):
+    """A client gone while its add waits for its grammar, or right after a plain add: the core answers
+    the add (so the front end forgets it) and nothing stays in the engine."""
+    from engine_core import AbortRequests, AddRequests, EngineCore, Stop
+    from structured_output import StructuredOutputsParams as SO
+    eng = tiny_llm(tiny).engine
+    conn, core_conn = multiprocessing.Pipe()
+    core = threading.Thread(target=EngineCore(eng, core_conn).run, daemon=True)
+    core.start()
+    structured = SamplingParams(max_tokens=4, structured_outputs=SO(choice=[f"late {i}" for i in range(1500)]))
+    conn.send(AddRequests(1, ["compiling"], [[5, 6, 7]], structured))
+    conn.send(AbortRequests(["compiling"]))
+    conn.send(AddRequests(2, ["plain"], [[5, 6, 7]], SamplingParams(max_tokens=400, ignore_eos=True)))
+    conn.send(AbortRequests(["plain"]))
+    answered, deadline = {}, time.monotonic() + 60
+    while len(answered) < 2 and time.monotonic() < deadline:
+        if conn.poll(0.1):
+            update = conn.recv()
+            answered |= {key: "rejected" for key, _ in update.rejected} | {key: "admitted" for key in update.admitted}
+    assert answered == {1: "rejected", 2: "admitted"}
+    time.sleep(1.5)                                                       # the compile finishes: nothing is added
+    assert not eng.requests and not eng.scheduler.all_sequences()
+    conn.send(Stop())
+    core.join(30)
+    assert not core.is_alive()
 
 
 # ----------------------------------------------------------------------------- connections and shutdown, tiny model
