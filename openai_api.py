@@ -326,10 +326,25 @@ class Exchange:
             aliases = {**aliases, "structured_outputs": "response_format"}
         self.api, self.req, self.prompts, self.aliases, self.echoes = api, req, prompts, aliases, echoes
         self.params = api.sampling_params(req, max_tokens, logprobs, prompt_logprobs)
+        self.check_as_the_engine_will()
         self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.head = {"id": self.request_id, "object": self.object_name, "created": int(time.time()),
                      "model": api.model_name}
         self.cursors: dict[int, ChoiceCursor] = {}
+
+    def check_as_the_engine_will(self) -> None:
+        """The engine's own checks (sampling ranges, prompt ids, context length, cache_salt), run here
+        too, off the event loop: bad input gets its 400 before it is counted against the queue (a 503
+        under load would hide it), and the engine core never spends a turn on it. add_request checks
+        again; it is the authority."""
+        try:
+            self.params.validate(self.api.vocab_size)
+            for ids in self.prompts:
+                self.api.limits.check(ids, self.params.max_tokens)
+            if self.req.cache_salt is not None and not self.req.cache_salt:
+                raise InvalidRequest("cache_salt", "cache_salt must be a non-empty string or None")
+        except InvalidRequest as exc:
+            raise self.engine_error(exc) from None
 
     def engine_error(self, exc: InvalidRequest) -> APIError:
         """The engine rejected the input at add time: a 400 naming the field as this endpoint does."""
