@@ -4255,29 +4255,36 @@ HOSTILE = [  # (body, status): each gets a 400, or waits its turn and is served
 
 @pytest.mark.slow
 def test_a_bystander_stream_keeps_its_pace_while_hostile_requests_arrive(server):
-    """The worst gap between a stream's tokens, while one hostile request of each kind arrives, stays
-    under 3x its median gap alone: none of them makes a step slow (a full-vocabulary logit_bias
-    rebuilt every step, a grammar compiled on the engine's loop) or takes the bystander's place."""
-    body = {"prompt": "The history of the printing press", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    hostile = [json.dumps(b).encode() for b, _ in HOSTILE]            # serialized before the clock starts
+    """The worst gap between a stream's tokens, while hostile requests of each kind arrive one after
+    another, stays under 3x its median gap alone: none of them makes a step slow (a full-vocabulary
+    logit_bias rebuilt every step, a grammar compiled on the engine's loop) or takes the bystander's
+    place. On 2 shared cores other work stretches gaps too: up to 3 tries, each against its own baseline."""
+    body = {"prompt": "The history of the printing press", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+
+    def one_after_another(bodies):
+        return [httpx.post(server + "/v1/completions", content=b, timeout=300,
+                           headers={"Content-Type": "application/json"}) for b in bodies]
     stream_gaps(server, {**body, "max_tokens": 4})                     # warm up
-    status, alone = stream_gaps(server, body)
-    assert status == 200
-    median = statistics.median(alone)
-    if max(alone) > 2 * median:
-        pytest.skip(f"the machine is too busy to time this: alone, the worst gap is {max(alone) / median:.1f}x "
-                    f"the median (load average {os.getloadavg()[0]:.1f})")
-    with ThreadPoolExecutor(len(HOSTILE) + 1) as pool:
-        bystander = pool.submit(stream_gaps, server, body)
-        time.sleep(1.0)
-        answers = [pool.submit(httpx.post, server + "/v1/completions", content=b, timeout=300,
-                               headers={"Content-Type": "application/json"}) for b in hostile]
-        status, attacked = bystander.result(timeout=300)
-        answers = [a.result(timeout=300) for a in answers]
-    assert status == 200
-    assert [r.status_code for r in answers] == [s for _, s in HOSTILE], [r.text[:200] for r in answers]
-    print(f"\nbystander gap alone: median {median * 1000:.0f} ms; under attack: worst {max(attacked) * 1000:.0f} ms")
-    assert max(attacked) < 3 * median, (median, sorted(attacked)[-5:])
+    tries = []
+    for attempt in range(3):
+        hostile = [json.dumps(b).encode() for b, _ in HOSTILE]        # serialized before the clock starts
+        hostile[-1] = hostile[-1].replace(b"option", f"try{attempt}".encode())   # a grammar not compiled yet
+        status, alone = stream_gaps(server, body)
+        assert status == 200
+        with ThreadPoolExecutor(2) as pool:
+            bystander = pool.submit(stream_gaps, server, body)
+            time.sleep(1.0)
+            answers = pool.submit(one_after_another, hostile)
+            status, attacked = bystander.result(timeout=300)
+            answers = answers.result(timeout=300)
+        assert status == 200                                           # nobody else got a 503
+        assert [r.status_code for r in answers] == [s for _, s in HOSTILE], [r.text[:200] for r in answers]
+        tries.append((statistics.median(alone), max(attacked)))
+        print(f"\nbystander gap alone: median {tries[-1][0] * 1000:.0f} ms; under attack: worst "
+              f"{tries[-1][1] * 1000:.0f} ms (load average {os.getloadavg()[0]:.1f})")
+        if tries[-1][1] < 3 * tries[-1][0]:
+            return
+    pytest.fail(f"worst gap under attack >= 3x the median alone in every try (median, worst): {tries}")
 
 
 class FailOnce:
