@@ -301,7 +301,7 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Soak serve.py with hundreds of clients and check nothing is lost.")
-    p.add_argument("--minutes", type=float, default=1.0, help="how long the load runs (the issue's soak: 10)")
+    p.add_argument("--minutes", type=float, default=1.0, help="how long the load runs (the full soak: 10)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write <date>-<machine>-<commit>-soak.md (what this prints) and .json there, as bench.py does")
     p.add_argument("--concurrency", type=int, default=200, help="concurrent clients (default 200)")
