@@ -4189,7 +4189,8 @@ def test_engine_core_process_dying_fails_streams_and_serve_still_exits_0(tiny):
             os.kill(cores[0], signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]" and "engine is dead" in json.loads(rest[-2][6:])["error"]["message"]
-        assert httpx.get(url + "/health").status_code == 503
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "exit code -9" in health.json()["error"]["message"]   # reaped: SIGKILL
         late = httpx.post(url + "/v1/completions", json={**body, "stream": False})
         assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
     finally:
