@@ -93,6 +93,7 @@ class EngineStats:
     num_batched_tokens_last_step: int   # their tokens
     num_padding_last_step: int = 0      # static_scheduler.py's scratch rows: finished members still computed
     num_prompt_padding_last_step: int = 0   # and left padding of short prompts
+    num_unforked_samples: int = 0       # samples 2..n of requests still in prefill: sequences yet to come
 
 
 @dataclass(frozen=True)
@@ -244,12 +245,14 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
-    def _grammar(self, structured: StructuredOutputsParams | None):
-        if structured is None:
-            return None
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built at the first structured request; engine_core.py compiles ahead on its worker thread."""
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        return self.grammars.compile(structured)
+        return self.grammars
+
+    def _grammar(self, structured: StructuredOutputsParams | None):
+        return None if structured is None else self.grammar_compiler().compile(structured)
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
@@ -389,7 +392,7 @@ class Engine:
             c.logprobs.append(logprob)
         p = req.params
         can_stop = seq.num_output_tokens >= p.min_tokens    # min_tokens: no stop id, EOS or stop string before
-        if can_stop and (token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)):
+        if can_stop and (token in p.stop_token_id_set or (token in self.eos_token_ids and not p.ignore_eos)):
             return self._finish(c, "stop", token, now)
         c.text += c.detok.step(token)
         # search only where a new match can start; one token may complete several stop strings,
@@ -421,7 +424,7 @@ class Engine:
         for c in req.completions:
             # hold back the tail that could still become a stop string, so streamed deltas never
             # show text that the final output cuts
-            hold = 0 if c.finish_reason else max((len(s) - 1 for s in req.params.stop), default=0)
+            hold = 0 if c.finish_reason else req.params.stop_hold_chars
             visible = max(c.emitted_text, len(c.text) - hold)
             ids = c.seq.token_ids[c.seq.num_prompt_tokens:] if c.seq else []
             logprobs = None if c.logprobs is None else list(c.logprobs)   # a snapshot: other threads read it
@@ -452,6 +455,8 @@ class Engine:
             num_preemptions=s.num_preemptions, kv_usage=b.usage(), num_free_blocks=b.num_free_blocks(),
             num_blocks=b.num_blocks, prefix_cache_hit_rate=b.hit_rate(), num_steps=self.num_steps,
             prompt_tokens_total=self.num_prompt_tokens, generation_tokens_total=self.num_generation_tokens,
+            num_unforked_samples=sum(r.params.n - 1 for r in self.requests.values()
+                                     if r.params.n > 1 and r.completions[1].seq is None),
             **self.last_step)
 
 

@@ -30,6 +30,7 @@ from tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.serve")
 DISCONNECT_POLL_S = 0.5    # how often a non-streamed request checks whether its client is gone
+STOP_WAIT_S = 1.0          # at shutdown, how long the core may finish its step before it is killed
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -121,6 +122,7 @@ class Run:
         self.error: Exception | None = None
         self.active = active                       # the server's runs in flight (shutdown drains them)
         self.closed = False
+        self.num_seqs = len(request_ids) * (params.n if params is not None else 1)   # what admission counts
         active.add(self)
 
     def notify(self, notice: Notice) -> None:
@@ -217,18 +219,18 @@ class EngineClient:
         self.stopping = False
         self.keys = itertools.count()
         self.adding: dict[int, Run] = {}   # AddRequests key -> run, until the core admits or rejects it
-        self.num_pending_adds = 0          # their prompts: the queue before the engine's own
+        self.num_pending_adds = 0          # their sequences (prompts x n): the queue before the engine's own
         self.tracked: dict[str, Tracked] = {}
         self.outbox = queue.SimpleQueue()  # commands for the writer thread: a big prompt never blocks the loop
         self.loop: asyncio.AbstractEventLoop | None = None
 
     @staticmethod
-    def in_process(config: EngineConfig) -> "EngineClient":
+    def in_process(config: EngineConfig, grammar_timeout: float = 10.0) -> "EngineClient":
         """serve.py: the engine core in a process of its own; returns once its engine is built.
         Raises the core's ValueError for a bad engine flag."""
         context = multiprocessing.get_context("spawn")   # never fork a process that may hold OpenMP threads
         conn, core_conn = context.Pipe()
-        core = context.Process(target=run_core_process, args=(config, core_conn), name="nanoserve-engine-core",
+        core = context.Process(target=run_core_process, args=(config, core_conn, grammar_timeout), name="nanoserve-engine-core",
                                daemon=True)
         core.start()
         core_conn.close()                  # ours is the only end left here, so the core's exit reads as EOF
@@ -260,23 +262,32 @@ class EngineClient:
         """Stop the core (requests still in it are aborted) and wait for it."""
         self.stopping = True
         self.outbox.put(Stop())
-        self.core.join(timeout=30)
+        self.core.join(timeout=STOP_WAIT_S)     # the core stops after the step it is in
         if isinstance(self.core, multiprocessing.process.BaseProcess) and self.core.is_alive():
-            log.warning("the engine core did not stop in 30 s; killing it")
+            log.warning("the engine core did not stop within %g s; killing it", STOP_WAIT_S)
+            self.kill()
+
+    def kill(self) -> None:
+        """End the core process now (a second signal, a refused start); a core thread cannot be."""
+        self.stopping = True
+        if isinstance(self.core, multiprocessing.process.BaseProcess) and self.core.is_alive():
             self.core.kill()
+            self.core.join(1)
 
     def alive(self) -> bool:
         return self.dead_reason is None and self.core.is_alive()
 
     def num_waiting(self) -> int:
-        return self.stats.num_waiting + self.stats.num_swapped + self.num_pending_adds
+        """Sequences waiting for the engine (prompts x n): what admission counts against --max-waiting."""
+        s = self.stats
+        return s.num_waiting + s.num_swapped + s.num_unforked_samples + self.num_pending_adds
 
     def submit(self, run: Run) -> None:
         if self.dead_reason is not None:
             raise APIError(503, f"engine is dead: {self.dead_reason}", code="engine_dead")
         key = next(self.keys)
         self.adding[key] = run
-        self.num_pending_adds += len(run.request_ids)
+        self.num_pending_adds += run.num_seqs
         for index, request_id in enumerate(run.request_ids):
             self.tracked[request_id] = Tracked(run, index)
         self.outbox.put(AddRequests(key, run.request_ids, run.prompts, run.params, run.priority, run.cache_salt,
@@ -313,6 +324,8 @@ class EngineClient:
             self.loop.call_soon_threadsafe(self.died, repr(exc))
             return
         if not self.stopping:
+            if isinstance(self.core, multiprocessing.process.BaseProcess):
+                self.core.join(1)          # reap it: its exit code is None until then
             code = getattr(self.core, "exitcode", None)
             self.loop.call_soon_threadsafe(self.died, f"the engine core exited (exit code {code})")
 
@@ -322,11 +335,11 @@ class EngineClient:
         self.stats = update.stats
         for key in update.admitted:
             run = self.adding.pop(key)
-            self.num_pending_adds -= len(run.request_ids)
+            self.num_pending_adds -= run.num_seqs
             run.notify(Admitted())
         for key, exc in update.rejected:
             run = self.adding.pop(key)
-            self.num_pending_adds -= len(run.request_ids)
+            self.num_pending_adds -= run.num_seqs
             for request_id in run.request_ids:
                 self.tracked.pop(request_id, None)
             run.notify(Failed(api_error(exc)))

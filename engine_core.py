@@ -8,8 +8,10 @@ SSE chunk) paused the engine's step, and on 2 cores a batch-32 step took 104 ms 
 64 ms alone. vLLM's and SGLang's engine cores exist for the same reason.
 
 One turn of the loop: take every command waiting on the pipe (add, abort), answer the adds at once,
-step the engine once, send one CoreUpdate with what the step produced. Idle, it sleeps on the pipe. It owns no HTTP, no client state and no
-protocol. A failed step fails every request in the engine; MAX_STEP_FAILURES in a row end the core,
+step the engine once, send one CoreUpdate with what the step produced. Idle, it sleeps on the pipe.
+An add whose grammar is not compiled yet waits outside the engine (holding no batch slot) while
+structured_output.py's worker compiles it, and is answered when it is ready or past
+--grammar-compile-timeout. It owns no HTTP, no client state and no protocol. A failed step fails every request in the engine; MAX_STEP_FAILURES in a row end the core,
 which says why (CoreDied) if it can; the front end sees any end of the core as the pipe closing.
 Tests run the same loop in a thread of their own process (engine_client.EngineClient.in_thread), over
 the same pipe, so every message still pickles.
@@ -27,6 +29,7 @@ from errors import EngineError, InvalidRequest
 
 log = logging.getLogger("nanoserve.engine_core")
 MAX_STEP_FAILURES = 3      # consecutive engine.step() exceptions before the core gives up
+COMPILE_POLL_S = 0.005     # idle but for grammars compiling: how often to look at them
 
 
 # ----------------------------------------------------------------------------- messages
@@ -88,9 +91,18 @@ class EngineInfo:
 
 # ----------------------------------------------------------------------------- the loop
 
+@dataclass
+class Compiling:
+    """An add waiting for its grammar: it holds no batch slot and no block until it is ready."""
+    command: AddRequests
+    future: object                      # concurrent.futures.Future of the compile
+    deadline: float                     # time.monotonic() past which it is refused
+
+
 class EngineCore:
-    def __init__(self, engine: Engine, conn: Connection):
-        self.engine, self.conn = engine, conn
+    def __init__(self, engine: Engine, conn: Connection, grammar_timeout: float = 10.0):
+        self.engine, self.conn, self.grammar_timeout = engine, conn, grammar_timeout
+        self.compiling: list[Compiling] = []
 
     def run(self) -> None:
         """Serve until the front end sends Stop or hangs up; then abort whatever is left."""
@@ -110,9 +122,13 @@ class EngineCore:
         failures = 0
         while True:
             update = CoreUpdate(stats=None)
-            if not self.take_commands(update, wait=not self.engine.has_unfinished_requests()):
+            busy = self.engine.has_unfinished_requests()
+            taken = self.take_commands(update, wait=None if not (busy or self.compiling) else 0 if busy
+                                       else COMPILE_POLL_S)
+            if taken is None:
                 break
-            if update.admitted or update.rejected or not self.engine.has_unfinished_requests():
+            self.admit_compiled(update)
+            if update.admitted or update.rejected or (taken and not self.engine.has_unfinished_requests()):
                 self.send(update)       # before the step: admission and the queue's length can't wait for it
                 update = CoreUpdate(stats=None)
             if self.engine.has_unfinished_requests():
@@ -128,23 +144,50 @@ class EngineCore:
         update.stats = self.engine.stats()
         self.conn.send(update)
 
-    def take_commands(self, update: CoreUpdate, wait: bool) -> bool:
-        """Apply every command on the pipe (waiting for one if idle); False once told to stop."""
+    def take_commands(self, update: CoreUpdate, wait: float | None) -> int | None:
+        """Apply every command on the pipe (waiting up to `wait` seconds for one, None: until one
+        comes); returns how many, or None once told to stop."""
+        taken = 0
         try:
-            if wait:
-                self.conn.poll(None)
+            if wait != 0:
+                self.conn.poll(wait)
             while self.conn.poll(0):
                 command = self.conn.recv()
+                taken += 1
                 if isinstance(command, Stop):
-                    return False
+                    return None
                 if isinstance(command, AbortRequests):
-                    for request_id in command.request_ids:
-                        self.engine.abort_request(request_id)
+                    self.abort(command.request_ids, update)
+                elif command.params.structured_outputs is not None:
+                    future = self.engine.grammar_compiler().prepare(command.params.structured_outputs)
+                    self.compiling.append(Compiling(command, future, time.monotonic() + self.grammar_timeout))
                 else:
                     self.add(command, update)
         except (EOFError, OSError):     # the front end is gone: nobody is left to serve
-            return False
-        return True
+            return None
+        return taken
+
+    def abort(self, request_ids: list[str], update: CoreUpdate) -> None:
+        gone = set(request_ids)
+        for waiting in [c for c in self.compiling if gone & set(c.command.request_ids)]:
+            self.compiling.remove(waiting)    # still compiling: answer the add, so the front end forgets it
+            update.rejected.append((waiting.command.key, EngineError("aborted while its grammar compiled")))
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+
+    def admit_compiled(self, update: CoreUpdate) -> None:
+        """Adds whose grammar is ready go in (the engine's compile is now a cache hit); those past the
+        timeout are refused. The worker cannot be interrupted: a late compile still fills the cache."""
+        now = time.monotonic()
+        for waiting in list(self.compiling):
+            if waiting.future.done():
+                self.compiling.remove(waiting)
+                self.add(waiting.command, update)
+            elif now > waiting.deadline:
+                self.compiling.remove(waiting)
+                update.rejected.append((waiting.command.key, InvalidRequest(
+                    "structured_outputs", f"structured_outputs did not compile within {self.grammar_timeout:g} s "
+                                          f"(--grammar-compile-timeout)")))
 
     def add(self, command: AddRequests, update: CoreUpdate) -> None:
         added = []
@@ -187,7 +230,7 @@ def core_lost_a_rank(reason: str) -> None:
     os._exit(1)
 
 
-def run_core_process(config: EngineConfig, conn: Connection) -> None:
+def run_core_process(config: EngineConfig, conn: Connection, grammar_timeout: float = 10.0) -> None:
     """The engine core process's main: build the engine, say what it is, serve until told to stop."""
     # Ctrl-C reaches the whole process group: the front end decides when the core stops (after draining).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -202,6 +245,6 @@ def run_core_process(config: EngineConfig, conn: Connection) -> None:
     if engine.tp is not None:
         engine.tp.watch(core_lost_a_rank)
     try:
-        EngineCore(engine, conn).run()
+        EngineCore(engine, conn, grammar_timeout).run()
     finally:
         engine.shutdown()           # tensor-parallel workers stop with the core

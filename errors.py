@@ -35,6 +35,11 @@ def quoted(value) -> str:
     return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED] + f"... ({len(text)} characters)"
 
 
+def clipped(text: str, limit: int = 4 * MAX_QUOTED) -> str:
+    """A message from elsewhere (a parser's) that may quote the whole input, cut to a few lines."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 def need(ok: bool, field: str, allowed: str, value) -> None:
     """Raise InvalidRequest('<field> must be <allowed>, got <value>') unless ok."""
     if not ok:

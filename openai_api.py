@@ -15,16 +15,18 @@ import json
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Union
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine import PromptLimits, RequestOutput, SamplingParams, StructuredOutputsParams
-from errors import InvalidRequest
+from errors import InvalidRequest, quoted
 from tokenizer import Tokenizer
 
 MAX_N = 16  # choices per prompt; more would let one request crowd out the batch
+MAX_MESSAGE = 400   # characters of an error message: our own fit; one echoing a megabyte of input is cut
 
 
 # ----------------------------------------------------------------------------- errors
@@ -34,6 +36,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
+        if len(message) > MAX_MESSAGE:   # e.g. a parser's error that quotes the whole offending input
+            message = message[:MAX_MESSAGE] + f"... ({len(message)} characters)"
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
@@ -160,7 +164,7 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
                                 "object", "response_format")
         return StructuredOutputsParams(json=spec.get("schema", {}))   # OpenAI: a missing schema allows any JSON
     raise APIError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
-                        f"{fmt.get('type')!r}", "response_format")
+                        f"{quoted(fmt.get('type'))}", "response_format")
 
 
 def logit_bias(req: SamplingRequest) -> dict[int, float] | None:
@@ -173,13 +177,55 @@ def logit_bias(req: SamplingRequest) -> dict[int, float] | None:
         raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
 
+# ----------------------------------------------------------------------------- what one request may ask for
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, counted in sequences and bytes: each bounds the work a single
+    small body can make the engine do, at admission or on every step (serve.py's flags set them).
+    Past a limit: a 400 naming the field and the flag."""
+    max_seqs_per_request: int = 128     # prompts x n: each is a sequence the scheduler must hold
+    max_logit_bias: int = 300           # entries (OpenAI's cap)
+    max_stop: int = 64                  # stop strings: each is searched for after every token
+    max_stop_chars: int = 256           # characters of one stop string (also what a stream holds back)
+    max_stop_token_ids: int = 256
+    max_grammar_bytes: int = 64 << 10   # a JSON schema, regex, grammar or choice list, as JSON text
+
+    def check(self, req: "SamplingRequest", num_prompts: int) -> None:
+        def need(ok, field, message):
+            if not ok:
+                raise APIError(400, message, field, code="limit_exceeded")
+        n = req.n or 1
+        need(num_prompts * n <= self.max_seqs_per_request, "n" if n > 1 else "prompt",
+             f"{num_prompts} prompts x n={n} = {num_prompts * n} sequences; at most {self.max_seqs_per_request} "
+             f"per request (--max-seqs-per-request)")
+        need(len(req.logit_bias or ()) <= self.max_logit_bias, "logit_bias",
+             f"logit_bias has {len(req.logit_bias or ())} entries; at most {self.max_logit_bias} (--max-logit-bias)")
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        need(len(stops) <= self.max_stop, "stop", f"stop has {len(stops)} strings; at most {self.max_stop} "
+                                                  f"(--max-stop-strings)")
+        long = next((s for s in stops if len(s) > self.max_stop_chars), None)
+        need(long is None, "stop", f"a stop string has {len(long or '')} characters; at most {self.max_stop_chars} "
+                                   f"(--max-stop-chars): {quoted(long)}")
+        need(len(req.stop_token_ids or ()) <= self.max_stop_token_ids, "stop_token_ids",
+             f"stop_token_ids has {len(req.stop_token_ids or ())} ids; at most {self.max_stop_token_ids} "
+             f"(--max-stop-token-ids)")
+        field = "structured_outputs" if req.structured_outputs is not None else "response_format"
+        spec = req.structured_outputs if req.structured_outputs is not None else req.response_format
+        size = 0 if spec is None else len(json.dumps(spec))
+        need(size <= self.max_grammar_bytes, field, f"{field} is {size} bytes as JSON; at most "
+                                                    f"{self.max_grammar_bytes} (--max-grammar-bytes)")
+
+
 # ----------------------------------------------------------------------------- the served model's limits
 
 class OpenAIProtocol:
     """Checks requests against the served model (name, vocabulary, context, policy) and renders tokens."""
 
-    def __init__(self, tokenizer: Tokenizer, limits: PromptLimits, scheduling_policy: str, model_name: str):
+    def __init__(self, tokenizer: Tokenizer, limits: PromptLimits, scheduling_policy: str, model_name: str,
+                 request_limits: RequestLimits = RequestLimits()):
         self.tokenizer, self.limits, self.model_name = tokenizer, limits, model_name
+        self.request_limits = request_limits
         self.vocab_size, self.max_model_len = limits.vocab_size, limits.max_model_len
         self.scheduling_policy = scheduling_policy
         self.token_text_cache: dict[int, str] = {}
@@ -193,6 +239,8 @@ class OpenAIProtocol:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            "model", code="model_not_found")
         reject_unsupported(req)
+        # before anything is tokenized or compiled: the request's size in sequences and bytes
+        self.request_limits.check(req, len(normalize_prompts(req.prompt)) if isinstance(req, CompletionRequest) else 1)
         return req
 
     def token_ids(self, prompt: str | list[int]) -> list[int]:
@@ -278,10 +326,25 @@ class Exchange:
             aliases = {**aliases, "structured_outputs": "response_format"}
         self.api, self.req, self.prompts, self.aliases, self.echoes = api, req, prompts, aliases, echoes
         self.params = api.sampling_params(req, max_tokens, logprobs, prompt_logprobs)
+        self.check_as_the_engine_will()
         self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.head = {"id": self.request_id, "object": self.object_name, "created": int(time.time()),
                      "model": api.model_name}
         self.cursors: dict[int, ChoiceCursor] = {}
+
+    def check_as_the_engine_will(self) -> None:
+        """The engine's own checks (sampling ranges, prompt ids, context length, cache_salt), run here
+        too, off the event loop: bad input gets its 400 before it is counted against the queue (a 503
+        under load would hide it), and the engine core never spends a turn on it. add_request checks
+        again; it is the authority."""
+        try:
+            self.params.validate(self.api.vocab_size)
+            for ids in self.prompts:
+                self.api.limits.check(ids, self.params.max_tokens)
+            if self.req.cache_salt is not None and not self.req.cache_salt:
+                raise InvalidRequest("cache_salt", "cache_salt must be a non-empty string or None")
+        except InvalidRequest as exc:
+            raise self.engine_error(exc) from None
 
     def engine_error(self, exc: InvalidRequest) -> APIError:
         """The engine rejected the input at add time: a 400 naming the field as this endpoint does."""
@@ -418,8 +481,9 @@ class ChatExchange(Exchange):
         prompt = render_chat(api, req.messages)
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, api.max_model_len - len(prompt))  # OpenAI: up to the context length
+        if max_tokens is None:   # OpenAI: up to the context length; capped at what the KV pool holds, as vLLM does
+            fits = api.limits.usable_blocks * api.limits.block_size
+            max_tokens = max(1, min(api.max_model_len, fits) - len(prompt))
         aliases = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_field}
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         super().__init__(api, req, [prompt], max_tokens, logprobs, aliases, [""])

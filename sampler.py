@@ -16,6 +16,8 @@ then a cumsum of one block: see inverse_cdf), and takes a single random number p
 so it samples the same token whatever else is in the batch; unseeded rows share one call.
 (Drawing Exp(1) noise for every logit, as the exponential race does, cost more than the model.)
 """
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,23 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
+    # Built once per request (and shared by its n samples), never per step: a step's cost must
+    # not grow with the size of a request's parameters.
+    @functools.cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [b] int64, biases [b] float32) of logit_bias."""
+        bias = self.logit_bias or {}
+        return torch.tensor(list(bias), dtype=torch.int64), torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    @functools.cached_property
+    def stop_token_id_set(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)
+
+    @functools.cached_property
+    def stop_hold_chars(self) -> int:
+        """Characters of streamed text held back because they could still begin a stop string."""
+        return max((len(s) - 1 for s in self.stop), default=0)
+
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
@@ -62,18 +81,21 @@ class SamplingParams:
         def need(ok, field, allowed):
             errors.need(ok, field, allowed, getattr(self, field))
 
-        def number(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+        def number(x):   # finite: Infinity and NaN parse from JSON but mean nothing here
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
         vocab = vocab_size or 2**31
         need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
         need(number(self.temperature) and self.temperature >= 0, "temperature", ">= 0")
         need(number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        need(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "-1 (off), 0 (off) or a positive integer")
+        need(isinstance(self.top_k, int) and -1 <= self.top_k < 2**31, "top_k",
+             "-1 (off), 0 (off) or a positive integer below 2**31")
         need(number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
         need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
         need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"an integer in [0, max_tokens={self.max_tokens}]")
         need(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
+        need(self.min_tokens == 0 or self.structured_outputs is None, "min_tokens",
+             "0 with structured_outputs (the grammar decides where the output ends, and may end it sooner)")
         need(number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
         need(number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
         need(number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"), "repetition_penalty",
@@ -316,16 +338,12 @@ def apply_min_tokens(logits, states):
 
 
 def apply_logit_bias(logits, params):
-    rows, cols, biases = [], [], []
+    """Each biased row adds its request's (ids, biases), tensors built once per request."""
     for i, p in enumerate(params):
         if p.logit_bias:
-            rows += [i] * len(p.logit_bias)
-            cols += list(p.logit_bias)
-            biases += list(p.logit_bias.values())
-    if rows:
-        dev = logits.device
-        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                          torch.tensor(biases, dtype=logits.dtype, device=dev), accumulate=True)
+            ids, biases = p.logit_bias_tensors
+            logits[i].index_add_(0, ids.to(logits.device, non_blocking=True),
+                                 biases.to(logits.device, logits.dtype, non_blocking=True))
 
 
 def apply_penalties(logits, states):

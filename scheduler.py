@@ -90,7 +90,14 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def fork(self, parent: Sequence, child: Sequence):
-        """n > 1: a new sample starts running beside its parent, sharing its blocks."""
+        """n > 1: a new sample starts running beside its parent, sharing its blocks, if max_num_seqs
+        leaves it a slot. Else it waits like any sequence (first in line: it arrived with its
+        parent), its prompt uncomputed; at admission the prefix cache gives it the prompt's full
+        blocks, so only the tail is computed again."""
+        if len(self.running) >= self.config.max_num_seqs:
+            child.num_computed_tokens = 0
+            self.waiting.appendleft(child)
+            return
         self.blocks.fork(parent, child)
         child.status = Status.RUNNING
         self.running.append(child)

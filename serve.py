@@ -26,6 +26,7 @@ import hmac
 import logging
 import signal
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -33,11 +34,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine import Engine, EngineConfig, InvalidRequest
 from engine_client import ClientGone, EngineClient, Failed, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
-    OpenAIProtocol
+    OpenAIProtocol, RequestLimits
 import parallel
 
 log = logging.getLogger("nanoserve.serve")
@@ -48,11 +51,14 @@ log = logging.getLogger("nanoserve.serve")
 class OpenAIServer:
     """The route handlers: admission through the EngineClient, then a JSON body or an SSE stream."""
 
-    def __init__(self, client: EngineClient, served_model_name: str, max_waiting: int, max_request_bytes: int):
+    def __init__(self, client: EngineClient, served_model_name: str, max_waiting: int, max_request_bytes: int,
+                 limits: RequestLimits = RequestLimits(), body_timeout: float = 30.0):
         self.client, self.model_name, self.max_waiting = client, served_model_name, max_waiting
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes, self.body_timeout = max_request_bytes, body_timeout
         info = client.info
-        self.api = OpenAIProtocol(client.tokenizer, info.limits, info.scheduling_policy, served_model_name)
+        # a request bigger than the whole queue could never be admitted: a 400, not a 503 forever
+        limits = dataclasses.replace(limits, max_seqs_per_request=min(limits.max_seqs_per_request, max_waiting))
+        self.api = OpenAIProtocol(client.tokenizer, info.limits, info.scheduling_policy, served_model_name, limits)
         self.runs: set[Run] = set()       # admitted (or being admitted) and not yet closed
         self.accepting = True             # False once shutdown began: new work gets 503
 
@@ -69,10 +75,11 @@ class OpenAIServer:
         requests["received"] += 1
         try:
             self.check_accepting()
-            req = self.api.parse(await read_body(request, self.max_request_bytes), schema)
-            # tokenizing and templating a long prompt takes a while: off the event loop, so others keep streaming
-            exchange = await asyncio.to_thread(exchange_type, self.api, req)
-            self.check_capacity(len(exchange.prompts))
+            body = await read_body(request, self.max_request_bytes, self.body_timeout)
+            # parsing a big body, tokenizing and templating a long prompt take a while: off the event loop,
+            # so others keep streaming
+            exchange = await asyncio.to_thread(lambda: exchange_type(self.api, self.api.parse(body, schema)))
+            self.check_capacity(len(exchange.prompts) * exchange.params.n)   # sequences, as the engine holds them
         except BaseException:
             requests["rejected"] += 1
             raise
@@ -96,8 +103,8 @@ class OpenAIServer:
             raise APIError(503, "server is shutting down; retry on another replica", code="shutting_down",
                            headers={"Retry-After": "5"})
 
-    def check_capacity(self, num_prompts: int) -> None:
-        if self.client.num_waiting() + num_prompts > self.max_waiting:
+    def check_capacity(self, num_seqs: int) -> None:
+        if self.client.num_waiting() + num_seqs > self.max_waiting:
             raise APIError(503, f"too many waiting requests (max {self.max_waiting}); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
 
@@ -129,6 +136,8 @@ class OpenAIServer:
                                             "owned_by": "nanoserve", "max_model_len": self.api.max_model_len}]}
 
     async def health(self):
+        if not self.accepting:            # draining: a load balancer should send new traffic elsewhere
+            return APIError(503, "draining: the server is shutting down", code="shutting_down").response()
         if self.client.alive():
             return JSONResponse({"status": "ok"})
         reason = self.client.dead_reason or "the engine core is not running"
@@ -138,18 +147,28 @@ class OpenAIServer:
         return Response(render_metrics(self), media_type="text/plain; version=0.0.4")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float = 30.0) -> bytes:
     """The request body, refused (413) as soon as it is known to be over the limit: a 5 MB prompt
-    is never parsed, tokenized or queued."""
+    is never parsed, tokenized or queued. A body that takes over `timeout` seconds to arrive gets 408
+    (a client trickling bytes holds a connection and nothing else); a client that hangs up mid-upload
+    is one log line."""
     declared = request.headers.get("content-length", "")
     size, chunks = int(declared) if declared.isdigit() else 0, []
     if size <= limit:
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                break
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        break
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"request body not received within {timeout:g} s (--timeout-body)", "body",
+                           code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            log.info("client %s hung up while sending its request body", request.client and request.client.host)
+            raise APIError(499, "client disconnected", code="client_disconnected") from None
     if size > limit:
         raise APIError(413, f"request body is over {limit} bytes (--max-request-bytes)", "body",
                        code="request_too_large")
@@ -218,11 +237,12 @@ def render_metrics(server: OpenAIServer) -> str:
 # ----------------------------------------------------------------------------- app and CLI
 
 def build_app(engine: Engine | EngineClient, served_model_name: str, max_waiting: int = 256,
-              api_key: str | None = None, max_request_bytes: int = 1 << 20) -> FastAPI:
+              api_key: str | None = None, max_request_bytes: int = 1 << 20, limits: RequestLimits = RequestLimits(),
+              body_timeout: float = 30.0, metrics_require_key: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine core. serve.py passes the client of a
     core process; tests may pass an Engine, whose core then runs in a thread of this process."""
     client = engine if isinstance(engine, EngineClient) else EngineClient.in_thread(engine)
-    server = OpenAIServer(client, served_model_name, max_waiting, max_request_bytes)
+    server = OpenAIServer(client, served_model_name, max_waiting, max_request_bytes, limits, body_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -241,20 +261,24 @@ def build_app(engine: Engine | EngineClient, served_model_name: str, max_waiting
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
     if api_key:
-        app.add_middleware(RequireAPIKey, api_key=api_key)
+        app.add_middleware(RequireAPIKey, api_key=api_key, metrics=metrics_require_key)
     return app
 
 
 class RequireAPIKey:
-    """ASGI middleware: every /v1/* route needs `Authorization: Bearer <key>` (401 in OpenAI's error
-    shape otherwise); /health and /metrics stay open. The key is compared in constant time, so the
-    time to answer reveals nothing about how much of a guess was right."""
+    """ASGI middleware: every /v1/* route and the API docs (/docs, /redoc, /openapi.json) need
+    `Authorization: Bearer <key>` (401 in OpenAI's error shape otherwise), and so does /metrics with
+    --metrics-require-key (its token counters reveal prefix-cache hits); /health stays open. The key
+    is compared in constant time, so the time to answer reveals nothing about how much of a guess was right."""
+    DOCS = ("/docs", "/redoc", "/openapi.json")
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, metrics: bool = False):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.guarded = self.DOCS + (("/metrics",) if metrics else ())
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1/") or path.startswith(self.guarded)):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
@@ -319,10 +343,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("NANOSERVE_API_KEY"),
                    help="require 'Authorization: Bearer <key>' on /v1/* (default: $VLLM_API_KEY or "
                         "$NANOSERVE_API_KEY; none: open)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="with --api-key, /metrics needs the key too (its token counters reveal prefix-cache hits)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests may still run before they are aborted; "
-                        "new ones get 503 meanwhile (default 30)")
+                        "new ones and /health get 503 meanwhile; the process exits within this + 2 s, and at "
+                        "once on a second signal (default 30)")
+    g = p.add_argument_group("connections", "what a slow, idle or flooding client may hold")
+    g.add_argument("--timeout-header", type=float, default=30.0,
+                   help="seconds a connection may take to send a request's headers; then it is closed (default 30)")
+    g.add_argument("--timeout-body", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive; then 408 (default 30)")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default 5, uvicorn's and vLLM's)")
+    g.add_argument("--limit-concurrency", type=int, default=512,
+                   help="open connections (and requests in flight) past which new requests get 503 (default 512)")
+    d, r = RequestLimits(), p.add_argument_group("per-request limits", "each past-limit request gets a 400 "
+                                                                       "naming the field")
+    r.add_argument("--max-seqs-per-request", type=int, default=d.max_seqs_per_request,
+                   help=f"prompts x n of one request (default {d.max_seqs_per_request}; at most --max-waiting)")
+    r.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
+                   help=f"logit_bias entries (default {d.max_logit_bias}, OpenAI's)")
+    r.add_argument("--max-stop-strings", type=int, default=d.max_stop, help=f"stop strings (default {d.max_stop})")
+    r.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                   help=f"characters of one stop string (default {d.max_stop_chars})")
+    r.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help=f"stop_token_ids entries (default {d.max_stop_token_ids})")
+    r.add_argument("--max-grammar-bytes", type=int, default=d.max_grammar_bytes,
+                   help=f"a structured-output schema, regex, grammar or choice list as JSON "
+                        f"(default {d.max_grammar_bytes})")
+    r.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds a structured-output grammar may take to compile (off the engine's loop); "
+                        "then 400 (default 10)")
     return p.parse_args(argv)
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(args.max_seqs_per_request, args.max_logit_bias, args.max_stop_strings, args.max_stop_chars,
+                         args.max_stop_token_ids, args.max_grammar_bytes)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -335,10 +393,42 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**given)
 
 
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol plus a deadline for each request's headers. uvicorn times out only
+    an idle keep-alive connection after a response: one that connects and sends nothing, or trickles
+    its headers, would hold a socket (and a --limit-concurrency place) forever. The deadline is armed
+    when the connection opens and after each response, and disarmed by the next request's headers."""
+    header_timeout = 30.0   # serve.py sets --timeout-header on the class (uvicorn builds one per connection)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc) -> None:
+        if getattr(self, "header_deadline", None) is not None:
+            self.header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        if getattr(self, "header_deadline", None) is not None:
+            self.header_deadline.cancel()
+        waiting_for = self.cycle          # a new request's headers replace the cycle
+        self.header_deadline = self.loop.call_later(self.header_timeout, self._header_deadline_passed, waiting_for)
+
+    def _header_deadline_passed(self, waiting_for) -> None:
+        if self.cycle is waiting_for and not self.transport.is_closing():
+            self.transport.close()
+
+
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains before it stops: new requests get 503 with
-    Retry-After, in-flight ones get --shutdown-timeout seconds to finish, the rest end with an error
-    event (or a 503), and then uvicorn shuts down and the process exits 0. A second signal stops at once."""
+    """uvicorn, except that the first SIGTERM/SIGINT drains before it stops: new requests and /health
+    get 503 with Retry-After, in-flight ones get --shutdown-timeout seconds to finish, the rest end with
+    an error event (or a 503), and then uvicorn shuts down and the process exits 0, all within the
+    timeout + 2 s. A second signal ends the engine core and the process at once (exit status 1)."""
 
     def __init__(self, config: uvicorn.Config, server: OpenAIServer, shutdown_timeout: float):
         super().__init__(config)
@@ -346,12 +436,24 @@ class DrainingServer(uvicorn.Server):
         self.drain_task = None
 
     def handle_exit(self, sig, frame) -> None:
-        if self.drain_task is not None or not self.started:
+        if self.drain_task is not None:
+            self.exit_now(f"signal {sig} again", 1)
+        if not self.started:
             return super().handle_exit(sig, frame)
         log.info("signal %d: draining %d requests (--shutdown-timeout %gs)", sig, len(self.server.runs),
                  self.shutdown_timeout)
+        # the promise, whatever a slow step or teardown does: out within the timeout + 2 s
+        watchdog = threading.Timer(self.shutdown_timeout + EXIT_GRACE_S, self.exit_now, ("shutdown took too long",))
+        watchdog.daemon = True
+        watchdog.start()
         loop = asyncio.get_running_loop()   # the handler runs on the loop's thread; the self-pipe wakes it
         self.drain_task = loop.call_soon_threadsafe(lambda: loop.create_task(self.drain()))
+
+    def exit_now(self, why: str, status: int = 0) -> None:
+        log.warning("%s: ending the engine core and exiting now", why)
+        self.server.client.kill()
+        logging.shutdown()
+        os._exit(status)
 
     async def drain(self) -> None:
         server = self.server
@@ -362,8 +464,11 @@ class DrainingServer(uvicorn.Server):
             server.abort_all(APIError(503, f"server shut down: the request was still running after "
                                            f"--shutdown-timeout={self.shutdown_timeout:g}s and was aborted",
                                       code="shutting_down"))
-            await wait_until(lambda: not server.runs, 5)   # their error events go out
+            await wait_until(lambda: not server.runs, 0.5)   # their error events go out
         self.should_exit = True
+
+
+EXIT_GRACE_S = 1.5     # after --shutdown-timeout: the error events, uvicorn's close and the core's stop
 
 
 async def wait_until(done, timeout: float) -> None:
@@ -378,18 +483,42 @@ def main(argv: list[str] | None = None) -> None:
         return parallel.run_worker()        # torchrun's other ranks: only rank 0 serves HTTP
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        client = EngineClient.in_process(engine_config(args))   # builds the engine in the core process
+        client = EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)   # builds the engine there
     except ValueError as exc:  # a bad flag value: say which, without a traceback
         sys.exit(f"serve.py: error: {exc}")
     default_name = os.path.basename(os.path.normpath(args.model or "SmolLM2-135M-Instruct")).removesuffix(".gguf")
     name = args.served_model_name or default_name
-    app = build_app(client, name, args.max_waiting, args.api_key, args.max_request_bytes)
+    check_fits_one_sequence(args, client)
+    app = build_app(client, name, args.max_waiting, args.api_key, args.max_request_bytes, request_limits(args),
+                    args.timeout_body, args.metrics_require_key)
     log.info("serving %s on http://%s:%d%s", name, args.host, args.port, " (API key required)" if args.api_key else "")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    HeaderTimeoutProtocol.header_timeout = args.timeout_header
+    # the drain already waited --shutdown-timeout; uvicorn's own graceful wait only lets the last bytes out
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=0.5,
+                            http=HeaderTimeoutProtocol, timeout_keep_alive=args.timeout_keep_alive,
+                            limit_concurrency=args.limit_concurrency)
     # uvicorn re-raises a signal it was stopped by; a no-op handler turns that into a normal exit (status 0).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     DrainingServer(config, app.state.server, args.shutdown_timeout).run()
+    # Everything is closed: connections, the engine core. The interpreter's own teardown (torch's
+    # modules, idle pools) took seconds here, past the --shutdown-timeout + 2 s promise: skip it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def check_fits_one_sequence(args: argparse.Namespace, client: EngineClient) -> None:
+    """An explicit --max-model-len must fit one sequence in the KV pool, as vLLM demands at start-up;
+    left to its default, the chat endpoint's default max_tokens is capped at what the pool holds instead."""
+    limits = client.info.limits
+    pool_tokens = limits.usable_blocks * limits.block_size
+    if args.max_model_len is not None and args.max_model_len > pool_tokens:
+        client.kill()
+        sys.exit(f"serve.py: error: --max-model-len {args.max_model_len} cannot fit one sequence in the KV cache: "
+                 f"{limits.usable_blocks} usable blocks x {limits.block_size} tokens = {pool_tokens} tokens; raise "
+                 f"--kv-cache-memory or lower --max-model-len to at most {pool_tokens}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,18 @@ Why llguidance rather than xgrammar: both are maintained and used by vLLM; llgui
 Rust wheel with no Python dependencies, while xgrammar pulls in transformers and triton (about
 a gigabyte here) for a runtime that needs neither. llguidance builds its token trie from our
 tokenizer's bytes and fills the masks of a batch in its own threads (bench_structured.py measures the cost).
+
+Compiling is slow (a 5,000-choice list: ~0.4 s) and must never stall a step: GrammarCompiler keeps
+compiled grammars in a cache keyed by the request's schema (each completion gets a cheap copy), and
+`prepare` compiles into it on a worker thread (llguidance releases the GIL while it compiles), so
+the engine core admits a structured request only once its grammar is ready.
 """
+import collections
+import concurrent.futures
+import dataclasses
 import json
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +38,9 @@ except ImportError:   # only structured requests need it; they get a clear error
     llguidance = None
 
 
+MAX_CHOICES = 1999     # llguidance's Earley parser takes at most 2000 items in one row
+
+
 @dataclass
 class StructuredOutputsParams:
     """Exactly one of these constrains the output (as in vLLM 0.32's SamplingParams.structured_outputs)."""
@@ -40,17 +52,27 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON without whitespace between tokens (shorter outputs)
 
     def validate(self):
-        """Raise InvalidRequest('structured_outputs', ...) unless exactly one kind is set and it compiles."""
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
-        errors.need(len(kinds) == 1, "structured_outputs", "exactly one of json, regex, choice, grammar, "
-                    "json_object", kinds)
+        """Raise InvalidRequest('structured_outputs', ...) unless exactly one kind is set. Whether it
+        compiles is GrammarCompiler's to say (off the engine's loop), under the same field name."""
+        errors.need(len(self.kinds()) == 1, "structured_outputs", "exactly one of json, regex, choice, grammar, "
+                    "json_object", self.kinds())
         if llguidance is None:
             raise errors.InvalidRequest("structured_outputs", "structured outputs need the llguidance package "
                                                               "(pip install llguidance)")
-        error = llguidance.LLMatcher.validate_grammar(self.to_grammar())
-        if error:
-            raise errors.InvalidRequest("structured_outputs", f"structured_outputs is not a valid "
-                                                              f"{kinds[0]}: {error}")
+        errors.need(not isinstance(self.choice, list) or len(self.choice) <= MAX_CHOICES, "structured_outputs",
+                    f"a choice list of at most {MAX_CHOICES} entries (llguidance's parser stops past that)",
+                    f"{len(self.choice or ())} entries")
+
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
+
+    def cache_key(self) -> str:
+        """The same schema, however it was written, compiles once. Computed once per request: it is
+        as long as the schema."""
+        if "_key" not in self.__dict__:
+            fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+            self.__dict__["_key"] = json.dumps(fields, sort_keys=True, default=repr)
+        return self.__dict__["_key"]
 
     def to_grammar(self) -> str:
         """The llguidance grammar text of whichever kind is set."""
@@ -92,18 +114,74 @@ class TokenBytes:
 
 
 class GrammarCompiler:
-    """One per engine: the llguidance tokenizer (built once, ~0.5 s) and a matcher per completion."""
+    """One per engine: the llguidance tokenizer (built once, ~0.5 s, at the first compile), a cache
+    of compiled grammars by schema (a compile error is cached too), and a worker thread that fills it.
+    `compile` gives each completion its own matcher: a copy of the cached one (microseconds)."""
+    CACHE_SIZE = 64
 
     def __init__(self, tokenizer, vocab_size: int):
-        self.vocab_size = vocab_size
-        self.lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(TokenBytes(tokenizer, vocab_size)),
-                                                  n_vocab=vocab_size)
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._lltokenizer = None
+        self.lock = threading.Lock()           # the worker and the engine's thread both fill the cache
+        self.cache: collections.OrderedDict[str, object] = collections.OrderedDict()   # key -> matcher or error
+        self.worker = None
+
+    @property
+    def lltokenizer(self):
+        with self.lock:
+            if self._lltokenizer is None:
+                wrapper = llguidance.TokenizerWrapper(TokenBytes(self.tokenizer, self.vocab_size))
+                self._lltokenizer = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size)
+            return self._lltokenizer
+
+    def prepare(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """Compile into the cache on the worker thread; the future is done when `compile` is instant."""
+        if params.cache_key() in self.cache:
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        if self.worker is None:
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler",
+                                                                initializer=_lowest_priority)
+        return self.worker.submit(self._compiled, params)
 
     def compile(self, params: StructuredOutputsParams) -> "Grammar":
-        matcher = llguidance.LLMatcher(self.lltokenizer, params.to_grammar())
-        if matcher.is_error():
-            raise errors.InvalidRequest("structured_outputs", f"structured_outputs: {matcher.get_error()}")
-        return Grammar(matcher)
+        """This completion's own matcher; raises InvalidRequest('structured_outputs') if it does not compile."""
+        compiled = self._compiled(params)
+        if isinstance(compiled, errors.InvalidRequest):
+            raise errors.InvalidRequest(compiled.field, str(compiled), compiled.code)
+        return Grammar(compiled.deep_copy())
+
+    def _compiled(self, params: StructuredOutputsParams):
+        key = params.cache_key()
+        with self.lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
+        try:
+            matcher = llguidance.LLMatcher(self.lltokenizer, params.to_grammar())
+            compiled = matcher if not matcher.is_error() else errors.InvalidRequest(
+                "structured_outputs", f"structured_outputs is not a valid {params.kinds()[0]}: "
+                                      f"{errors.clipped(matcher.get_error())}")
+        except errors.InvalidRequest as exc:
+            compiled = exc
+        except Exception as exc:            # llguidance refuses some inputs by raising
+            compiled = errors.InvalidRequest("structured_outputs", f"structured_outputs is not a valid "
+                                                                   f"{params.kinds()[0]}: {errors.clipped(str(exc))}")
+        with self.lock:
+            self.cache[key] = compiled
+            while len(self.cache) > self.CACHE_SIZE:
+                self.cache.popitem(last=False)
+        return compiled
+
+
+def _lowest_priority():
+    """The compiler thread takes only the CPU the engine leaves: on 2 cores a compile beside a step
+    otherwise stalls the step's OpenMP threads (Linux: a thread id is a process id to setpriority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass                                # elsewhere it just runs at the engine's priority
 
 
 class Grammar:

@@ -224,7 +224,7 @@ def newest_results(results_dir=RESULTS_DIR):
     for path in glob.glob(os.path.join(results_dir, "*.json")):
         with open(path) as f:
             r = json.load(f)
-        if r.get("sizes", {}).get("name") != "quick":
+        if r.get("sizes", {}).get("name") not in ("quick", "soak"):     # a soak has no benchmark table
             runs.append((r["date"], os.path.basename(path), path))
     if not runs:
         raise FileNotFoundError(f"no results/*.json of a default or --full run in {results_dir}")

@@ -2,15 +2,20 @@
 A bounded soak of serve.py: hundreds of concurrent clients on 127.0.0.1, then a check that nothing was lost.
 
 Clients mix streamed and non-streamed completions and chats, n > 1, stop strings, seeds, clients that
-hang up at a random point, and malformed or oversized requests. At the end every well-formed request
-must have finished (or been left by its own client), every bad one must have had a 4xx naming the
-field, the KV pool must be all free again, and /metrics must add up:
-received = finished + aborted + rejected + failed.
+hang up at a random point, malformed or oversized requests, and hostile ones (too many prompts x n, a
+full logit_bias, thousands of stop strings, a huge grammar), against a KV pool small enough that the
+engine must preempt. At the end every well-formed request must have finished (or been left by its own
+client), every bad one must have had a 4xx naming the field, no answer may have lost or altered a token
+(every greedy answer must equal what the server gives the same request alone, afterwards), the KV pool
+must be all free again, and /metrics must add up: received = finished + aborted + rejected + failed.
+It reports the p99 gap between a stream's tokens as well.
 Owns only the load and the checks: it starts serve.py itself unless given --url, and changes nothing in it.
-`python soak.py --minutes 1` (or `python bench.py soak --minutes 1`, which calls main(argv)).
+`python soak.py --minutes 1` (or `python bench.py soak --minutes 1 [--out results/]`, which calls main(argv)).
 """
 import argparse
 import asyncio
+import collections
+import io
 import json
 import os
 import random
@@ -22,6 +27,8 @@ import tempfile
 import time
 
 import httpx
+
+from benchmarks import report
 
 COUNTERS = ("received", "finished", "aborted", "rejected", "failed")
 METRIC = {"received": "requests_received_total", "finished": "requests_finished_total",
@@ -41,7 +48,24 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    # hostile: small bodies that ask for unbounded work
+    ("/v1/completions", {"prompt": ["hi"] * 250, "n": 16}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(t): 1 for t in range(5000)}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "stop": [f"stop{i}" for i in range(20_000)]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(5000))}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": [f"option {i}" for i in range(20_000)]}},
+     400, "structured_outputs"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": Infinity}', 400, "temperature"),
 ]
+# hostile but within the limits: each must wait its turn and be served
+HEAVY = [
+    {"prompt": "Tell me a story", "n": 16, "max_tokens": 8, "temperature": 1.0, "seed": 1,
+     "logit_bias": {str(t): 0.5 for t in range(300)}},
+    {"prompt": "Pick one:", "max_tokens": 8, "structured_outputs": {"choice": [f"option {i}" for i in range(1500)]}},
+    {"prompt": ["Count:", "Say:", "List:", "Name:"], "n": 8, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+]
+# greedy requests asked again and again: every answer must be the same text (the oracle asks each alone at the end)
+GREEDY_PROMPTS = [f"Fact {i}: the number {i} is" for i in range(8)]
 
 
 def good_request(rng: random.Random) -> tuple[str, dict]:
@@ -66,9 +90,12 @@ def good_request(rng: random.Random) -> tuple[str, dict]:
     return "/v1/chat/completions", {**body, "messages": CHAT}
 
 
-async def streamed(http: httpx.AsyncClient, path: str, body: dict, hang_up_after: int | None) -> str:
-    """'finished' when every choice got a finish_reason and [DONE] came; 'left' when we hung up."""
-    finish, chunks, done = {}, 0, False
+async def streamed(http: httpx.AsyncClient, path: str, body: dict, hang_up_after: int | None,
+                   gaps: list | None = None) -> str:
+    """'finished' when every choice got a finish_reason and [DONE] came; 'left' when we hung up.
+    Appends the seconds between successive chunks that carry tokens, after the first (its wait is the
+    TTFT, not a gap), of a finished stream to gaps."""
+    finish, chunks, done, times = {}, 0, False, []
     async with http.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -86,11 +113,27 @@ async def streamed(http: httpx.AsyncClient, path: str, body: dict, hang_up_after
                     if choice.get("finish_reason"):
                         finish[choice["index"]] = choice["finish_reason"]
                 chunks += 1
+                if any(c.get("text") or c.get("delta", {}).get("content") for c in event["choices"]):
+                    times.append(time.monotonic())
     if hang_up_after is not None:
         return "left"  # the stream ended before we hung up: counted as ours to leave anyway
     want = body.get("n", 1)
     ok = done and len(finish) == want and all(f in ("length", "stop") for f in finish.values())
+    if ok and gaps is not None:
+        gaps += [b - a for a, b in zip(times, times[1:])]
     return "finished" if ok else f"incomplete: done={done} finish={finish}"
+
+
+async def greedy(http: httpx.AsyncClient, rng: random.Random, answers: dict) -> str:
+    """A greedy completion of a known prompt; its text is kept to compare with the others' and the oracle's."""
+    key = (rng.choice(GREEDY_PROMPTS), rng.choice([4, 12]))
+    body = {"prompt": key[0], "max_tokens": key[1], "temperature": 0, "ignore_eos": True, "n": rng.choice([1, 2])}
+    r = await http.post("/v1/completions", json=body)
+    if r.status_code != 200:
+        return f"status {r.status_code}: {r.text[:200]}"
+    texts = [c["text"] for c in r.json()["choices"]]
+    answers[key].update(texts)
+    return "finished" if len(texts) == body["n"] else f"incomplete: {texts}"
 
 
 async def unary(http: httpx.AsyncClient, path: str, body: dict, hang_up_s: float | None) -> str:
@@ -103,7 +146,8 @@ async def unary(http: httpx.AsyncClient, path: str, body: dict, hang_up_s: float
     if r.status_code != 200:
         return f"status {r.status_code}: {r.text[:200]}"
     choices = r.json()["choices"]
-    ok = len(choices) == body.get("n", 1) and all(c["finish_reason"] in ("length", "stop") for c in choices)
+    prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+    ok = len(choices) == body.get("n", 1) * prompts and all(c["finish_reason"] in ("length", "stop") for c in choices)
     return "finished" if ok else f"incomplete: {choices}"
 
 
@@ -116,24 +160,34 @@ async def bad(http: httpx.AsyncClient, case) -> str:
     return "refused" if r.status_code == status and named else f"bad input {case[2:]} got {r.status_code} {error}"
 
 
-async def client(http: httpx.AsyncClient, rng: random.Random, deadline: float, tally: dict, problems: list):
+async def client(http: httpx.AsyncClient, rng: random.Random, deadline: float, tally: dict, problems: list,
+                 state: dict):
     while time.monotonic() < deadline:
         roll = rng.random()
         try:
             if roll < 0.12:
-                outcome, kind = await bad(http, rng.choice(BAD_INPUTS)), "bad_inputs"
+                case = rng.choice(BAD_INPUTS)
+                outcome, kind = await bad(http, case), "bad_inputs"
+                state["refused_by_field"][f"{case[2]} {case[3]}"] += outcome == "refused"
+            elif roll < 0.14:
+                outcome, kind = await unary(http, "/v1/completions", rng.choice(HEAVY), None), "heavy"
+            elif roll < 0.24:
+                outcome, kind = await greedy(http, rng, state["answers"]), "requests"
             else:
                 path, body = good_request(rng)
                 leave = roll < 0.3                                   # ~18% of good requests hang up
                 kind = "disconnects" if leave else "requests"
                 if body["stream"]:
-                    outcome = await streamed(http, path, body, rng.randint(0, 4) if leave else None)
+                    outcome = await streamed(http, path, body, rng.randint(0, 4) if leave else None, state["gaps"])
                 else:
                     outcome = await unary(http, path, body, rng.uniform(0.05, 1.0) if leave else None)
         except Exception as exc:  # a transport error on a request we did not abandon is a loss
             outcome, kind = f"exception {exc!r}", "requests"
         if outcome.startswith("status 503") and "queue_full" in outcome:
             tally["busy"] += 1                                       # backpressure, said so plainly: not lost
+        elif outcome.startswith("status 5"):
+            tally["status_5xx"] += 1
+            problems.append(outcome)
         elif outcome in ("finished", "left", "refused"):
             tally[kind] += 1
         else:
@@ -161,39 +215,64 @@ def wait_drained(url: str, timeout: float = 60) -> dict:
         time.sleep(0.2)
 
 
-async def soak(url: str, seconds: float, concurrency: int, seed: int) -> tuple[dict, list]:
-    tally = dict.fromkeys(["requests", "disconnects", "bad_inputs", "busy", "lost", "bad_answered_wrong"], 0)
-    problems = []
+TALLY = ["requests", "heavy", "disconnects", "bad_inputs", "busy", "lost", "bad_answered_wrong", "status_5xx"]
+
+
+async def soak(url: str, seconds: float, concurrency: int, seed: int) -> tuple[dict, list, dict]:
+    tally, problems = dict.fromkeys(TALLY, 0), []
+    state = {"answers": collections.defaultdict(set), "gaps": [], "refused_by_field": collections.Counter()}
     deadline = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        await asyncio.gather(*[client(http, random.Random(seed * 100_003 + i), deadline, tally, problems)
+        await asyncio.gather(*[client(http, random.Random(seed * 100_003 + i), deadline, tally, problems, state)
                                for i in range(concurrency)])
-    return tally, problems
+    return tally, problems, state
+
+
+async def altered_answers(url: str, answers: dict) -> list[str]:
+    """Each greedy request asked again alone, after the load: under load (batched, preempted, recomputed)
+    every answer must have been exactly this text."""
+    wrong = []
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        for (prompt, max_tokens), seen in sorted(answers.items()):
+            r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                         "temperature": 0, "ignore_eos": True})
+            alone = r.json()["choices"][0]["text"]
+            wrong += [f"{prompt!r} x {max_tokens}: got {text!r} under load, {alone!r} alone"
+                      for text in seen if text != alone]
+    return wrong
 
 
 def run_soak(base_url: str, minutes: float, concurrency: int = 200, seed: int = 0) -> dict:
     """Drive the server at base_url for `minutes`, then check that nothing was lost or leaked."""
     before = read_metrics(base_url)
     start = time.monotonic()
-    tally, problems = asyncio.run(soak(base_url, minutes * 60, concurrency, seed))
+    tally, problems, state = asyncio.run(soak(base_url, minutes * 60, concurrency, seed))
     wall = time.monotonic() - start
     after = wait_drained(base_url)
-    counts = {name: int(after[METRIC[name]] - before[METRIC[name]]) for name in COUNTERS}
-    sent = sum(tally[k] for k in ("requests", "disconnects", "bad_inputs", "busy", "lost", "bad_answered_wrong"))
+    counts = {name: int(after[METRIC[name]] - before[METRIC[name]]) for name in COUNTERS}   # the load's alone
+    altered = asyncio.run(altered_answers(base_url, state["answers"]))
+    after = wait_drained(base_url)
+    sent = sum(tally[k] for k in TALLY)
+    gaps = sorted(state["gaps"])
     return {**tally, "sent": sent, "wall_s": round(wall, 1), "concurrency": concurrency,
+            "altered": len(altered), "greedy_keys_checked": len(state["answers"]),
+            "p99_inter_token_gap_s": round(gaps[int(0.99 * (len(gaps) - 1))], 3) if gaps else None,
+            "p50_inter_token_gap_s": round(gaps[len(gaps) // 2], 3) if gaps else None,
+            "preemptions": int(after["num_preemptions_total"] - before["num_preemptions_total"]),
+            "refused_4xx_by_kind": dict(sorted(state["refused_by_field"].items())),
             "leaked_blocks": int(after["num_total_blocks"] - after["num_free_blocks"]),
             "still_running": int(after["num_requests_running"] + after["num_requests_waiting"]
                                  + after["requests_in_flight"]),
             "counters": counts,   # received <= sent: a client that gives up while still queued in its own
                                   # connection pool never reaches the server
             "counters_add_up": counts["received"] == sum(counts[k] for k in COUNTERS[1:]) and counts["received"] <= sent,
-            "problems": problems[:10]}
+            "problems": (altered + problems)[:10]}
 
 
 def passed(result: dict) -> bool:
     return (result["lost"] == result["bad_answered_wrong"] == result["leaked_blocks"] == result["still_running"] == 0
-            and result["counters_add_up"])
+            and result["status_5xx"] == result["busy"] == result["altered"] == 0 and result["counters_add_up"])
 
 
 def free_port() -> int:
@@ -222,13 +301,33 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Soak serve.py with hundreds of clients and check nothing is lost.")
-    p.add_argument("--minutes", type=float, default=1.0)
+    p.add_argument("--minutes", type=float, default=1.0, help="how long the load runs (the full soak: 10)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write <date>-<machine>-<commit>-soak.md (what this prints) and .json there, as bench.py does")
     p.add_argument("--concurrency", type=int, default=200, help="concurrent clients (default 200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", help="soak a running server (127.0.0.1 only) instead of starting serve.py")
-    p.add_argument("--server-args", default="--max-num-seqs 64 --kv-cache-memory 256MiB",
-                   help="flags for the serve.py this starts")
+    # 40MiB: ~56 blocks of SmolLM2 for up to 64 sequences of ~40 tokens (3 blocks each): the engine must preempt
+    # --max-waiting: every client's sequences may queue, so backpressure (503) is not mistaken for a failure
+    p.add_argument("--server-args", default="--max-num-seqs 64 --kv-cache-memory 40MiB --max-waiting 2048",
+                   help="flags for the serve.py this starts (default: a KV pool small enough to force preemption)")
     args = p.parse_args(argv)
+    stdout = sys.stdout
+    if args.out:
+        sys.stdout = report.Tee(stdout)
+    try:
+        ok, result = soak_main(args)
+    finally:
+        printed, sys.stdout = getattr(sys.stdout, "copy", None), stdout
+    if args.out:
+        header = report.run_header("none", "auto")
+        results = header | {"sizes": {"name": "soak"}, "command": "python bench.py soak " + " ".join(argv or []),
+                            "soak": result}
+        print("results: " + ", ".join(report.write_run(results, printed.getvalue(), args.out)))
+    return 0 if ok else 1
+
+
+def soak_main(args) -> tuple[bool, dict]:
     proc = None
     if args.url:
         assert httpx.URL(args.url).host in ("127.0.0.1", "localhost"), "the soak only drives 127.0.0.1"
@@ -244,16 +343,19 @@ def main(argv: list[str] | None = None) -> int:
     if proc is not None:
         result["server_exit_code"] = exit_code
     print(f"\n### Soak: {args.minutes:g} min, {args.concurrency} concurrent clients on 127.0.0.1\n")
-    keys = ["sent", "requests", "disconnects", "bad_inputs", "busy", "lost", "bad_answered_wrong", "leaked_blocks",
-            "still_running", "counters_add_up", "wall_s"]
+    keys = ["sent", "requests", "heavy", "disconnects", "bad_inputs", "busy", "status_5xx", "lost", "altered",
+            "bad_answered_wrong", "leaked_blocks", "still_running", "preemptions", "p50_inter_token_gap_s",
+            "p99_inter_token_gap_s", "counters_add_up", "wall_s"]
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     print("| " + " | ".join(str(result[k]) for k in keys) + " |")
-    print(f"\n/metrics deltas: {result['counters']}")
+    print(f"\n4xx by kind (status and field): {result['refused_4xx_by_kind']}")
+    print(f"greedy requests checked against the same request alone: {result['greedy_keys_checked']} kinds")
+    print(f"/metrics deltas: {result['counters']}")
     for problem in result["problems"]:
         print("problem:", problem)
     ok = passed(result) and result.get("server_exit_code", 0) == 0
     print("\nsoak:", "PASSED" if ok else "FAILED")
-    return 0 if ok else 1
+    return ok, result
 
 
 if __name__ == "__main__":
