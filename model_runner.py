@@ -41,7 +41,9 @@ class ModelRunner:
         self.kv_pool.run(batch.block_ops)
         bs, seqs = self.block_size, batch.seqs
         starts = [s.num_computed_tokens for s in seqs]
-        input_ids = [t for s, a, n in zip(seqs, starts, batch.num_tokens) for t in s.token_ids[a:a + n]]
+        # a row with drafts (spec_decode.py) is a decode: its last token, then its drafts
+        input_ids = [t for s, a, n in zip(seqs, starts, batch.num_tokens)
+                     for t in (s.token_ids[a:a + n] + s.spec_token_ids if s.spec_token_ids else s.token_ids[a:a + n])]
         q_lens = torch.tensor(batch.num_tokens)                                   # [num_rows]
         ctx_lens = torch.tensor(starts) + q_lens                                  # [num_rows]
         qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)
@@ -61,8 +63,18 @@ class ModelRunner:
             slot_mapping=slots.to(dev), block_tables=tables.to(dev, torch.int32),
             context_lens=ctx_lens.to(dev, torch.int32), query_start_loc=qsl.to(dev, torch.int32),
             backend=self.attention_backend)
-        logits_rows = torch.cat([qsl[1:][batch.sample_rows] - 1, torch.tensor(extra_rows, dtype=torch.int64)])
+        logits_rows = torch.cat([self.sample_logits_rows(batch, qsl), torch.tensor(extra_rows, dtype=torch.int64)])
         return StepInputs(torch.tensor(input_ids).to(dev), positions.to(dev), meta, logits_rows.to(dev))
+
+    @staticmethod
+    def sample_logits_rows(batch: ScheduledBatch, qsl) -> torch.Tensor:
+        """The flat-batch rows whose logits sample: each sampled row's last token, and for a row with
+        k drafts its last 1 + k tokens (verification reads the target at every drafted position)."""
+        ends = qsl[1:][batch.sample_rows]                                         # [num_sampled] one past each row
+        spans = [batch.seqs[i].num_spec_tokens for i in batch.sample_rows]
+        if not any(spans):
+            return ends - 1
+        return torch.cat([torch.arange(e - 1 - k, e) for e, k in zip(ends.tolist(), spans)])   # [sum(1 + k)]
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits [num_logits, vocab]."""

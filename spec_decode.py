@@ -449,3 +449,85 @@ class SpecDecodeStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verifying row: 1 + accepted / drafts (vLLM's definition)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+# ---------------------------------------------------------------------------------------- the engine's hooks
+class Speculator:
+    """What the engine holds when it speculates: the proposer, each sequence's AcceptanceTracker
+    (and draft_model's q of its drafts), and the counters. Engine.postprocess samples through
+    sample() (verify; a row without drafts is plain sampling) and calls propose() once the step's
+    tokens are appended; Scheduler.accept_drafts rolls the cache back; remove() when a sequence ends."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None):
+        self.config, self.max_model_len = config, max_model_len
+        self.proposer = draft if draft is not None else NgramProposer(config)
+        self.trackers: dict[int, AcceptanceTracker] = {}
+        self.draft_probs: dict[int, torch.Tensor] = {}     # draft_model, seq_id -> [k, vocab] (sampled rows only)
+        self.stats, self.last_step = SpecDecodeStats(), SpecDecodeStats()
+
+    def propose(self, completions: list, num_running: int, generator: torch.Generator | None = None):
+        """Set seq.spec_token_ids for each unfinished completion that may draft this step."""
+        if not speculation_enabled(self.config, num_running):
+            return
+        rows, limits = [], []
+        for c in completions:
+            seq = c.seq
+            limit = draft_budget(self.config.num_speculative_tokens, seq.num_output_tokens, seq.max_tokens,
+                                 len(seq.token_ids), self.max_model_len)
+            if limit > 0 and self.trackers.setdefault(seq.seq_id, AcceptanceTracker()).should_draft():
+                rows.append(c)
+                limits.append(limit)
+        if not rows:
+            return
+        keys, ids = [c.seq.seq_id for c in rows], [c.seq.token_ids for c in rows]
+        if isinstance(self.proposer, NgramProposer):
+            drafts, probs = self.proposer.propose(keys, ids, limits), [None] * len(rows)
+        else:
+            drafts, probs = self.proposer.propose(keys, ids, limits, [c.sampling for c in rows], generator)
+        for c, d, q in zip(rows, drafts, probs):
+            c.seq.spec_token_ids = trim_drafts(d, c.sampling)
+            if q is not None:
+                self.draft_probs[c.seq.seq_id] = q
+
+    def sample(self, logits, completions: list, generator: torch.Generator | None) -> SpecOutput:
+        """logits: [sum(1 + k_i), vocab], each completion's 1 + k_i rows in order (k_i = len of its
+        seq.spec_token_ids). verify, then count: stats, per-request metrics, trackers."""
+        drafts = [c.seq.spec_token_ids for c in completions]
+        states = [c.sampling for c in completions]
+        out = verify(logits, drafts, states, generator, self._draft_probs(completions, drafts, logits))
+        self.last_step = SpecDecodeStats()
+        self.last_step.observe(drafts, out)
+        self.stats.observe(drafts, out)
+        for c, d, a in zip(completions, drafts, out.num_accepted):
+            if d:
+                self.trackers[c.seq.seq_id].record(len(d), a, self.config.min_acceptance_rate)
+                m = c.seq.request.metrics
+                m.num_spec_steps, m.num_draft_tokens, m.num_accepted_tokens = (
+                    m.num_spec_steps + 1, m.num_draft_tokens + len(d), m.num_accepted_tokens + a)
+        return out
+
+    def _draft_probs(self, completions, drafts, logits):
+        """[sum(k_i), vocab] q of every draft, or None where no drafted row samples (point masses:
+        n-gram drafts, and greedy rows, whose q verify never reads: zeros stand in for them)."""
+        qs = [self.draft_probs.pop(c.seq.seq_id, None) for c in completions]
+        if all(q is None for q, d in zip(qs, drafts) if d):
+            return None
+        vocab = logits.shape[-1]
+        return torch.cat([q[:len(d)] if q is not None else torch.zeros(len(d), vocab, device=logits.device) for q, d in zip(qs, drafts)])
+
+    def remove(self, seq_id: int):
+        """A sequence ended (finished or aborted): forget its history, tracker and draft cache."""
+        self.trackers.pop(seq_id, None)
+        self.draft_probs.pop(seq_id, None)
+        self.proposer.remove(seq_id)
+
+    def engine_stats(self) -> dict:
+        """EngineStats' spec_decode_* fields."""
+        s, last = self.stats, self.last_step
+        return dict(spec_decode_num_drafts=s.num_drafts, spec_decode_num_draft_tokens=s.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=s.num_accepted_tokens,
+                    spec_decode_num_emitted_tokens=s.num_emitted_tokens,
+                    spec_decode_mean_acceptance_length=s.mean_acceptance_length,
+                    spec_decode_draft_tokens_last_step=last.num_draft_tokens,
+                    spec_decode_accepted_tokens_last_step=last.num_accepted_tokens,
+                    spec_decode_emitted_tokens_last_step=last.num_emitted_tokens)
