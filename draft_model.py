@@ -11,7 +11,8 @@ One propose(): a first forward catches every row up on the tokens the target app
 last proposal (accepted drafts are recomputed: simpler than keeping their K/V, and a few more
 query tokens cost a small model little), then one-token forwards until each row has its drafts.
 Drafts come from q = softmax(logits / T) drawn with the row's own generator (greedy rows: argmax).
-A row whose draft cache has no room drafts less (or nothing) this step; it never evicts another.
+A row that finds no room in the draft pool, even after the sequences not drafting now gave theirs
+back, drafts less (or nothing) this step.
 """
 import torch
 
@@ -44,13 +45,11 @@ class DraftModelProposer:
         drafts, probs = [[] for _ in keys], [[] for _ in keys]
         live = [i for i, m in enumerate(max_drafts) if m > 0]
         while live:
-            live = [i for i in live if self.blocks.can_allocate(rows[i], rows[i].num_uncomputed)]
+            live = [i for i in live if self._make_room(rows[i], keys)]
             if not live:
                 break
             seqs = [rows[i] for i in live]
             batch = ScheduledBatch(seqs, [s.num_uncomputed for s in seqs], sample_rows=list(range(len(seqs))))
-            for s, n in zip(seqs, batch.num_tokens):
-                batch.block_ops += self.blocks.allocate_slots(s, n)
             logits = self.runner.forward(self.runner.prepare(batch))           # [len(live), vocab]
             tokens, q = self._draw(logits, [states[i] for i in live], generator)
             for n, (i, s) in enumerate(zip(live, seqs)):
@@ -63,6 +62,20 @@ class DraftModelProposer:
         for s, ids in zip(rows, token_ids):                 # keep the K/V of the real tokens, not the drafts'
             self._rewind(s, len(ids))
         return drafts, [torch.stack(p) if p else None for p in probs]
+
+    def _make_room(self, s: Sequence, drafting: list) -> bool:
+        """Slots for s's next tokens, taken now. When the pool is short, sequences not drafting this
+        step (paused, preempted, waiting) give their draft caches back: they catch up when they draft."""
+        drafting = set(drafting)
+        for key in [k for k in self.seqs if k not in drafting]:
+            if self.blocks.can_allocate(s, s.num_uncomputed):
+                break
+            self.remove(key)
+        if not self.blocks.can_allocate(s, s.num_uncomputed):
+            return False
+        copies = self.blocks.allocate_slots(s, s.num_uncomputed)
+        assert not copies, "draft sequences never share a block, so nothing is copied on write"
+        return True
 
     def _sync(self, key, ids: list[int]) -> Sequence:
         s = self.seqs.get(key)
