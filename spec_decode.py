@@ -414,6 +414,15 @@ class AcceptanceTracker:
             return False
         return True
 
+    def num_drafts(self, k: int, min_rate: float) -> int:
+        """Drafts worth verifying now: draft j counts only if the j - 1 before it were accepted too,
+        about rate^j of the time; each costs a query row whether accepted or not, so verify it only
+        while that chance is at least min_rate (rate 0.9: all of k = 4; 0.5: 2; a probe at min_rate: 1)."""
+        n, chance = 0, self.rate
+        while n < k and chance >= min_rate:
+            n, chance = n + 1, chance * self.rate
+        return n
+
     def record(self, num_drafts: int, num_accepted: int, min_rate: float):
         if num_drafts == 0:
             return
@@ -472,9 +481,10 @@ class Speculator:
         rows, limits = [], []
         for c in completions:
             seq = c.seq
-            limit = draft_budget(self.config.num_speculative_tokens, seq.num_output_tokens, seq.max_tokens,
-                                 len(seq.token_ids), self.max_model_len)
-            if limit > 0 and self.trackers.setdefault(seq.seq_id, AcceptanceTracker()).should_draft():
+            tracker = self.trackers.setdefault(seq.seq_id, AcceptanceTracker())
+            limit = draft_budget(tracker.num_drafts(self.config.num_speculative_tokens, self.config.min_acceptance_rate),
+                                 seq.num_output_tokens, seq.max_tokens, len(seq.token_ids), self.max_model_len)
+            if limit > 0 and tracker.should_draft():
                 rows.append(c)
                 limits.append(limit)
         if not rows:

@@ -3431,6 +3431,14 @@ def test_acceptance_tracker_pauses_a_completion_that_does_not_pay_and_probes_aga
     assert t.rate == pytest.approx(0.36)
 
 
+def test_acceptance_tracker_verifies_a_draft_only_while_its_chance_is_worth_a_row():
+    t = sd.AcceptanceTracker()
+    assert t.num_drafts(4, 0.2) == 4                             # rate 1: every draft
+    for rate, n in ((0.9, 4), (0.6, 3), (0.5, 2), (0.3, 1), (0.2, 1), (0.19, 0)):
+        t.rate = rate                                            # rate^n >= 0.2 > rate^(n + 1)
+        assert t.num_drafts(4, 0.2) == n, rate
+
+
 def test_spec_decode_stats_count_drafts_and_acceptance_length():
     stats = sd.SpecDecodeStats()
     stats.observe([[1, 2, 3], [], [4, 5]], sd.SpecOutput([[1, 2, 7], [8], [6]], [2, 0, 0], [None] * 3))
