@@ -42,8 +42,8 @@ class ModelRunner:
         bs, seqs = self.block_size, batch.seqs
         starts = [s.num_computed_tokens for s in seqs]
         # a row with drafts (spec_decode.py) is a decode: its last token, then its drafts
-        input_ids = [t for s, a, n in zip(seqs, starts, batch.num_tokens)
-                     for t in (s.token_ids[a:a + n] + s.spec_token_ids if s.spec_token_ids else s.token_ids[a:a + n])]
+        # (its slice of token_ids stops at the end: n counts the drafts too)
+        input_ids = [t for s, a, n in zip(seqs, starts, batch.num_tokens) for t in s.token_ids[a:a + n] + s.spec_token_ids]
         q_lens = torch.tensor(batch.num_tokens)                                   # [num_rows]
         ctx_lens = torch.tensor(starts) + q_lens                                  # [num_rows]
         qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)

@@ -5,15 +5,18 @@ lets the target model verify all of them in one forward pass without changing wh
 
 Owns SpeculativeConfig (vLLM's names, validated at the edge), the n-gram (prompt-lookup)
 proposer and its per-sequence token history, the processing of every drafted position with the
-drafted prefix, rejection sampling, the arithmetic of rolling KV slots back, and per-completion
-acceptance tracking. Does not schedule, allocate blocks, run a model or append tokens: the
-engine and scheduler call in here and act on what comes back.
+drafted prefix, rejection sampling, the arithmetic of rolling KV slots back, per-completion
+acceptance tracking, and Speculator, the engine's hooks over all of it. Does not schedule,
+allocate blocks, run a model or append tokens: the engine (Engine.postprocess) and scheduler
+(Scheduler._fit_drafts, accept_drafts) call in here and act on what comes back; the draft model
+lives in draft_model.py.
 
 How the engine uses it, one step (only decode rows speculate; a row with no drafts is a plain row):
  1. propose   After a step's tokens are appended, for each running decode completion that
               speculation_enabled(config, num_running) and its AcceptanceTracker allow:
-              NgramProposer.propose(seq_ids, token_ids, max_drafts), max_drafts from draft_budget
-              (never past max_tokens or max_model_len), then trim_drafts (drafts its grammar
+              NgramProposer.propose(seq_ids, token_ids, max_drafts), max_drafts from the tracker's
+              num_drafts (a draft only while rate^j pays for its row) and draft_budget (never past
+              max_tokens or max_model_len), then trim_drafts (drafts its grammar
               forbids go before they cost a forward; nothing is drafted past a stop id). Drafts
               live beside the sequence (seq.spec_token_ids), never in token_ids, so neither
               detokenizer, stop checks nor prefix-cache hashes see them; preemption drops them.

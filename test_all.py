@@ -3612,6 +3612,22 @@ def test_speculation_under_preemption_gives_transformers_outputs_and_rolls_back_
     assert not proposer.seqs and proposer.blocks.num_free_blocks() == proposer.blocks.num_blocks
 
 
+def test_speculation_under_a_grammar_gives_the_plain_outputs(tiny):
+    # the draft ignores the grammar: drafts it forbids are cut before verification (the choice), the
+    # rest are verified under each position's mask, and a grammar may end inside an accepted run
+    from structured_output import StructuredOutputsParams as SO
+    params = [greedy(30, structured_outputs=so) for so in (SO(regex=r"(.|\n){0,40}"), SO(regex=r"[^\n]{0,25}"),
+                                                          SO(choice=["alpha beta gamma", "delta epsilon"]))]
+    expected = tiny_llm(tiny).generate(TINY_PROMPTS[:3], params)
+    spec = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, k=4))
+    outs = spec.generate(TINY_PROMPTS[:3], params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs] == \
+           [(o.outputs[0].token_ids, o.outputs[0].text) for o in expected]
+    assert outs[2].outputs[0].text in ("alpha beta gamma", "delta epsilon")
+    s = spec.engine.stats()
+    assert s.spec_decode_num_accepted_tokens >= 5 and outs[0].metrics.num_accepted_tokens > 0
+
+
 def test_the_engine_stops_drafting_at_disable_by_batch_size(tiny):
     llm = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, disable_by_batch_size=3))
     llm.generate(TINY_SPEC_PROMPTS[6:9], greedy(12))      # 3 rows run together from the first token to the last
@@ -4264,6 +4280,20 @@ class CrashingEngine(WrappedEngine):
         if self.crash:
             raise EngineCrash("injected crash of the engine thread")
         return super().step()
+
+
+def test_metrics_count_speculative_drafts_and_acceptance(tiny):
+    engine = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, k=3)).engine
+    body = {"prompt": list(range(300, 310)), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(engine, "tiny")) as http:
+        assert http.post("/v1/completions", json=body).status_code == 200
+        text = http.get("/metrics").text
+    drafted = metric(text, "nanoserve:spec_decode_num_draft_tokens_total")
+    assert drafted >= 6 and metric(text, "nanoserve:spec_decode_num_accepted_tokens_total") == drafted
+    # 12 tokens: the prefill's, then rows of 1 + 3 (the last row drafts only up to max_tokens)
+    rows = metric(text, "nanoserve:spec_decode_num_drafts_total")
+    assert metric(text, "nanoserve:spec_decode_num_emitted_tokens_total") == drafted + rows == 11
+    assert metric(text, "nanoserve:spec_decode_mean_acceptance_length") == pytest.approx(11 / rows)
 
 
 def test_engine_thread_dying_fails_every_client_and_health_says_so(tiny):
