@@ -4282,6 +4282,20 @@ class CrashingEngine(WrappedEngine):
         return super().step()
 
 
+def test_speculative_config_flag_takes_vllms_json_and_names_a_bad_field():
+    args = serve.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    config = serve.engine_config(args)
+    config.validate()
+    assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("ngram", 3)
+    assert config.speculative_config.prompt_lookup_max == 5                     # vLLM's default
+    bad = serve.engine_config(serve.parse_args(["--speculative-config", '{"num_speculative_tokens": 0}']))
+    with pytest.raises(InvalidRequest) as e:
+        bad.validate()
+    assert e.value.field == "speculative_config.num_speculative_tokens"
+    with pytest.raises(SystemExit):                                             # not JSON: argparse says so
+        serve.parse_args(["--speculative-config", "{method: ngram}"])
+
+
 def test_metrics_count_speculative_drafts_and_acceptance(tiny):
     engine = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, k=3)).engine
     body = {"prompt": list(range(300, 310)), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
