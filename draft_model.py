@@ -105,6 +105,10 @@ class DraftModelProposer:
                 tokens[n], q[n] = t, p[m]
         return tokens, q
 
+    def check_invariants(self, live_keys: set):
+        assert set(self.seqs) <= live_keys, "a draft cache outlived its sequence"
+        self.blocks.check_invariants(list(self.seqs.values()))
+
     def remove(self, key):
         s = self.seqs.pop(key, None)
         if s is not None:

@@ -457,6 +457,8 @@ class Engine:
         self.blocks.check_invariants(self.scheduler.all_sequences())
         for seq in self.scheduler.running:
             assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens
+        if self.speculator:
+            self.speculator.check_invariants({s.seq_id for s in self.scheduler.all_sequences()})
 
     def stats(self) -> EngineStats:
         s, b = self.scheduler, self.blocks

@@ -534,6 +534,15 @@ class Speculator:
         self.draft_probs.pop(seq_id, None)
         self.proposer.remove(seq_id)
 
+    def check_invariants(self, live_seq_ids: set):
+        """Per-sequence state only for sequences that still exist; the draft pool's own invariants."""
+        assert set(self.trackers) <= live_seq_ids, "a tracker outlived its sequence"
+        assert set(self.draft_probs) <= live_seq_ids, "a draft distribution outlived its sequence"
+        if isinstance(self.proposer, NgramProposer):
+            assert set(self.proposer.histories) <= live_seq_ids, "an n-gram history outlived its sequence"
+        else:
+            self.proposer.check_invariants(live_seq_ids)
+
     def engine_stats(self) -> dict:
         """EngineStats' spec_decode_* fields."""
         s, last = self.stats, self.last_step
