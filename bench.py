@@ -38,6 +38,7 @@ from benchmarks import online as bench_online
 from benchmarks import parallel as bench_tp
 from benchmarks import peers as bench_peers
 from benchmarks import report
+from benchmarks import spec_decode as bench_spec_decode
 from cpu_linear import cpu_linear_path
 from benchmarks.harness import make_engine, md_table, model_dtype, section_header
 
@@ -101,6 +102,11 @@ class Sizes:
     gguf_batches: tuple = (1, 4)         # decode steps with and without the blocks, taking turns
     panel_rows: tuple = (1, 8, 64, 256)  # rows per pass over the linear layers, panels vs oneDNN
     panel_batches: tuple = (16, 64)      # decode steps on an engine of each kind, taking turns
+    spec_batches: tuple = (1, 4, 16, 64)  # speculative: requests run together
+    spec_min_requests: int = 4           # a batch smaller than this runs this many, in turn
+    spec_out: int = 64                   # output tokens a request
+    spec_k: int = 4                      # num_speculative_tokens
+    spec_kv_cache_memory: str = "1GiB"
 
 
 FULL = Sizes(name="full", num_requests=128, out_range=(16, 512), prompt_median=100, static_max_requests=(),
@@ -117,7 +123,7 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
               cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(32, 48), pressure_prompt_median=16,
               fused_compile=False, fused_rounds=1, gguf_rows=(1, 4), gguf_batches=(1,), panel_rows=(1, 8),
-              panel_batches=(4,))
+              panel_batches=(4,), spec_batches=(1, 4), spec_min_requests=2, spec_out=12, spec_kv_cache_memory="128MiB")
 
 
 # ----------------------------------------------------------------------------- measurements from other files
@@ -302,6 +308,14 @@ def targets(results):
                      ours.get("skipped") or ours["output_tok_s"] / base, 0.9))
         rows.append(("serve.py >= 1.5x vllm serve (out tok/s, same client)",
                      ours.get("skipped") or theirs.get("skipped") or ours["output_tok_s"] / theirs["output_tok_s"], 1.5))
+    s = results.get("speculative")
+    if s:
+        grounded, rand = s["runs"]["input-grounded"], s["runs"]["random"]
+        for batch, need in ((1, 2.0), (16, 1.3)):
+            rows.append((f"ngram speculation, input-grounded, batch {batch} >= {need}x plain (tok/s)",
+                         grounded[batch]["ratio"] if batch in grounded else f"batch {batch} not run", need))
+        rows.append(("ngram speculation, random workload, every batch size >= 0.95x plain (worst)",
+                     min(r_["ratio"] for r_ in rand.values()), 0.95))
     notes = []
     if p and r and "lm_head_params" in r:
         # the most any engine could give on these requests here: every matmul FLOP at the best rate measured
@@ -329,7 +343,7 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
                "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
                "gpu": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
-               "invariance": bench_invariance.bench_invariance}
+               "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative}
 SECTIONS = list(EXPERIMENTS)
 
 

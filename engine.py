@@ -10,6 +10,9 @@ Engine.step() is the loop body, three calls in the order data flows (as nano-vll
                     grammar masks on just the rows that ask); then append tokens, detokenize,
                     check stop conditions and retire finished sequences (their blocks return to
                     the pool this very step), and build each touched request's RequestOutput
+With speculative_config (spec_decode.py), a decode row also carries drafts: postprocess verifies
+them (spec_decode.Speculator.sample), rolls the cache back (Scheduler.accept_drafts), appends the
+accepted run token by token, then proposes the next step's drafts.
 llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from
 engine_core.py, in a process of its own. Owns requests and their outputs (sequence.py holds the
 records); validates input once, at the edge (add_request).
@@ -27,6 +30,7 @@ import torch
 import paged_attention
 import parallel
 from cpu_linear import cpu_linear_path
+from draft_model import DraftModelProposer
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
 from model import resolve_dtype
@@ -34,6 +38,7 @@ from model_runner import ModelRunner
 from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+from spec_decode import SpeculativeConfig, Speculator
 from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
@@ -63,9 +68,13 @@ class EngineConfig(SchedulerConfig):
     # CPU only. Default from vLLM's VLLM_BATCH_INVARIANT=1 or NANOSERVE_BATCH_INVARIANT=1.
     batch_invariant: bool = field(default_factory=lambda: any(
         os.environ.get(v, "0") not in ("", "0") for v in ("VLLM_BATCH_INVARIANT", "NANOSERVE_BATCH_INVARIANT")))
+    speculative_config: dict | SpeculativeConfig | None = None   # vLLM's: {"method": "ngram", ...}
 
     def validate(self):
         super().validate()
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        need(self.speculative_config is None or self.scheduler_mode == "continuous", "speculative_config",
+             "None with scheduler_mode 'static' (the baseline does not speculate)", self.speculative_config)
         dtypes = ("auto", "float32", "bfloat16", "float16")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two in [1, 128]",
              self.block_size)
@@ -94,6 +103,14 @@ class EngineStats:
     num_padding_last_step: int = 0      # static_scheduler.py's scratch rows: finished members still computed
     num_prompt_padding_last_step: int = 0   # and left padding of short prompts
     num_unforked_samples: int = 0       # samples 2..n of requests still in prefill: sequences yet to come
+    spec_decode_num_drafts: int = 0             # speculative decoding, since start: rows that verified drafts,
+    spec_decode_num_draft_tokens: int = 0       # their drafts,
+    spec_decode_num_accepted_tokens: int = 0    # the accepted ones,
+    spec_decode_num_emitted_tokens: int = 0     # and tokens those rows emitted (accepted + 1 each)
+    spec_decode_mean_acceptance_length: float = 0.0   # emitted / verifying rows
+    spec_decode_draft_tokens_last_step: int = 0
+    spec_decode_accepted_tokens_last_step: int = 0
+    spec_decode_emitted_tokens_last_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,6 +210,7 @@ class Engine:
         self.runner = ModelRunner(*runner_args) if self.tp is None else parallel.DriverRunner(*runner_args, self.tp)
         self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
         self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
+        self.speculator = self._init_speculator(config.speculative_config, dtype)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
@@ -217,6 +235,15 @@ class Engine:
         self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, num_host_blocks)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
+
+    def _init_speculator(self, spec: SpeculativeConfig | None, dtype) -> Speculator | None:
+        if spec is None:
+            return None
+        draft = None
+        if spec.method == "draft_model":               # a second model, on a pool of as many blocks as ours
+            draft = DraftModelProposer(spec.model, dtype, self.device, self.attention_backend, self.blocks.num_blocks,
+                                       self.config.block_size, self.model_config.vocab_size)
+        return Speculator(spec, self.max_model_len, draft)
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -268,7 +295,7 @@ class Engine:
             return
         for c in req.completions:
             if c.seq is not None:
-                self.scheduler.remove(c.seq)
+                self._remove(c.seq)
             if c.finish_reason is None:
                 c.finish_reason = "abort"
 
@@ -305,7 +332,7 @@ class Engine:
     def postprocess(self, batch: ScheduledBatch, logits, prompt_rows: "PromptLogprobRows") -> list[RequestOutput]:
         """Record prompt logprobs, mark the scheduled tokens computed, sample one token for every
         completion whose sequence finished its chunk, and apply each token."""
-        num_sampled = len(batch.sample_rows)
+        num_sampled = len(batch.sample_rows) + sum(batch.seqs[i].num_spec_tokens for i in batch.sample_rows)
         if prompt_rows.rows:
             self.record_prompt_logprobs(logits[num_sampled:], prompt_rows.plan)
             logits = logits[:num_sampled]
@@ -318,28 +345,41 @@ class Engine:
             completions, tokens, logprobs = self._sample(logits, ready)
         with self.phase_times.phase("update"):
             now, touched = time.monotonic(), {}
-            for c, tok, lp in zip(completions, tokens, logprobs):
-                self._append_token(c, tok, lp, now)
+            for c, run, lps in zip(completions, tokens, logprobs):
+                if c.seq.spec_token_ids:                    # verified: keep the accepted drafts' K/V
+                    self.scheduler.accept_drafts(c.seq, len(run) - 1)
+                for tok, lp in zip(run, lps):               # EOS, a stop or max_tokens may end the run early
+                    self._append_token(c, tok, lp, now)
+                    if c.finish_reason is not None:
+                        break
                 touched[c.seq.request.request_id] = c.seq.request
+            if self.speculator:
+                self.speculator.propose([c for c in completions if c.finish_reason is None],
+                                        len(self.scheduler.running), self.generator)
             return [self._make_output(req) for req in touched.values()]
 
     def _sample(self, logits, seqs: list[Sequence]):
-        """One sampled row per completion: a sequence that just finished its prompt's prefill with
-        n > 1 forks its other samples here, and all n draw from the same row of logits."""
-        rows, completions = [], []
-        for i, seq in enumerate(seqs):
-            req = seq.request
+        """One sampled row per completion (1 + k rows with k drafts): a sequence that just finished its
+        prompt's prefill with n > 1 forks its other samples here, and all n draw from the same row of
+        logits. Returns, per completion, the tokens it emits and their logprobs (None: not asked for)."""
+        rows, completions, first = [], [], 0
+        for seq in seqs:
+            req, span = seq.request, range(first, first + 1 + seq.num_spec_tokens)
+            first = span.stop
             if req.params.n > 1 and req.completions[1].seq is None:
                 self._fork_samples(req, seq)
                 targets = req.completions
             else:
                 targets = [c for c in req.completions if c.seq is seq]
-            rows += [i] * len(targets)
+            rows += list(span) * len(targets)
             completions += targets
         if rows != list(range(len(logits))):                # n > 1 repeats rows; else skip the [rows, vocab] copy
             logits = logits[rows]
+        if self.speculator:
+            out = self.speculator.sample(logits, completions, self.generator)
+            return completions, out.token_ids, [lp or [None] * len(t) for lp, t in zip(out.logprobs, out.token_ids)]
         tokens, logprobs = sample(logits, [c.sampling for c in completions], self.generator)
-        return completions, tokens, logprobs
+        return completions, [[t] for t in tokens], [[lp] for lp in logprobs]
 
     def prompt_logprob_rows(self, batch: ScheduledBatch) -> "PromptLogprobRows":
         """Prompt logprobs ride on the prefill the request already does: the logits of prompt
@@ -415,9 +455,14 @@ class Engine:
         req = c.seq.request
         req.metrics.num_preemptions += c.seq.num_preemptions
         req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, c.seq.num_cached_tokens)
-        self.scheduler.remove(c.seq)                        # blocks go back to the pool this step
+        self._remove(c.seq)                                 # blocks go back to the pool this step
         if req.finished:
             req.metrics.finished_time = now
+
+    def _remove(self, seq: Sequence):
+        self.scheduler.remove(seq)
+        if self.speculator:
+            self.speculator.remove(seq.seq_id)
 
     def _make_output(self, req: Request) -> RequestOutput:
         outs = []
@@ -447,6 +492,8 @@ class Engine:
         self.blocks.check_invariants(self.scheduler.all_sequences())
         for seq in self.scheduler.running:
             assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens
+        if self.speculator:
+            self.speculator.check_invariants({s.seq_id for s in self.scheduler.all_sequences()})
 
     def stats(self) -> EngineStats:
         s, b = self.scheduler, self.blocks
@@ -457,7 +504,7 @@ class Engine:
             prompt_tokens_total=self.num_prompt_tokens, generation_tokens_total=self.num_generation_tokens,
             num_unforked_samples=sum(r.params.n - 1 for r in self.requests.values()
                                      if r.params.n > 1 and r.completions[1].seq is None),
-            **self.last_step)
+            **self.last_step, **(self.speculator.engine_stats() if self.speculator else {}))
 
 
 @functools.cache

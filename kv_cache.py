@@ -239,6 +239,12 @@ class BlockManager:
             self._release(block)
         seq.block_table = []
 
+    def free_tail(self, seq, num_blocks: int):
+        """Speculative decoding's rollback: release seq's last num_blocks blocks (reached only by
+        rejected drafts: allocated this step, never registered in the prefix cache)."""
+        for _ in range(num_blocks):
+            self._release(seq.block_table.pop())
+
     def fork(self, parent, child):
         """Child shares all of parent's blocks (n > 1 sampling); copy-on-write splits them later."""
         child.block_table = list(parent.block_table)

@@ -140,13 +140,25 @@ class ModelRunner:
         slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs   # [num_tokens]
         if batch.num_scratch_rows:
             slots[qsl[batch.num_real_rows]:] = -1                                # computed, never cached
+        # a row with drafts (spec_decode.py) is a decode: its last token, then its drafts
+        # (its slice of token_ids stops at the end: n counts the drafts too)
         input_ids = np.fromiter((t for s, a, n in zip(seqs, ctx - q_lens, batch.num_tokens)
-                                 for t in s.token_ids[a:a + n]), dtype=np.int64, count=len(row))
-        logits_rows = np.concatenate([qsl[1:][batch.sample_rows] - 1, np.asarray(extra_rows, dtype=np.int64)])
+                                 for t in s.token_ids[a:a + n] + s.spec_token_ids), dtype=np.int64, count=len(row))
+        logits_rows = np.concatenate([self.sample_logits_rows(batch, qsl), np.asarray(extra_rows, dtype=np.int64)])
         host = HostBatch(input_ids, positions, slots, tables, ctx.astype(np.int32), qsl.astype(np.int32),
                          logits_rows.astype(np.int64), batch.num_tokens)
         self.check_batch(host)
         return host
+
+    @staticmethod
+    def sample_logits_rows(batch: ScheduledBatch, qsl: np.ndarray) -> np.ndarray:
+        """The flat-batch rows whose logits sample: each sampled row's last token, and for a row with
+        k drafts its last 1 + k tokens (verification reads the target at every drafted position)."""
+        ends = qsl[1:][batch.sample_rows]                                         # [num_sampled] one past each row
+        spans = [batch.seqs[i].num_spec_tokens for i in batch.sample_rows]
+        if not any(spans):
+            return ends - 1
+        return np.concatenate([np.arange(e - 1 - k, e) for e, k in zip(ends.tolist(), spans)])   # [sum(1 + k)]
 
     def check_batch(self, host: HostBatch):
         """Once per step, on the host arrays, what the kernels would otherwise check in every layer

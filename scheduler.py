@@ -16,6 +16,9 @@ tensors or sample (engine.py) and does not pick block ids (kv_cache.py): block o
 (copy-on-write copies, swaps) come back from the block manager and travel to the engine in
 the ScheduledBatch. Everything is in tokens: a sequence is just token_ids and
 num_computed_tokens, so prefill, chunked prefill, decode and recompute are one case.
+Speculative decoding (spec_decode.py): a decode row with k drafts (seq.spec_token_ids) costs
+1 + k tokens and slots; drafts are dropped, never a reason to preempt (_fit_drafts), and
+accept_drafts rolls a verified row's cache back to what was accepted.
 The request-level baseline that this loop replaces lives apart, in static_scheduler.py.
 """
 from collections import deque
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from errors import need
 from kv_cache import BlockManager, BlockOp
 from sequence import Sequence, Status
+from spec_decode import rollback_num_blocks
 
 
 @dataclass
@@ -114,17 +118,21 @@ class Scheduler:
 
     def _rows_to_sample(self, batch) -> list[int]:
         return [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                if seq.num_computed_tokens + n == len(seq.token_ids)]
+                if seq.num_computed_tokens + n - seq.num_spec_tokens == len(seq.token_ids)]
 
     def _schedule_running(self, batch, budget) -> int:
         """Running sequences, best first: decodes (1 token) before chunks of prefill."""
         order = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, self._rank(s)))
+        num_decodes = sum(1 for s in order if s.num_uncomputed == 1)
         for seq in order:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:          # preempted earlier in this loop
                 continue
+            num_decodes -= seq.num_uncomputed == 1
             n = min(seq.num_uncomputed, budget)
+            if seq.spec_token_ids:
+                n += self._fit_drafts(seq, budget, num_decodes)
             if not self._make_room(seq, n, batch):
                 continue                                   # seq itself was preempted
             batch.block_ops += self.blocks.allocate_slots(seq, n)
@@ -133,14 +141,36 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _fit_drafts(self, seq, budget, num_decodes_left) -> int:
+        """How many of a decode row's drafts run this step: as many as the budget holds after one
+        token for itself and for each decode still to schedule, and none unless their slots fit
+        in free blocks with one block to spare per such decode. Drafts never preempt anyone."""
+        assert seq.num_uncomputed == 1, "only a decode row carries drafts"
+        del seq.spec_token_ids[max(0, budget - 1 - num_decodes_left):]
+        if not self.blocks.can_allocate(seq, 1 + seq.num_spec_tokens, reserve=num_decodes_left):
+            seq.spec_token_ids = []
+        return seq.num_spec_tokens
+
     def finish_step(self, batch: ScheduledBatch) -> list[Sequence]:
         """After the forward pass: the scheduled tokens are in the cache. Returns the sequences
-        of sample_rows: each samples its next token now."""
+        of sample_rows: each samples its next token now. A row's drafts are not counted computed
+        (so no prefix-cache block ever holds one): accept_drafts counts the accepted ones."""
         real = batch.num_real_rows
         for seq, n in zip(batch.seqs[:real], batch.num_tokens[:real]):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - seq.num_spec_tokens
             self.blocks.cache_full_blocks(seq)
         return [batch.seqs[i] for i in batch.sample_rows]
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int):
+        """After verification: the accepted drafts' K/V are valid; blocks that only rejected drafts
+        reached go back to the pool. Rejected slots in kept blocks lie past num_computed_tokens:
+        nobody reads them and the next tokens overwrite them. The accepted ones' full blocks are
+        registered by the next finish_step, once their tokens are in token_ids."""
+        drop = rollback_num_blocks(seq.num_computed_tokens, num_accepted, self.blocks.block_size,
+                                   len(seq.block_table))
+        self.blocks.free_tail(seq, drop)
+        seq.num_computed_tokens += num_accepted
+        seq.spec_token_ids = []
 
     def step_counts(self, batch: ScheduledBatch) -> dict:
         """The step's rows and tokens, as EngineStats names them (taken before the step retires anyone)."""
@@ -167,6 +197,7 @@ class Scheduler:
 
     def _preempt(self, seq, batch):
         self.running.remove(seq)
+        seq.spec_token_ids = []                            # drafts never outlive a preemption
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.num_preempted += 1

@@ -44,6 +44,7 @@ class Sequence:
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache at admission
     waited_steps: int = 0                 # lpm: times it was passed over
     request: Request | None = None        # the request this sequence is a sample of
+    spec_token_ids: list[int] = field(default_factory=list)    # drafts to verify next step (spec_decode.py); never in token_ids
 
     @property
     def num_output_tokens(self) -> int:
@@ -52,6 +53,10 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return len(self.spec_token_ids)
 
 
 @dataclass
@@ -63,6 +68,14 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_spec_steps: int = 0               # speculative decoding: steps that verified drafts,
+    num_draft_tokens: int = 0             # the drafts they verified,
+    num_accepted_tokens: int = 0          # and how many of those were accepted
+
+    @property
+    def mean_acceptance_length(self):
+        """Tokens per verifying step, 1 + accepted / steps (vLLM's definition); None if it never drafted."""
+        return 1 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else None
 
     @property
     def ttft(self):

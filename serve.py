@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
 import signal
 import sys
@@ -220,6 +221,19 @@ def render_metrics(server: OpenAIServer) -> str:
         ("request_failures_total", "counter", "Admitted requests failed by an engine error.",
          client.metrics.requests["failed"]),
         ("requests_in_flight", "gauge", "Admitted requests not yet ended.", len(server.runs)),
+        ("spec_decode_num_drafts_total", "counter", "Speculative decoding: rows that verified drafts.",
+         stats.spec_decode_num_drafts),
+        ("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.", stats.spec_decode_num_draft_tokens),
+        ("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+         stats.spec_decode_num_accepted_tokens),
+        ("spec_decode_num_emitted_tokens_total", "counter", "Tokens emitted by verifying rows (accepted + 1 each).",
+         stats.spec_decode_num_emitted_tokens),
+        ("spec_decode_mean_acceptance_length", "gauge", "Tokens per verifying row: 1 + accepted / rows.",
+         stats.spec_decode_mean_acceptance_length),
+        ("spec_decode_draft_tokens_last_step", "gauge", "Draft tokens verified in the last step.",
+         stats.spec_decode_draft_tokens_last_step),
+        ("spec_decode_accepted_tokens_last_step", "gauge", "Draft tokens accepted in the last step.",
+         stats.spec_decode_accepted_tokens_last_step),
     ]
     lines = []
     for name, kind, help_text, value in series:
@@ -336,6 +350,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"host memory for --preemption-mode swap, bytes or e.g. 1GiB (default {default.swap_space})")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks that split each layer; under torchrun, its number of processes (default 1)")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for the engine; beyond that: 503 with Retry-After (default 256)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,

@@ -5,15 +5,18 @@ lets the target model verify all of them in one forward pass without changing wh
 
 Owns SpeculativeConfig (vLLM's names, validated at the edge), the n-gram (prompt-lookup)
 proposer and its per-sequence token history, the processing of every drafted position with the
-drafted prefix, rejection sampling, the arithmetic of rolling KV slots back, and per-completion
-acceptance tracking. Does not schedule, allocate blocks, run a model or append tokens: the
-engine and scheduler call in here and act on what comes back.
+drafted prefix, rejection sampling, the arithmetic of rolling KV slots back, per-completion
+acceptance tracking, and Speculator, the engine's hooks over all of it. Does not schedule,
+allocate blocks, run a model or append tokens: the engine (Engine.postprocess) and scheduler
+(Scheduler._fit_drafts, accept_drafts) call in here and act on what comes back; the draft model
+lives in draft_model.py.
 
 How the engine uses it, one step (only decode rows speculate; a row with no drafts is a plain row):
  1. propose   After a step's tokens are appended, for each running decode completion that
               speculation_enabled(config, num_running) and its AcceptanceTracker allow:
-              NgramProposer.propose(seq_ids, token_ids, max_drafts), max_drafts from draft_budget
-              (never past max_tokens or max_model_len), then trim_drafts (drafts its grammar
+              NgramProposer.propose(seq_ids, token_ids, max_drafts), max_drafts from the tracker's
+              num_drafts (a draft only while rate^j pays for its row) and draft_budget (never past
+              max_tokens or max_model_len), then trim_drafts (drafts its grammar
               forbids go before they cost a forward; nothing is drafted past a stop id). Drafts
               live beside the sequence (seq.spec_token_ids), never in token_ids, so neither
               detokenizer, stop checks nor prefix-cache hashes see them; preemption drops them.
@@ -414,6 +417,15 @@ class AcceptanceTracker:
             return False
         return True
 
+    def num_drafts(self, k: int, min_rate: float) -> int:
+        """Drafts worth verifying now: draft j counts only if the j - 1 before it were accepted too,
+        about rate^j of the time; each costs a query row whether accepted or not, so verify it only
+        while that chance is at least min_rate (rate 0.9: all of k = 4; 0.5: 2; a probe at min_rate: 1)."""
+        n, chance = 0, self.rate
+        while n < k and chance >= min_rate:
+            n, chance = n + 1, chance * self.rate
+        return n
+
     def record(self, num_drafts: int, num_accepted: int, min_rate: float):
         if num_drafts == 0:
             return
@@ -449,3 +461,95 @@ class SpecDecodeStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verifying row: 1 + accepted / drafts (vLLM's definition)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+# ---------------------------------------------------------------------------------------- the engine's hooks
+class Speculator:
+    """What the engine holds when it speculates: the proposer, each sequence's AcceptanceTracker
+    (and draft_model's q of its drafts), and the counters. Engine.postprocess samples through
+    sample() (verify; a row without drafts is plain sampling) and calls propose() once the step's
+    tokens are appended; Scheduler.accept_drafts rolls the cache back; remove() when a sequence ends."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None):
+        self.config, self.max_model_len = config, max_model_len
+        self.proposer = draft if draft is not None else NgramProposer(config)
+        self.trackers: dict[int, AcceptanceTracker] = {}
+        self.draft_probs: dict[int, torch.Tensor] = {}     # draft_model, seq_id -> [k, vocab] (sampled rows only)
+        self.stats, self.last_step = SpecDecodeStats(), SpecDecodeStats()
+
+    def propose(self, completions: list, num_running: int, generator: torch.Generator | None = None):
+        """Set seq.spec_token_ids for each unfinished completion that may draft this step."""
+        if not speculation_enabled(self.config, num_running):
+            return
+        rows, limits = [], []
+        for c in completions:
+            seq = c.seq
+            tracker = self.trackers.setdefault(seq.seq_id, AcceptanceTracker())
+            limit = draft_budget(tracker.num_drafts(self.config.num_speculative_tokens, self.config.min_acceptance_rate),
+                                 seq.num_output_tokens, seq.max_tokens, len(seq.token_ids), self.max_model_len)
+            if limit > 0 and tracker.should_draft():
+                rows.append(c)
+                limits.append(limit)
+        if not rows:
+            return
+        keys, ids = [c.seq.seq_id for c in rows], [c.seq.token_ids for c in rows]
+        if isinstance(self.proposer, NgramProposer):
+            drafts, probs = self.proposer.propose(keys, ids, limits), [None] * len(rows)
+        else:
+            drafts, probs = self.proposer.propose(keys, ids, limits, [c.sampling for c in rows], generator)
+        for c, d, q in zip(rows, drafts, probs):
+            c.seq.spec_token_ids = trim_drafts(d, c.sampling)
+            if q is not None:
+                self.draft_probs[c.seq.seq_id] = q
+
+    def sample(self, logits, completions: list, generator: torch.Generator | None) -> SpecOutput:
+        """logits: [sum(1 + k_i), vocab], each completion's 1 + k_i rows in order (k_i = len of its
+        seq.spec_token_ids). verify, then count: stats, per-request metrics, trackers."""
+        drafts = [c.seq.spec_token_ids for c in completions]
+        states = [c.sampling for c in completions]
+        out = verify(logits, drafts, states, generator, self._draft_probs(completions, drafts, logits))
+        self.last_step = SpecDecodeStats()
+        self.last_step.observe(drafts, out)
+        self.stats.observe(drafts, out)
+        for c, d, a in zip(completions, drafts, out.num_accepted):
+            if d:
+                self.trackers[c.seq.seq_id].record(len(d), a, self.config.min_acceptance_rate)
+                m = c.seq.request.metrics
+                m.num_spec_steps, m.num_draft_tokens, m.num_accepted_tokens = (
+                    m.num_spec_steps + 1, m.num_draft_tokens + len(d), m.num_accepted_tokens + a)
+        return out
+
+    def _draft_probs(self, completions, drafts, logits):
+        """[sum(k_i), vocab] q of every draft, or None where no drafted row samples (point masses:
+        n-gram drafts, and greedy rows, whose q verify never reads: zeros stand in for them)."""
+        qs = [self.draft_probs.pop(c.seq.seq_id, None) for c in completions]
+        if all(q is None for q, d in zip(qs, drafts) if d):
+            return None
+        vocab = logits.shape[-1]
+        return torch.cat([q[:len(d)] if q is not None else torch.zeros(len(d), vocab, device=logits.device) for q, d in zip(qs, drafts)])
+
+    def remove(self, seq_id: int):
+        """A sequence ended (finished or aborted): forget its history, tracker and draft cache."""
+        self.trackers.pop(seq_id, None)
+        self.draft_probs.pop(seq_id, None)
+        self.proposer.remove(seq_id)
+
+    def check_invariants(self, live_seq_ids: set):
+        """Per-sequence state only for sequences that still exist; the draft pool's own invariants."""
+        assert set(self.trackers) <= live_seq_ids, "a tracker outlived its sequence"
+        assert set(self.draft_probs) <= live_seq_ids, "a draft distribution outlived its sequence"
+        if isinstance(self.proposer, NgramProposer):
+            assert set(self.proposer.histories) <= live_seq_ids, "an n-gram history outlived its sequence"
+        else:
+            self.proposer.check_invariants(live_seq_ids)
+
+    def engine_stats(self) -> dict:
+        """EngineStats' spec_decode_* fields."""
+        s, last = self.stats, self.last_step
+        return dict(spec_decode_num_drafts=s.num_drafts, spec_decode_num_draft_tokens=s.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=s.num_accepted_tokens,
+                    spec_decode_num_emitted_tokens=s.num_emitted_tokens,
+                    spec_decode_mean_acceptance_length=s.mean_acceptance_length,
+                    spec_decode_draft_tokens_last_step=last.num_draft_tokens,
+                    spec_decode_accepted_tokens_last_step=last.num_accepted_tokens,
+                    spec_decode_emitted_tokens_last_step=last.num_emitted_tokens)

@@ -4005,6 +4005,14 @@ def test_acceptance_tracker_pauses_a_completion_that_does_not_pay_and_probes_aga
     assert t.rate == pytest.approx(0.36)
 
 
+def test_acceptance_tracker_verifies_a_draft_only_while_its_chance_is_worth_a_row():
+    t = sd.AcceptanceTracker()
+    assert t.num_drafts(4, 0.2) == 4                             # rate 1: every draft
+    for rate, n in ((0.9, 4), (0.6, 3), (0.5, 2), (0.3, 1), (0.2, 1), (0.19, 0)):
+        t.rate = rate                                            # rate^n >= 0.2 > rate^(n + 1)
+        assert t.num_drafts(4, 0.2) == n, rate
+
+
 def test_spec_decode_stats_count_drafts_and_acceptance_length():
     stats = sd.SpecDecodeStats()
     stats.observe([[1, 2, 3], [], [4, 5]], sd.SpecOutput([[1, 2, 7], [8], [6]], [2, 0, 0], [None] * 3))
@@ -4013,6 +4021,194 @@ def test_spec_decode_stats_count_drafts_and_acceptance_length():
     assert stats.num_emitted_tokens == 3 + 1 + 5                      # the plain row ([]) is not counted
     assert stats.num_accepted_tokens_per_pos[:5] == [2, 2, 1, 1, 0]
     assert stats.mean_acceptance_length == pytest.approx(1 + 6 / 3)
+
+
+# ------------------------------------------------------------------------------------------------
+# in the engine: scheduler budget and rollback, then whole runs against transformers (tiny model)
+# ------------------------------------------------------------------------------------------------
+
+def test_drafts_cost_budget_and_slots_and_roll_back_to_the_accepted_tokens():
+    sched, blocks = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    a, b = fake_seq(0, 3), fake_seq(1, 3)
+    for s in (a, b):
+        sched.add(s)
+    step(sched)                                          # both prefill 3 tokens and sample: 4 tokens, 3 computed
+    a.spec_token_ids, b.spec_token_ids = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3]
+    batch = sched.schedule()
+    # a: 1 + drafts, leaving a token for b's decode: 8 - 1 - 1 = 6 drafts; b: the last 8 - 7 = 1 token, no draft
+    assert rows(batch) == [(0, 7), (1, 1)] and a.spec_token_ids == [1, 2, 3, 4, 5, 6] and b.spec_token_ids == []
+    assert [len(a.block_table), len(b.block_table)] == [3, 1]          # ceil((3 + 7) / 4), ceil(4 / 4)
+    assert sched.finish_step(batch) == [a, b] and a.num_computed_tokens == 4    # the drafts are not computed
+    sched.accept_drafts(a, 1)                            # 5 tokens valid: ceil(5 / 4) = 2 blocks kept
+    assert (a.num_computed_tokens, len(a.block_table), a.spec_token_ids) == (5, 2, [])
+    assert blocks.num_free_blocks() == 8 - 3
+    for s in (a, b):
+        s.token_ids += [7] * (1 + s.num_computed_tokens - len(s.token_ids))
+    blocks.check_invariants(sched.all_sequences())
+
+
+def test_drafts_are_dropped_rather_than_preempting():
+    sched, blocks = make_scheduler(num_blocks=2, block_size=4)
+    a, b = fake_seq(0, 3), fake_seq(1, 3)
+    for s in (a, b):
+        sched.add(s)
+    step(sched)
+    a.spec_token_ids = [1, 2]                            # would need a second block for a: none is free
+    batch = sched.schedule()
+    assert rows(batch) == [(0, 1), (1, 1)] and a.spec_token_ids == [] and sched.num_preemptions == 0
+
+
+# The oracle for greedy runs: transformers' greedy tokens, and the same engine without speculation
+# for what cuts them (max_tokens, stop ids, stop strings, n = 2). Ends fall a few tokens into a
+# text that quotes its prompt, where runs of accepted drafts are. n-gram drafts need a model that
+# copies (SmolLM2); the tiny random model never repeats itself, so it drafts for itself instead.
+COPY_PROMPTS = [f"Copy the text exactly.\nText: {t}\nCopy: {t[:len(t) // 3]}" for t in [
+    "the cat sat on the mat and the dog sat on the log.", "red, green, blue, red, green, blue, red, green, blue",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b", "one two three four five six seven",
+    "Paris is the capital of France. Berlin is the capital of Germany.", "SELECT name, age FROM users WHERE age > 30;",
+    "to be or not to be, that is the question", "The meeting is on Monday at ten in room four."]]
+TINY_SPEC_PROMPTS = TINY_PROMPTS + [list(range(300 + 7 * i, 305 + 7 * i)) * (2 + i % 3) for i in range(10)]   # 16
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def tiny_self_draft(tiny, k=3, **kw):
+    return {"method": "draft_model", "model": str(tiny[0]), "num_speculative_tokens": k, **kw}
+
+
+def assert_speculation_changes_nothing(plain, spec, hf, prompts, max_tokens):
+    """spec's outputs equal plain's on a mixed workload built from transformers' greedy tokens."""
+    ids = [p if isinstance(p, list) else plain.tokenizer.encode(p) for p in prompts]
+    oracle = hf_greedy_ids(hf, ids, max_tokens)
+    params = []
+    for i, want in enumerate(oracle):
+        kind = i % 4
+        if kind == 0:
+            params.append(greedy(max_tokens - 1 - i % 5))                      # max_tokens
+        elif kind == 1:
+            params.append(greedy(max_tokens, stop_token_ids=[want[9]]))        # an end id (as EOS is)
+        elif kind == 2:
+            stop = plain.tokenizer.decode(want[8:10])
+            params.append(greedy(max_tokens, stop=[stop]) if stop.strip() else greedy(max_tokens))
+        else:
+            params.append(greedy(max_tokens, n=2))
+    expected, outs = plain.generate(prompts, params), spec.generate(prompts, params)
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        for c, ce in zip(o.outputs, e.outputs, strict=True):
+            assert c.token_ids == oracle[i][:len(c.token_ids)], f"prompt {i}, sample {c.index}: not greedy"
+            assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == \
+                   (ce.token_ids, ce.text, ce.finish_reason, ce.stop_reason), f"prompt {i}, sample {c.index}"
+    s = spec.engine.stats()
+    assert s.spec_decode_num_accepted_tokens >= 20, "little was accepted: the test proves little"
+    assert s.spec_decode_num_emitted_tokens == s.spec_decode_num_accepted_tokens + s.spec_decode_num_drafts
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == s.spec_decode_num_accepted_tokens
+    assert any((o.metrics.mean_acceptance_length or 0) > 2 for o in outs)
+    return s
+
+
+@pytest.mark.slow
+def test_ngram_speculation_gives_the_plain_greedy_outputs(llm, hf_smollm):
+    spec = LLM(kv_cache_memory=SMALL_KV, speculative_config=NGRAM, max_num_batched_tokens=128, **CPU32)
+    assert_speculation_changes_nothing(llm, spec, hf_smollm, PROMPTS + COPY_PROMPTS, 14)
+
+
+def test_draft_model_speculation_gives_the_plain_greedy_outputs(tiny):
+    spec = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny), max_num_batched_tokens=64)
+    s = assert_speculation_changes_nothing(tiny_llm(tiny), spec, tiny[1], TINY_SPEC_PROMPTS, 20)
+    assert s.spec_decode_num_accepted_tokens == s.spec_decode_num_draft_tokens, "the target drafting for itself"
+
+
+def test_the_target_as_its_own_draft_accepts_every_greedy_draft(tiny):
+    llm = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, k=5))
+    llm.generate(TINY_SPEC_PROMPTS[::2], greedy(16))
+    s = llm.engine.stats()
+    assert s.spec_decode_num_draft_tokens >= 40
+    assert s.spec_decode_num_accepted_tokens == s.spec_decode_num_draft_tokens
+    draft = llm.engine.speculator.proposer
+    assert not draft.seqs and draft.blocks.num_free_blocks() == draft.blocks.num_blocks
+
+
+@pytest.mark.slow
+def test_seeded_samples_with_ngram_drafts_replay_under_transformers(hf_smollm):
+    # n-gram drafts are point masses: a seeded row draws one uniform per emitted token, as without drafts
+    spec = LLM(kv_cache_memory=SMALL_KV, speculative_config=NGRAM, **CPU32)
+    params = SamplingParams(n=2, temperature=0.5, seed=7, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = spec.generate(COPY_PROMPTS[:3], params)
+    assert spec.engine.stats().spec_decode_num_accepted_tokens > 0
+    for o in outs:
+        for c in o.outputs:
+            assert_samples_under(hf_smollm, o.prompt_token_ids, c.index, c.token_ids, params, "ngram")
+            want = hf_forward(hf_smollm, o.prompt_token_ids + c.token_ids)[len(o.prompt_token_ids) - 1:-1]
+            want = want.log_softmax(-1)[torch.arange(len(c.token_ids)), c.token_ids]   # the model's logprobs
+            got = torch.tensor([lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+            assert torch.allclose(got, want, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny_near_draft(tiny, tmp_path_factory):
+    """A draft that agrees with the tiny target often but not always: its head, perturbed."""
+    hf = copy.deepcopy(tiny[1])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        hf.lm_head.weight += 0.3 * torch.randn_like(hf.lm_head.weight)
+    out = tmp_path_factory.mktemp("tiny_near_draft")
+    hf.save_pretrained(out, safe_serialization=True)
+    shutil.copy(tiny[0] / "gguf_tokenizer.json", out)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("draft", ["itself", "near"])
+def test_speculation_under_preemption_gives_transformers_outputs_and_rolls_back_exactly(tiny, tiny_near_draft,
+                                                                                         mode, draft):
+    # 10 blocks for 8 requests growing to 4 blocks each, chunked prefill, prefix caching: preemptions
+    # recompute from the prefix cache, which would serve a rejected draft's K/V had one been cached.
+    # The target drafting for itself has every draft accepted, the near draft some rejected.
+    config = tiny_self_draft(tiny, k=4, **({} if draft == "itself" else {"model": str(tiny_near_draft)}))
+    eng = tiny_llm(tiny, speculative_config=config, kv_cache_memory=10 * TINY_BLOCK_BYTES,
+                   max_num_batched_tokens=32, preemption_mode=mode, swap_space=6 * TINY_BLOCK_BYTES).engine
+    prompts = TINY_SPEC_PROMPTS[6:14]
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, greedy(40))
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+        eng.check_invariants()
+        for seq in eng.scheduler.running:               # rollback left exactly the blocks the computed tokens fill
+            assert len(seq.block_table) == eng.blocks.blocks_needed(seq.num_computed_tokens), "a block only drafts reached"
+    s = eng.stats()
+    assert eng.scheduler.num_preemptions >= 2 and s.spec_decode_num_accepted_tokens >= 20
+    if draft == "near":
+        assert s.spec_decode_num_accepted_tokens <= s.spec_decode_num_draft_tokens - 20, "too few drafts rejected"
+    for i, p in enumerate(prompts):
+        assert_greedy_under(tiny[1], p, outs[str(i)].outputs[0].token_ids, f"{mode} {draft}, prompt {i}")
+    proposer = eng.speculator.proposer
+    assert not proposer.seqs and proposer.blocks.num_free_blocks() == proposer.blocks.num_blocks
+
+
+def test_speculation_under_a_grammar_gives_the_plain_outputs(tiny):
+    # the draft ignores the grammar: drafts it forbids are cut before verification (the choice), the
+    # rest are verified under each position's mask, and a grammar may end inside an accepted run
+    from structured_output import StructuredOutputsParams as SO
+    params = [greedy(30, structured_outputs=so) for so in (SO(regex=r"(.|\n){0,40}"), SO(regex=r"[^\n]{0,25}"),
+                                                          SO(choice=["alpha beta gamma", "delta epsilon"]))]
+    expected = tiny_llm(tiny).generate(TINY_PROMPTS[:3], params)
+    spec = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, k=4))
+    outs = spec.generate(TINY_PROMPTS[:3], params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs] == \
+           [(o.outputs[0].token_ids, o.outputs[0].text) for o in expected]
+    assert outs[2].outputs[0].text in ("alpha beta gamma", "delta epsilon")
+    s = spec.engine.stats()
+    assert s.spec_decode_num_accepted_tokens >= 5 and outs[0].metrics.num_accepted_tokens > 0
+
+
+def test_the_engine_stops_drafting_at_disable_by_batch_size(tiny):
+    llm = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, disable_by_batch_size=3))
+    llm.generate(TINY_SPEC_PROMPTS[6:9], greedy(12))      # 3 rows run together from the first token to the last
+    assert llm.engine.stats().spec_decode_num_draft_tokens == 0
+    llm.generate(TINY_SPEC_PROMPTS[6:8], greedy(12))
+    assert llm.engine.stats().spec_decode_num_draft_tokens > 0
+
 
 
 # ##################################################################################################
@@ -4679,6 +4875,34 @@ class CrashingEngine(WrappedEngine):
         if self.crash:
             raise EngineCrash("injected crash of the engine thread")
         return super().step()
+
+
+def test_speculative_config_flag_takes_vllms_json_and_names_a_bad_field():
+    args = serve.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    config = serve.engine_config(args)
+    config.validate()
+    assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("ngram", 3)
+    assert config.speculative_config.prompt_lookup_max == 5                     # vLLM's default
+    bad = serve.engine_config(serve.parse_args(["--speculative-config", '{"num_speculative_tokens": 0}']))
+    with pytest.raises(InvalidRequest) as e:
+        bad.validate()
+    assert e.value.field == "speculative_config.num_speculative_tokens"
+    with pytest.raises(SystemExit):                                             # not JSON: argparse says so
+        serve.parse_args(["--speculative-config", "{method: ngram}"])
+
+
+def test_metrics_count_speculative_drafts_and_acceptance(tiny):
+    engine = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, k=3)).engine
+    body = {"prompt": list(range(300, 310)), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(engine, "tiny")) as http:
+        assert http.post("/v1/completions", json=body).status_code == 200
+        text = http.get("/metrics").text
+    drafted = metric(text, "nanoserve:spec_decode_num_draft_tokens_total")
+    assert drafted >= 6 and metric(text, "nanoserve:spec_decode_num_accepted_tokens_total") == drafted
+    # 12 tokens: the prefill's, then rows of 1 + 3 (the last row drafts only up to max_tokens)
+    rows = metric(text, "nanoserve:spec_decode_num_drafts_total")
+    assert metric(text, "nanoserve:spec_decode_num_emitted_tokens_total") == drafted + rows == 11
+    assert metric(text, "nanoserve:spec_decode_mean_acceptance_length") == pytest.approx(11 / rows)
 
 
 def test_engine_thread_dying_fails_every_client_and_health_says_so(tiny):

@@ -1,14 +1,20 @@
 """
-What speculative decoding's host-side parts cost per step (spec_decode.py), for bench.py to call
-(each returns a dict of numbers and prints a markdown table):
+Speculative decoding (spec_decode.py) measured: what it gains end to end, and what its host-side parts
+cost per step. bench_speculative is bench.py's `speculative` section; the others return a dict of
+numbers and print a markdown table:
 
+  bench_speculative      tok/s of the same requests with and without n-gram speculation, taking turns
+                         step by step, at batch 1, 4, 16 and 64, on an input-grounded workload (prompts
+                         that ask to repeat, edit or summarize a passage they contain) and on the peers'
+                         random workload; acceptance length and the ratio;
   bench_ngram_proposer   NgramProposer.propose at batch 1, 16 and 64 over sequences of 500 and
                          2,000 tokens, steady state (each step appends tokens, as decoding does),
                          on random tokens (no matches) and on text that quotes itself;
   bench_acceptance       verify at batch 64 with k = 4 drafts per row, all rejected and all
                          accepted, greedy and sampled, next to sampler.sample on [64, vocab].
-Medians of repeated calls in one process. `python -m benchmarks.spec_decode` runs both.
+Medians of repeated calls in one process. `python -m benchmarks.spec_decode` runs the last two.
 """
+import random
 import time
 
 import numpy as np
@@ -94,6 +100,104 @@ def bench_acceptance(batch=64, k=4, vocab=49152, repeats=5):
         print(f"| {name} | {r['plain']:.1f} | {r['rejected']:.1f} | {r['accepted']:.1f} "
               f"| {r['accepted'] / (k + 1) / r['plain']:.2f} |")
     return {"acceptance": out}
+
+
+# ---------------------------------------------------------------------------------------- end to end
+PASSAGES = [
+    "The library opens at nine in the morning and closes at six in the evening on weekdays. On Saturdays it "
+    "opens at ten and closes at four. It is closed on Sundays and public holidays. Books may be borrowed for "
+    "three weeks and renewed twice, online or at the front desk, unless another reader has reserved them.",
+    "To reset the router, unplug it from the wall and wait thirty seconds. Plug it back in and wait until the "
+    "power light turns solid green, which can take up to two minutes. If the light blinks orange, hold the reset "
+    "button on the back for ten seconds with a paper clip, then set up the network again from the start.",
+    "def parse_config(path):\n    with open(path) as f:\n        lines = f.read().splitlines()\n    config = {}\n"
+    "    for line in lines:\n        if not line or line.startswith('#'):\n            continue\n"
+    "        key, value = line.split('=', 1)\n        config[key.strip()] = value.strip()\n    return config\n",
+    "Our quarterly revenue grew by twelve percent, driven mostly by the new subscription plan. Costs rose by four "
+    "percent because we hired two engineers and moved to a larger office. We expect growth to slow next quarter "
+    "as the summer season starts, and we will focus on keeping existing customers rather than finding new ones.",
+    "Preheat the oven to two hundred degrees. Mix the flour, sugar and salt in a large bowl. Rub in the cold "
+    "butter until the mixture looks like breadcrumbs, then add the milk and stir until it forms a soft dough. "
+    "Roll it out, cut it into rounds, and bake for twelve minutes until the tops are golden brown.",
+    "The meeting on Tuesday agreed three things. First, the release moves from March to April so that the "
+    "payment tests can finish. Second, Maria will own the migration plan and report every Friday. Third, any "
+    "change to the public API needs a written review from two people outside the team before it is merged.",
+    "Dear customer, thank you for your order. Your package left our warehouse this morning and should arrive "
+    "within three to five working days. You can follow it with the tracking number in this email. If anything "
+    "is missing or damaged, reply to this message within thirty days and we will send a replacement for free.",
+    "The river rises in the northern hills and flows south for about two hundred kilometres before it reaches "
+    "the sea. Its valley is narrow in the hills and wide near the coast, where farmers grow rice and vegetables. "
+    "Three bridges cross it in the capital, and the oldest of them was built more than four hundred years ago.",
+]
+TASKS = [
+    "Repeat the following text exactly, word for word.\n\n{}",
+    "Rewrite the following text with every sentence on its own line. Change no words.\n\n{}",
+    "Summarize the following text by quoting its most important sentences word for word.\n\n{}",
+]
+
+
+def grounded_workload(engine, n, max_tokens):
+    """n chat prompts, each a task (repeat / edit / summarize) over a passage it contains: output that
+    quotes its input, what prompt lookup is for. The i-th request is task i % 3 of passage i % 8."""
+    from benchmarks.harness import BenchRequest
+    tok = engine.tokenizer
+    return [BenchRequest(tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": TASKS[i % len(TASKS)].format(PASSAGES[i % len(PASSAGES)])}],
+        add_generation_prompt=True)), max_tokens) for i in range(n)]
+
+
+def speculative_runs(plain, spec, reqs, batch):
+    """The requests in groups of `batch` (all of a group at once), each group run on both engines taking
+    turns step by step. -> figures of the plain and the speculating engine."""
+    from benchmarks.harness import run_interleaved
+    walls, tokens, same, before = [0.0, 0.0], 0, 0, spec.stats()
+    for i in range(0, len(reqs), batch):
+        group = reqs[i:i + batch]
+        a, b = run_interleaved([(plain, group), (spec, group)], f"speculative, batch {batch}")
+        same += sum(a["done"][x].outputs[0].token_ids == b["done"][y].outputs[0].token_ids
+                    for x, y in zip(a["ids"], b["ids"]))
+        walls[0], walls[1], tokens = walls[0] + a["wall_s"], walls[1] + b["wall_s"], tokens + a["useful_tokens"]
+    after = spec.stats()
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    return {"tokens": tokens, "plain_tok_s": tokens / walls[0], "spec_tok_s": tokens / walls[1],
+            "ratio": walls[0] / walls[1], "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0, "draft_tokens": drafted,
+            "identical_outputs": same, "requests": len(reqs)}
+
+
+def bench_speculative(sz, seed, results):
+    """How much faster is decoding with n-gram speculation, where the output quotes the input and where it
+    does not? Same requests, same engine settings, with and without speculative_config, taking turns."""
+    from benchmarks.harness import make_engine, make_workload, md_table, section_header, vocab_of, warm_up
+    config = {"method": "ngram", "num_speculative_tokens": sz.spec_k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    common = dict(max_num_seqs=max(sz.spec_batches), kv_cache_memory=sz.spec_kv_cache_memory, enable_prefix_caching=False)
+    plain, spec = make_engine(**common), make_engine(speculative_config=config, **common)
+    for e in (plain, spec):
+        warm_up(e, sz)
+    workloads = {"input-grounded": grounded_workload(plain, max(sz.spec_batches), sz.spec_out),
+                 "random": make_workload(max(sz.spec_batches), seed + 3, (sz.spec_out, sz.spec_out),
+                                         sz.peer_prompt_median, vocab_of(plain))}
+    out, rows = {}, []
+    for name, reqs in workloads.items():
+        out[name] = {}
+        for batch in sz.spec_batches:
+            group = reqs[:max(batch, sz.spec_min_requests)]
+            r = out[name][batch] = speculative_runs(plain, spec, group, batch)
+            rows.append([name, batch, len(group), r["plain_tok_s"], r["spec_tok_s"], r["ratio"],
+                         r["mean_acceptance_length"], r["acceptance_rate"], f"{r['identical_outputs']}/{len(group)}"])
+    section_header("Speculative decoding: n-gram prompt lookup, with and without", [
+        f"speculative_config={config}; prefix caching off; greedy, EOS ignored, {sz.spec_out} output tokens a request.",
+        "input-grounded: chat prompts asking to repeat, re-line or summarize (by quoting) a passage of 50-80 words "
+        "they contain; random: the peers workload's random token ids.",
+        "batch B: the requests in groups of B, each group submitted at once; the two engines take turns step by "
+        "step. Identical: greedy outputs equal token for token (a verification pass multiplies 1 + k rows, "
+        "where 1-2 rows read the GGUF blocks: a float32 near-tie may break the other way).",
+        "acceptance length: tokens per verifying row (1 + accepted / rows with drafts)."])
+    print(md_table(["workload", "batch", "requests", "plain tok/s", "speculative tok/s", "ratio",
+                    "mean acceptance length", "acceptance rate", "identical"], rows))
+    results["speculative"] = {"config": config, "runs": out}
 
 
 if __name__ == "__main__":
