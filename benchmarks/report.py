@@ -217,17 +217,21 @@ def plot(results, out_dir, prefix=""):
 
 # ----------------------------------------------------------------------------- the README's table
 
+HEADLINE_SECTIONS = ("throughput", "peers")     # a run that measured these can head the README
+
+
 def newest_results(results_dir=RESULTS_DIR):
-    """The newest run in results/ by its recorded date, leaving out --quick runs (their numbers only
-    prove that every section runs)."""
+    """The newest run in results/ by its recorded date that measured the headline sections, leaving out
+    --quick runs (their numbers only prove that every section runs) and runs of a few other sections
+    (`python bench.py parallel --out results/`), which keep their own files."""
     runs = []
     for path in glob.glob(os.path.join(results_dir, "*.json")):
         with open(path) as f:
             r = json.load(f)
-        if r.get("sizes", {}).get("name") not in ("quick", "soak"):     # a soak has no benchmark table
+        if r.get("sizes", {}).get("name") not in ("quick", "soak") and all(s in r for s in HEADLINE_SECTIONS):
             runs.append((r["date"], os.path.basename(path), path))
     if not runs:
-        raise FileNotFoundError(f"no results/*.json of a default or --full run in {results_dir}")
+        raise FileNotFoundError(f"no results/*.json of a default or --full run with {HEADLINE_SECTIONS} in {results_dir}")
     return max(runs)[2]
 
 
