@@ -161,7 +161,7 @@ def fit_host_overhead(results: dict) -> HostOverhead:
     .matmul_floor_s (a host-bound forward is its launches: per_launch_s = median forward /
     launches_per_step), and, when present, launches_per_step (default 1430, the close read of one
     SmolLM2-135M decode step on the H100 run, docs/gpu-run.md), num_layers (default 30) and graph_replay_s (default: the
-    host's time for one CUDA graph replay that bench.py's gpu section measured, results["gpu"], when the
+    host's time for one CUDA graph replay that bench.py's gpu section measured, results["gpu_decode"], when the
     run has one; else GRAPH_REPLAY_S)."""
     r = results["roofline"]
     runs = sorted((int(b), d) for b, d in r["decode"].items())
@@ -177,7 +177,7 @@ def fit_host_overhead(results: dict) -> HostOverhead:
     launches = r.get("launches_per_step", 1430)
     return HostOverhead(per_step_s=max(per_step, 0.0), per_seq_s=max(per_seq, 0.0), per_launch_s=forward / launches,
                         launches_per_layer=launches / r.get("num_layers", 30),
-                        graph_replay_s=r.get("graph_replay_s", results.get("gpu", {}).get("graph_replay_s", GRAPH_REPLAY_S)))
+                        graph_replay_s=r.get("graph_replay_s", results.get("gpu_decode", {}).get("graph_replay_s", GRAPH_REPLAY_S)))
 
 
 HOST_OVERHEADS = {

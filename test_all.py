@@ -5897,7 +5897,7 @@ def test_fitted_host_overhead_reproduces_the_h100_run():
         t = cm.step_time(H100, SMOLLM2, [(1, 32)] * b, host=fit)
         assert t == pytest.approx(run[str(b)]["step_s_median"], rel=0.1)
         assert cm.step_time(H100, SMOLLM2, [(1, 32)] * b, host=fit, graphs=True) < 0.005   # the 5 ms goal for graphs (docs/gpu-run.md)
-    with_gpu_section = {"roofline": cm.H100_RUN_2026_11_24["roofline"], "gpu": {"graph_replay_s": 7e-5}}
+    with_gpu_section = {"roofline": cm.H100_RUN_2026_11_24["roofline"], "gpu_decode": {"graph_replay_s": 7e-5}}
     assert cm.fit_host_overhead(with_gpu_section).graph_replay_s == 7e-5   # bench.py's gpu section measured it
     with pytest.raises(ValueError, match="not host-bound"):
         cm.fit_host_overhead({"roofline": {"decode": {"8": {"matmul_floor_s": 0.02, "phases_s": {
@@ -6021,7 +6021,7 @@ def test_bad_cluster_arguments_are_rejected_naming_the_flag(capsys):
 # ##################################################################################################
 
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
-                  "copy_on_write", "preemption", "hot", "api", "gpu", "parallel", "invariance", "speculative"]
+                  "copy_on_write", "preemption", "hot", "api", "gpu_decode", "parallel", "invariance", "speculative"]
 
 
 @pytest.mark.slow

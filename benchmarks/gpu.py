@@ -157,7 +157,7 @@ def bench_gpu(sz, seed, results):
     if not torch.cuda.is_available():
         why = f"no CUDA device (torch {torch.__version__})"
         section_header(title, [f"skipped: {why}"])
-        results["gpu"] = {"skipped": why}
+        results["gpu_decode"] = {"skipped": why}
         return
     gs = GpuSizes(steps=3, kernel_repeats=5) if sz.name == "quick" else GpuSizes()
     bw = read_bandwidth_gbs()
@@ -179,4 +179,4 @@ def bench_gpu(sz, seed, results):
                      r["eager_step_s"] * 1e3, r["eager_over_roofline"], r["kernel_s"] * 1e6,
                      r["kernel_frac_of_bandwidth"]]
                     for name, m in out["models"].items() for b, r in m["batches"].items()]))
-    results["gpu"] = out
+    results["gpu_decode"] = out
