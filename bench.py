@@ -98,7 +98,7 @@ class Sizes:
     api_rounds: int = 5                  # interleaved rounds per variant of the API-cost steps
     fused_compile: bool = True           # time torch.compile beside csrc's fused ops (tens of seconds to compile)
     fused_rounds: int = 3                # decode steps with each set of fused ops, taking turns
-    gguf_rows: tuple = (1, 2, 4, 8, 16)  # rows per pass over the linear layers, GGUF blocks vs float32
+    gguf_rows: tuple = (1, 2, 4, 5, 8, 16)  # rows per pass over the linear layers, GGUF blocks vs float32
     gguf_batches: tuple = (1, 4)         # decode steps with and without the blocks, taking turns
     panel_rows: tuple = (1, 8, 64, 256)  # rows per pass over the linear layers, panels vs oneDNN
     panel_batches: tuple = (16, 64)      # decode steps on an engine of each kind, taking turns

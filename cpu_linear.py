@@ -2,7 +2,7 @@
 Linear layers on the CPU: which kernel multiplies x by a weight, and the weight copies it reads.
 
 Owns the choice between csrc/linear_cpu.cpp's kernels (a GEMM on weight panels, a small-M
-kernel that streams the weight once, the GGUF's Q4_1/Q8_0 blocks at a few rows) and oneDNN on a
+kernel that streams the weight once, the GGUF's Q4_1/Q4_0/Q8_0 blocks at a few rows) and oneDNN on a
 prepacked weight, made once per weight (`pack_weight`); `linear()` is F.linear with that choice,
 and `Linear` is nn.Linear that keeps its packed copy. Also what this CPU multiplies natively
 (`cpu_bf16_native`, read by model.resolve_dtype). Every choice below was measured; the numbers
@@ -182,19 +182,26 @@ def cpu_linear_path(dtype: torch.dtype, invariant: bool = False) -> str:
 
 @dataclass
 class GGUFBlocks:
-    """A linear weight [N, K] from a GGUF file's Q4_1 or Q8_0 blocks (32 values along K each),
-    in the lane layout csrc/linear_cpu.cpp reads (described there; weights.write_gguf_blocks makes it):
-    Q4_1: qs uint8 [N, K/2], scales and mins float32 [N, K/32];  Q8_0: qs int8 [N, K], scales."""
+    """A linear weight [N, K] from a GGUF file's Q4_1, Q4_0 or Q8_0 blocks (32 values along K
+    each), in the lane layout csrc/linear_cpu.cpp reads (described there; weights.write_gguf_blocks
+    makes it): Q4_1: qs uint8 [N, K/2], scales and mins float32 [N, K/32] (Q4_0: mins = -8 scales);
+    Q8_0: qs int8 [N, K], scales."""
     qs: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
 
 
 # Below this many rows a float32 layer with GGUF blocks reads them instead of its float32 weight
-# (a sixth of the bytes, more arithmetic to unpack them; the kernel takes rows in pairs, so 3 rows
-# cost two passes over the blocks). ms per pass over all 121 of SmolLM2-135M's linear layers, 2
-# AVX2 Zen 3 cores, 2026-11-24 (bench_hot.py gguf), at M = 1 / 2 / 3 / 4 / 8: blocks 18.1 / 17.6 /
-# 27.1 / 26.4 / 49.6, the float32 panels (LINEAR_PANELS) 27.3 / 26.1 / 24.7 / 25.1 / 32.2.
+# (a sixth of the bytes, more arithmetic to unpack them). The kernel unpacks each block once for up
+# to 8 rows, but on an AVX2 CPU without integer dot products each row still costs its float32 FMAs
+# and a load of x per FMA, where the panels reuse each load in registers: past 2 rows the blocks
+# are bound by arithmetic, not memory, and lose. CPU ms per pass over all 121 of SmolLM2-135M's
+# linear layers, 1 thread (CPU time: the 2 Zen 1 cores were shared with a loaded machine),
+# 2026-11-27, at M = 1 / 2 / 3 / 4 / 5 / 8 / 16: blocks 35.7 / 49.1 / 61.2 / 63.5 / 80.9 / 112.7 /
+# 223.1, float32 panels 54.8 / 60.0 / 52.2 / 60.2 / 61.6 / 83.1 / 135.4 (lm_head alone, Q8_0, M = 1
+# / 2 / 5: 8.3 / 10.5 / 17.7 against 10.8 / 10.5 / 10.2). So a speculative verification pass (5
+# rows at batch 1) keeps reading the float32 panels here; 8-bit activations against the blocks
+# (integer dot products) would be the way to flat cost in M (docs/quantization.md).
 GGUF_ROWS = 3
 
 
@@ -219,7 +226,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if invariant:
         out = _linear_invariant(x2, weight, bias, packed, float_out)
     elif small_m and gguf is not None and not bf16 and M < GGUF_ROWS:
-        out = torch.ops.nanoserve_linear.linear_small_m_gguf(x2, gguf.qs, gguf.scales, gguf.mins, bias)
+        out = torch.ops.nanoserve_linear.linear_gguf(x2, gguf.qs, gguf.scales, gguf.mins, bias)
     elif packed is not None and not packed.is_mkldnn:                    # panels, any M
         out = torch.ops.nanoserve_linear.linear_panels(x2, packed, bias, float_out)
     elif small_m and bf16 and M < SMALL_M_ROWS_BF16 and K % 32 == 0 and N % 4 == 0:

@@ -202,7 +202,7 @@ def fused_ops_vs_compile(rows=(64, 512), batch=64, engine=None, steps=6, calls=2
             "fastest_step": min(times, key=lambda m: min(times[m]))}
 
 
-def gguf_blocks_vs_float32(rows=(1, 2, 4, 8, 16), batches=(1, 4), engine=None, steps=6, repeats=3, rounds=2) -> dict:
+def gguf_blocks_vs_float32(rows=(1, 2, 4, 5, 8, 16), batches=(1, 4), engine=None, steps=6, repeats=3, rounds=2) -> dict:
     """Linear layers reading the GGUF's Q4_1/Q8_0 blocks (csrc/linear_cpu.cpp) against the
     float32 path model.linear takes without them (the panels on AVX2; elsewhere the small-M
     float32 kernel, or oneDNN on the prepacked weight): ms of one pass over every Linear of the

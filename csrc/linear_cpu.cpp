@@ -12,9 +12,9 @@
 // (bf16 panels without AVX512_BF16 are the float32 GEMM with the weights widened in registers).
 //
 // Registered as torch.ops.nanoserve_linear.linear_small_m (float32; needs K % 8 == 0 and
-// N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0), linear_small_m_gguf (float32
-// activations against a GGUF file's Q4_1 / Q8_0 blocks, a sixth / a quarter of the float32
-// bytes; K % 64 == 0), pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
+// N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0), linear_gguf (float32
+// activations against a GGUF file's Q4_1 / Q4_0 / Q8_0 blocks, a sixth / a quarter of the
+// float32 bytes, at any M; K % 64 == 0), pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
 // AVX512_BF16, N % 32 == 0 and K % 2 == 0, without it N % 16 == 0: panel_columns says; float_out:
 // float32 out from bf16), contiguous inputs
 // (model.linear checks). Built with -O3 -march=native: AVX2+FMA at least, AVX512_BF16 used
@@ -198,38 +198,34 @@ at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight,
 // At a few rows the float32 stream above is bound by memory: 4 bytes per weight per step. The
 // default model's GGUF stores its layers as Q4_1 and its embedding (tied to lm_head) as Q8_0,
 // blocks of 32 values along K:
-//   Q4_1: value = d * q + m, q in 0..15;   Q8_0: value = d * q, q int8
-// d and m are float16 in the file, held here as float32 [N, K / 32]; d * q + m in float32 is
-// exactly the weight that weights.convert_gguf wrote. Unpacking a block to floats costs more than
-// the multiply-adds, so the scale comes out of the block sum, as llama.cpp does it:
-//   sum_k x_k (d q_k + m) = d * sum_k x_k q_k + m * sum_k x_k
-// q_k are small integers, exact as floats; sum_k x_k per block (xsum) is taken once per call.
-// Same weights as the float32 path; only the rounding of the sums differs.
+//   Q4_1: value = d * q + m, q in 0..15;   Q8_0: value = d * q, q int8;   Q4_0: d * (q - 8),
+// which weights.read_gguf_blocks hands over as Q4_1 with m = -8 d (the same floats, exactly).
+// d and m are float16 in the file, held here as float32 [N, K / 32]. Each block is unpacked once
+// into registers as the float32 weights themselves, fma(d, q, m) or d * q (d * q is exact, so
+// this is bit for bit the weight that weights.convert_gguf wrote), and that one unpacked block
+// is applied to up to kGgufTileM activation rows before the next is read: 1 to 8 rows cost one
+// pass over the blocks, 16 rows two. Each product is the float32 reference's; only the order of
+// the float32 sums along K differs.
 //
 // weights.write_gguf_blocks lays q out in 32-bit lanes, so that 8 consecutive values come out
 // of one 256-bit load with a shift and a mask, with no byte shuffles:
 //   Q4_1: 8 uint32 per pair of blocks (64 values); lane L holds value 8i + L in bits 4i..4i+3
 //   Q8_0: 8 int32 per block; lane L holds value 8i + L in bits 8i..8i+7
+constexpr int kGgufTileM = 8;   // rows per unpacked block: 8 sums + raw, w, x, d, m, mask = 14 ymm
+
 inline __m256i load8x32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// block b of a Q4_1 row (32 bytes per pair of blocks) -> its 32 q values as floats in q[0..3]
-template <int Half>   // b % 2: the low or high 16 bits of each lane
-inline void unpack_q4_1(const uint8_t* qs, int64_t b, __m256 q[4]) {
-  const __m256i v = load8x32(qs + 16 * (b - Half)), nibble = _mm256_set1_epi32(0xF);
-  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16 * Half), nibble));
-  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16 * Half + 4), nibble));
-  q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16 * Half + 8), nibble));
-  q[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16 * Half + 12), nibble));
-}
-
-// block b of a Q8_0 row (32 bytes per block) -> q[0..3]: each byte moved to the top, then
-// shifted down with its sign
-inline void unpack_q8_0(const uint8_t* qs, int64_t b, __m256 q[4]) {
-  const __m256i v = load8x32(qs + 32 * b);
-  q[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
-  q[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
-  q[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
-  q[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+// values 8j..8j+7 of block b (as float32 weights) from its raw lanes v; Half = b % 2 (Q4_1's
+// pair of blocks shares the lanes: the low or high 16 bits)
+template <bool Q4, int Half>
+inline __m256 block_weights(__m256i v, int j, __m256 vd, __m256 vm) {
+  if constexpr (Q4) {
+    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(v, 16 * Half + 4 * j), _mm256_set1_epi32(0xF));
+    return _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(q), vm);
+  } else {   // each byte moved to the top, then shifted down with its sign
+    const __m256i q = _mm256_srai_epi32(_mm256_sllv_epi32(v, _mm256_set1_epi32(24 - 8 * j)), 24);
+    return _mm256_mul_ps(vd, _mm256_cvtepi32_ps(q));
+  }
 }
 
 inline float hsum8(__m256 v) {
@@ -238,49 +234,70 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_hadd_ps(h, h));
 }
 
-// out[m, n] += sum_b d_b * sum_k x_k q_k for m in [m0, m0 + MR): MR activation rows against
-// weight row n (its qs and d); out already holds the mins term and the bias.
-// Two accumulators per activation row, for even and odd blocks, so a block's d * sum does not
-// wait for the previous block's.
+// out[m, n] += x[m, k] . w[n, k] over blocks [b0, b1) (k in [32 b0, 32 b1)) for m in [m0, m0 + MR),
+// w[n] from its blocks (qs, d, mn: row n's). A sums per row, A chains of FMAs in flight: at 1 or 2 rows one sum per row
+// would wait on the FMA latency (5 cycles on Zen) at every step.
 template <bool Q4, int MR>
-void tile_gguf(const float* x, const uint8_t* qs, const float* d, float* out, int64_t m0, int64_t n,
-               int64_t K, int64_t N) {
-  const int64_t nb = K / 32;
-  __m256 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+void tile_gguf(const float* x, const uint8_t* qs, const float* d, const float* mn, int64_t b0, int64_t b1,
+               float* out, int64_t m0, int64_t n, int64_t K, int64_t N) {
+  constexpr int A = MR == 1 ? 4 : MR < 4 ? 2 : 1;
+  __m256 acc[MR][A];
+  for (int i = 0; i < MR; ++i)
+    for (int a = 0; a < A; ++a) acc[i][a] = _mm256_setzero_ps();
+  const float* xm = x + m0 * K;
   auto block = [&](int64_t b, auto half) {   // half: b % 2, as a compile-time constant
-    __m256 q[4];
-    if constexpr (Q4) unpack_q4_1<decltype(half)::value>(qs, b, q);
-    else unpack_q8_0(qs, b, q);
-    const __m256 vd = _mm256_broadcast_ss(d + b);
-    for (int i = 0; i < MR; ++i) {
-      const float* xb = x + (m0 + i) * K + 32 * b;
-      __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
-      for (int j = 1; j < 4; ++j) t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * j), q[j], t);
-      acc[i][half] = _mm256_fmadd_ps(vd, t, acc[i][half]);
+    constexpr int H = decltype(half)::value;
+    const __m256i v = load8x32(qs + (Q4 ? 16 * (b - H) : 32 * b));
+    const __m256 vd = _mm256_broadcast_ss(d + b), vm = Q4 ? _mm256_broadcast_ss(mn + b) : vd;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256 w = block_weights<Q4, H>(v, j, vd, vm);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i)
+        acc[i][j % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + i * K + 32 * b + 8 * j), w, acc[i][j % A]);
     }
   };
-  for (int64_t b = 0; b < nb; b += 2) {      // nb is even (checked)
+  for (int64_t b = b0; b < b1; b += 2) {   // b0 and b1 are even
     block(b, std::integral_constant<int, 0>{});
     block(b + 1, std::integral_constant<int, 1>{});
   }
-  for (int i = 0; i < MR; ++i) out[(m0 + i) * N + n] += hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
+  for (int i = 0; i < MR; ++i) {
+    __m256 s = acc[i][0];
+    for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[i][a]);
+    out[(m0 + i) * N + n] += hsum8(s);
+  }
 }
 
 template <bool Q4>
-void rows_gguf(const float* x, const uint8_t* qs, const float* d, float* out, int64_t M, int64_t n,
-               int64_t K, int64_t N) {
-  const uint8_t* q = qs + n * (Q4 ? K / 2 : K);
-  const float* dn = d + n * (K / 32);
-  int64_t m = 0;
-  for (; m + kTileM <= M; m += kTileM) tile_gguf<Q4, kTileM>(x, q, dn, out, m, n, K, N);
-  for (; m < M; ++m) tile_gguf<Q4, 1>(x, q, dn, out, m, n, K, N);
+using GgufTile = void (*)(const float*, const uint8_t*, const float*, const float*, int64_t, int64_t, float*,
+                          int64_t, int64_t, int64_t, int64_t);
+template <bool Q4, int... MR>
+constexpr std::array<GgufTile<Q4>, sizeof...(MR)> gguf_tiles(std::integer_sequence<int, MR...>) {
+  return {tile_gguf<Q4, MR + 1>...};
+}
+template <bool Q4>   // [rows - 1]
+constexpr auto kGgufTiles = gguf_tiles<Q4>(std::make_integer_sequence<int, kGgufTileM>{});
+
+// rows [m0, m1) of x against weight rows [n0, n1), kGgufTileM rows per unpacking of a block.
+// (Tried and slower on Zen 1: K in strips of 256 so x's strip stays in L1, which breaks the
+// weight rows' sequential stream; two weight rows per tile to halve the loads of x, at 4 rows.)
+template <bool Q4>
+void rows_gguf(const float* x, const uint8_t* qs, const float* d, const float* mn, float* out,
+               int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+  const int64_t nb = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = qs + n * (Q4 ? K / 2 : K);
+    for (int64_t m = m0; m < m1; m += kGgufTileM)
+      kGgufTiles<Q4>[std::min<int64_t>(kGgufTileM, m1 - m) - 1](x, q, d + n * nb, Q4 ? mn + n * nb : nullptr,
+                                                                  0, nb, out, m, n, K, N);
+  }
 }
 
-// x [M, K] float32; qs uint8 [N, K / 2] with mins (Q4_1) or int8 [N, K] without (Q8_0);
-// scales and mins float32 [N, K / 32]; bias [N] or None -> [M, N] float32
-at::Tensor linear_small_m_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
-                               const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias) {
+// x [M, K] float32; qs uint8 [N, K / 2] with mins (Q4_1, Q4_0) or int8 [N, K] without (Q8_0);
+// scales and mins float32 [N, K / 32]; bias [N] or None -> [M, N] float32. Any M: rows come in
+// blocks whose x stays in L2 (~384 KB) while every weight row streams past it once per block.
+at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
   const bool q4 = mins.has_value();
@@ -290,20 +307,22 @@ at::Tensor linear_small_m_gguf(const at::Tensor& x, const at::Tensor& qs, const 
   for (const at::Tensor* t : {&scales, q4 ? &*mins : &scales})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * (K / 32),
                 "scales and mins must be float32 [N, K/32]");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias must be float32 [N]");
-  // the terms outside the blocks' sums: sum_b m_b * xsum_b (one small matmul) and the bias
-  at::Tensor out = q4 ? at::matmul(x.view({M, K / 32, 32}).sum(-1), mins->t()) : at::zeros({M, N}, x.options());
-  if (bias.has_value()) out.add_(*bias);
-  const float *xp = x.data_ptr<float>(), *dp = scales.data_ptr<float>();
-  const auto* qp = static_cast<const uint8_t*>(qs.data_ptr());
-  float* op = out.data_ptr<float>();
-  // grain: 64 weight rows per chunk, as in linear_small_m
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      if (q4) rows_gguf<true>(xp, qp, dp, op, M, n, K, N);
-      else rows_gguf<false>(xp, qp, dp, op, M, n, K, N);
-    }
-  });
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "bias must be float32 [N]");
+  at::Tensor out = bias.has_value() ? bias->view({1, N}).repeat({M, 1}) : at::zeros({M, N}, x.options());
+  const float *xp = x.const_data_ptr<float>(), *dp = scales.const_data_ptr<float>();
+  const float* mp = q4 ? mins->const_data_ptr<float>() : nullptr;
+  const auto* qp = static_cast<const uint8_t*>(qs.const_data_ptr());
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t block = std::max<int64_t>(kGgufTileM, 98304 / K / kGgufTileM * kGgufTileM);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block);
+    // grain: 64 weight rows per chunk, as in linear_small_m
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      if (q4) rows_gguf<true>(xp, qp, dp, mp, op, m0, m1, n0, n1, K, N);
+      else rows_gguf<false>(xp, qp, dp, mp, op, m0, m1, n0, n1, K, N);
+    });
+  }
   return out;
 }
 
@@ -549,8 +568,8 @@ TORCH_LIBRARY(nanoserve_linear, m) {
   m.impl("linear_small_m", c10::DispatchKey::CPU, TORCH_FN(linear_small_m));
   m.def("linear_small_m_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("linear_small_m_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_bf16));
-  m.def("linear_small_m_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? mins, Tensor? bias) -> Tensor");
-  m.impl("linear_small_m_gguf", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_gguf));
+  m.def("linear_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? mins, Tensor? bias) -> Tensor");
+  m.impl("linear_gguf", c10::DispatchKey::CPU, TORCH_FN(linear_gguf));
   m.def("panel_columns(bool bf16) -> int", TORCH_FN(panel_columns));
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.impl("pack_panels", c10::DispatchKey::CPU, TORCH_FN(pack_panels));
