@@ -243,6 +243,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], N)                                 # [..., N]
 
 
+def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 against a weight's GGUF blocks at any row count (quantization="gguf";
+    the csrc kernel takes rows in blocks that stay in L2) -> [..., N] float32."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # [M, K]
+    out = torch.ops.nanoserve_linear.linear_gguf(x2, blocks.qs, blocks.scales, blocks.mins, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])                     # [..., N]
+
+
 def _linear_invariant(x2, weight, bias, packed, float_out):
     """x2 [M, K] -> [M, N], each row by the same kernel and in the same order at every M."""
     if packed is not None and not packed.is_mkldnn:
@@ -267,9 +275,12 @@ class Linear(nn.Linear):
     _packed = (None, None)                    # (which weight it was made from, packed copy)
     _packed_invariant = (None, None)          # the same for batch-invariant mode, where the copy may differ
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
+    quantized: GGUFBlocks | None = None       # quantization="gguf": only these, at every row count (weights.keep_only_blocks)
     batch_invariant = False                   # model.Llama.set_batch_invariant sets it
 
     def forward(self, x, float_out=False):
+        if self.quantized is not None:
+            return gguf_linear(x, self.quantized, self.bias)
         return linear(x, self.weight, self.bias, *self.prepared(), float_out=float_out,
                       invariant=self.batch_invariant)
 
@@ -282,6 +293,8 @@ class Linear(nn.Linear):
         """(the packed copy, GGUF blocks) for the current weight, checked with one key per
         call (at batch 1 a step makes 121 of these calls): the copy is remade and the blocks
         dropped once the weight is replaced or changed."""
+        if self.quantized is not None:        # no float32 weight to pack
+            return None, self.quantized
         key = self.weight_key()
         slot, other = ("_packed_invariant", self._packed) if self.batch_invariant else ("_packed", self._packed_invariant)
         if getattr(self, slot)[0] != key:

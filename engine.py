@@ -69,6 +69,7 @@ class EngineConfig(SchedulerConfig):
     batch_invariant: bool = field(default_factory=lambda: any(
         os.environ.get(v, "0") not in ("", "0") for v in ("VLLM_BATCH_INVARIANT", "NANOSERVE_BATCH_INVARIANT")))
     speculative_config: dict | SpeculativeConfig | None = None   # vLLM's: {"method": "ngram", ...}
+    quantization: str | None = None     # "gguf": only a GGUF's own Q4_0/Q4_1/Q8_0 blocks, at every batch (docs/quantization.md)
 
     def validate(self):
         super().validate()
@@ -80,6 +81,11 @@ class EngineConfig(SchedulerConfig):
              self.block_size)
         need(self.dtype in dtypes, "dtype", "|".join(dtypes), self.dtype)
         need(self.kv_cache_dtype in dtypes, "kv_cache_dtype", "|".join(dtypes), self.kv_cache_dtype)
+        need(self.quantization in (None, "gguf"), "quantization", "None or 'gguf'", self.quantization)
+        need(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
+             "None under tensor parallelism (each rank reads its float32 slice)", self.quantization)
+        need(not (self.quantization and self.batch_invariant), "quantization",
+             "None in batch-invariant mode (the block kernel's sums depend on the rows beside them)", self.quantization)
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              "tensor_parallel_size", "an integer >= 1", self.tensor_parallel_size)
 
@@ -192,9 +198,12 @@ class Engine:
             self.tp = parallel.launch(config, model_dir, mc, dtype, self.device, self.attention_backend)
             _log_once(f"nanoserve: tensor parallel over {self.tp.size} ranks; {self.tp.why_threads}")
         self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device,
-                                                                                   self.tp)
+                                                                                   self.tp, config.quantization)
+        need(getattr(self.model, "quantization", None) == config.quantization, "loaded_model",
+             f"a model loaded with quantization={config.quantization!r}", getattr(self.model, "quantization", None))
         if self.device.type == "cpu":
-            _log_once(f"nanoserve: linear layers {cpu_linear_path(dtype, config.batch_invariant)}; {self.model.gguf_log}")
+            path = "" if config.quantization else f"{cpu_linear_path(dtype, config.batch_invariant)}; "
+            _log_once(f"nanoserve: linear layers {path}{self.model.gguf_log}")
         self.model.set_batch_invariant(config.batch_invariant)
         self.model.prepare()     # not in the first request (the first after serve.py says it is up)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)

@@ -1580,6 +1580,76 @@ def test_gguf_blocks_match_gguf_dequantize_and_transformers(hf_smollm, gguf_read
     assert net.layers[0].mlp.down_proj.gguf_blocks() is None
 
 
+def gguf_block_error(q4, blocks, x, w64):
+    """Max abs error of the block kernel (x @ w.T from blocks) against x @ w64.T in float64, and its bound."""
+    got = torch.ops.nanoserve_linear.linear_gguf(x, W.to_lanes(blocks[0], q4), blocks[1], blocks[2], None)
+    ref = x.double() @ w64.T
+    return (got.double() - ref).abs().max().item(), 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+def test_gguf_block_kernel_matches_float64_dequantize_then_matmul(kind):
+    # oracle: gguf-py's own quantize and dequantize (numpy), then the matmul in float64; K = 192 is
+    # three 64-value groups (an odd count: the layout's unit is 64); rows 1 .. 512 cover the
+    # kernel's tiles of 1-8 rows, their tails and its blocks of rows; a planted bug (each row's
+    # scales shifted by one block) must fail the same check
+    from types import SimpleNamespace
+    from gguf import GGMLQuantizationType, quants
+    if not CL._cpu_linear_kernels()[0]:
+        pytest.skip("csrc/linear_cpu.cpp did not build: no block kernel")
+    g = torch.Generator().manual_seed(1)
+    N, K = 48, 192
+    kind_t = GGMLQuantizationType[kind]
+    data = quants.quantize((torch.randn(N, K, generator=g) * 0.1).numpy(), kind_t)
+    w64 = torch.from_numpy(quants.dequantize(data, kind_t).copy()).double()         # [N, K]
+    blocks = W.read_gguf_blocks(SimpleNamespace(tensor_type=kind_t, data=data))
+    q4 = blocks[2] is not None
+    assert torch.equal(W.dequantize_blocks(*blocks).double(), w64)                   # Q4_0 as Q4_1, exactly
+    assert torch.equal(W.from_lanes(W.to_lanes(blocks[0], q4), q4), blocks[0])
+    for rows in (1, 3, 8, 64, 512):
+        x = torch.randn(rows, K, generator=g)
+        err, bound = gguf_block_error(q4, blocks, x, w64)
+        assert err <= bound, f"{kind} at {rows} rows: error {err} > {bound}"
+    planted = (blocks[0], blocks[1].roll(1, dims=1), blocks[2])                      # scale one block off
+    err, bound = gguf_block_error(q4, planted, torch.randn(3, K, generator=g), w64)
+    assert err > 100 * bound, "the check missed scales shifted by one block"
+
+
+@pytest.mark.slow
+def test_quantization_gguf_keeps_only_blocks_and_gives_transformers_outputs(hf_smollm, expected_32):
+    # quantization="gguf": every linear layer and the embedding read only the file's blocks, at every
+    # row count; oracle: transformers on the GGUF (the float32 engine equals it): logits one
+    # sequence at a time within 1e-3, and greedy tokens with mixed batches, chunked prefill
+    # (budget 64), prefix-cache hits (the second run) and preemption (9 KV blocks)
+    net, cfg, _ = W.load_model(None, quantization="gguf")
+    linears = [m for m in net.modules() if isinstance(m, CL.Linear)]
+    assert net.gguf_log.startswith(f"quantization gguf: {len(linears)} of {len(linears)} linear layers and the embedding")
+    assert all(m.quantized is not None and m.weight.stride() == (0, 0) for m in linears)   # no float32 copy
+    assert isinstance(net.embed_tokens, W.GGUFEmbedding) and net.embed_tokens.weight.stride() == (0, 0)
+    seqs = [[1, 504, 3458], [28, 9, 4433, 18, 7, 1000, 2]]
+    for s in seqs:
+        assert_logits_match(ragged_forward(net, [s]), [s], hf_smollm)
+    q = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, quantization="gguf", **CPU32)
+    assert token_ids(q.generate(PROMPTS[:6], greedy(32))) == expected_32
+    assert q.engine.scheduler.num_preemptions >= 1
+    cached = LLM(loaded_model=(net, cfg, W.resolve_model_dir(None)), kv_cache_memory=SMALL_KV, quantization="gguf", **CPU32)
+    long = cached.tokenizer.encode(" ".join(CORPUS[:2]))                 # > 2 full blocks of 16 tokens
+    want = hf_greedy_ids(hf_smollm, [long], 8)[0]
+    for _ in range(2):                                                   # the second run hits the prefix cache
+        assert token_ids(cached.generate([long], greedy(8))) == [want]
+    assert cached.engine.stats().prefix_cache_hit_rate > 0
+    with pytest.raises(InvalidRequest) as e:
+        Engine(model=W.resolve_model_dir(None), quantization="int4", kv_cache_memory=SMALL_KV, **CPU32)
+    assert e.value.field == "quantization"
+
+
+def test_quantization_gguf_is_rejected_without_blocks(tiny):
+    # a safetensors checkpoint has no GGUF blocks: the error names the field
+    with pytest.raises(InvalidRequest) as e:
+        Engine(model=str(tiny[0]), quantization="gguf", kv_cache_memory=SMALL_KV, **CPU32)
+    assert e.value.field == "quantization" and "gguf" in str(e.value)
+
+
 # bfloat16 against transformers in bfloat16: both round every op's output to 8 mantissa bits,
 # in different orders (fused q/k/v, oneDNN vs MKL blocking), so logits differ by up to about
 # several units of bf16 at their magnitude (|logit| ~ 20 -> bf16 step 0.125). Measured

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import extensions
 import parallel
+from errors import InvalidRequest
 from cpu_linear import GGUF_ROWS, GGUFBlocks, Linear, _cpu_linear_kernels
 from model import Llama, ModelConfig
 
@@ -92,23 +93,24 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
 
 
 def read_gguf_blocks(t, n_heads: int | None = None):
-    """One GGUF tensor's Q4_1 or Q8_0 blocks -> (q [N, K] uint8 0..15 or int8, d [N, K/32],
+    """One GGUF tensor's Q4_1, Q4_0 or Q8_0 blocks -> (q [N, K] uint8 0..15 or int8, d [N, K/32],
     m [N, K/32] or None), rows un-permuted like convert_gguf's for Q/K (n_heads given);
-    None for other types."""
+    None for other types. Q4_0 (d * (q - 8)) comes back as Q4_1 with m = -8 d: the same floats,
+    since d * q and 8 d are exact in float32 and their difference d * (q - 8) is too."""
     kind = t.tensor_type.name
-    if kind not in ("Q4_1", "Q8_0"):
+    if kind not in ("Q4_1", "Q4_0", "Q8_0"):
         return None
     raw = torch.from_numpy(t.data.copy())                             # [N, K/32 * block bytes] uint8
     if n_heads:
         raw = _unpermute_rope_rows(raw, n_heads)
-    N, header = raw.shape[0], 4 if kind == "Q4_1" else 2              # float16 d (and m), then qs
-    blocks = raw.reshape(N, -1, header + (16 if kind == "Q4_1" else 32))   # [N, K/32, block bytes]
+    N, header = raw.shape[0], {"Q4_1": 4, "Q4_0": 2, "Q8_0": 2}[kind]   # float16 d (and m), then qs
+    blocks = raw.reshape(N, -1, header + (32 if kind == "Q8_0" else 16))   # [N, K/32, block bytes]
     f16 = lambda lo: blocks[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0].float()   # [N, K/32]
     qs = blocks[..., header:]
     if kind == "Q8_0":
         return qs.reshape(N, -1).view(torch.int8), f16(0), None
     q = torch.cat([qs & 15, qs >> 4], dim=-1)                         # byte j: values j and j + 16
-    return q.reshape(N, -1), f16(0), f16(2)
+    return q.reshape(N, -1), f16(0), (f16(2) if kind == "Q4_1" else -8 * f16(0))
 
 
 def dequantize_blocks(q, d, m=None) -> torch.Tensor:
@@ -126,6 +128,65 @@ def to_lanes(q: torch.Tensor, q4: bool) -> torch.Tensor:
         return q.view(N, K // 32, 4, 8).transpose(-1, -2).reshape(N, K)
     q = q.view(N, K // 64, 4, 2, 8)                                   # value 8 * (2 * byte + half) + lane
     return (q[:, :, :, 0] | q[:, :, :, 1] << 4).transpose(-1, -2).reshape(N, K // 2)
+
+
+def from_lanes(qs: torch.Tensor, q4: bool) -> torch.Tensor:
+    """to_lanes undone: rows in the lane layout -> the values q [T, K] (uint8 0..15 or int8)."""
+    T = qs.shape[0]
+    if not q4:
+        return qs.view(T, -1, 8, 4).transpose(-1, -2).reshape(T, -1)
+    b = qs.view(T, -1, 8, 4).transpose(-1, -2)                       # [T, K/64, 4 bytes, 8 lanes]
+    return torch.stack([b & 15, b >> 4], dim=3).reshape(T, -1)       # value 8 * (2 * byte + half) + lane
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """The token embedding as the GGUF stores it (quantization="gguf"): the rows looked up are
+    dequantized from their blocks, d * q (+ m), the float32 values convert_gguf writes; no float32
+    table is kept. `weight` is a zero-stride stand-in with the table's shape, dtype and device."""
+
+    def __init__(self, blocks: GGUFBlocks, weight: torch.Tensor):
+        super().__init__()
+        self.blocks = blocks
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b = self.blocks
+        flat = ids.reshape(-1)
+        q = from_lanes(b.qs.index_select(0, flat), b.mins is not None)              # [T, K]
+        mins = None if b.mins is None else b.mins.index_select(0, flat)
+        w = dequantize_blocks(q, b.scales.index_select(0, flat), mins)              # [T, K] float32
+        return w.view(*ids.shape, w.shape[-1])
+
+
+def _stand_in(t: torch.Tensor) -> torch.nn.Parameter:
+    """A weight's shape, dtype and device without its memory (stride 0): for code that asks."""
+    return torch.nn.Parameter(torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape), requires_grad=False)
+
+
+def keep_only_blocks(net: "Llama") -> str:
+    """quantization="gguf": every Linear with GGUF blocks reads them at every row count and drops
+    its float32 weight, and the embedding (tied to lm_head or not) becomes a GGUFEmbedding.
+    -> the line for the log: what reads blocks and the bytes kept."""
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    quantized = [m for m in linears if m.gguf_blocks() is not None]
+    if not quantized:
+        raise InvalidRequest("quantization", "'gguf' needs a .gguf model whose layers are Q4_0, Q4_1 or Q8_0 "
+                             f"(K a multiple of 64); here: {net.gguf_log}")
+    for lin in quantized:
+        lin.quantized = lin.gguf_blocks()
+        lin.weight = _stand_in(lin.weight)
+    emb = getattr(net, "gguf_embedding", None)
+    if emb is not None:
+        net.embed_tokens = GGUFEmbedding(emb, _stand_in(net.embed_tokens.weight))
+    blocks = {id(t): t for m in quantized for t in (m.quantized.qs, m.quantized.scales, m.quantized.mins) if t is not None}
+    if emb is not None:
+        blocks.update({id(t): t for t in (emb.qs, emb.scales, emb.mins) if t is not None})
+    mib = sum(t.numel() * t.element_size() for t in blocks.values()) / 2**20
+    rest = sum(m.weight.numel() for m in linears if m.quantized is None) * 4 / 2**20
+    return (f"quantization gguf: {len(quantized)} of {len(linears)} linear layers"
+            f"{' and the embedding' if emb is not None else ''} read the GGUF's blocks at every row count "
+            f"(float32 sums; {mib:.0f} MiB of blocks, {rest:.0f} MiB of float32 linear weights kept; no 8-bit "
+            f"activation path on this build)")
 
 
 GGUF_BLOCKS = os.path.join("gguf_blocks", "blocks.safetensors")   # inside a converted directory
@@ -184,9 +245,12 @@ def attach_gguf_blocks(net: "Llama", model_dir: str) -> str:
     attached = 0
     for name, lin in linears:
         qs, scales = part["qs"].get(name + ".weight"), part["scales"].get(name + ".weight")
-        if qs is not None and scales is not None and qs.shape[0] == lin.weight.shape[0]:
+        if qs is not None and scales is not None and qs.shape[0] == lin.weight.shape[0] and qs.shape[0] % 2 == 0:
             lin._gguf = (lin.weight_key(), GGUFBlocks(qs, scales, part["mins"].get(name + ".weight")))
             attached += 1
+    emb = {p: part[p].get("embed_tokens.weight") for p in ("qs", "scales", "mins")}
+    if emb["qs"] is not None and emb["scales"] is not None:    # for keep_only_blocks (quantization="gguf")
+        net.gguf_embedding = GGUFBlocks(emb["qs"], emb["scales"], emb["mins"])
     return f"{attached} of {len(linears)} linear layers read the GGUF's Q4_1/Q8_0 blocks below {GGUF_ROWS} rows"
 
 
@@ -271,10 +335,12 @@ def read_config(model: str | None) -> tuple[str, ModelConfig]:
         return model_dir, ModelConfig.from_hf(json.load(f))
 
 
-def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu", tp=None):
+def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu", tp=None,
+               quantization: str | None = None):
     """-> (Llama in eval mode, ModelConfig, model_dir). tp: a parallel.TPGroup; the model is then
     this rank's shard (its config the shard's: its heads, MLP slice and vocabulary rows), while the
-    ModelConfig returned is the whole model's."""
+    ModelConfig returned is the whole model's. quantization="gguf": only the GGUF's blocks are kept
+    where the file has them (keep_only_blocks); float32 on CPU, one rank."""
     model_dir, cfg = read_config(model)
     plan = tp.plan(cfg) if tp is not None else None
     with torch.device("meta"):
@@ -289,4 +355,9 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
     net.inv_freq = net.inv_freq.to(device)
     net.gguf_log = (f"GGUF blocks unused: rank {tp.rank} of {tp.size} reads its float32 slice" if plan
                     else attach_gguf_blocks(net, model_dir))
+    net.quantization = quantization
+    if quantization == "gguf":
+        if plan or dtype != torch.float32 or torch.device(device).type != "cpu":
+            raise InvalidRequest("quantization", "'gguf' runs float32 on the CPU, one rank")
+        net.gguf_log = keep_only_blocks(net)
     return net, cfg, model_dir
