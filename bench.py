@@ -297,6 +297,12 @@ def targets(results):
         rows.append(("batch-1 decode tok/s >= vLLM's batch 1",
                      why or ours["batch1_decode_tok_s"] / max(v["batch1_decode_tok_s"] for v in vllm.values()
                                                                if isinstance(v, dict) and "skipped" not in v), 1.0))
+    if p and "gguf" in p["nanoserve"]:
+        q, lc = p["nanoserve"]["gguf"], p.get("llamacpp", {})
+        rows.append(('quantization="gguf" batch-1 decode >= 1.5x llama.cpp batch 1 (tok/s)',
+                     lc.get("skipped") or q["batch1_decode_tok_s"] / lc["batch1_decode_tok_s"], 1.5))
+        rows.append(('quantization="gguf" peers workload >= 1.3x nanoserve default (useful tok/s)',
+                     q["useful_tok_s"] / p["nanoserve"]["default"]["useful_tok_s"], 1.3))
     if r:
         big = str(max(int(b) for b in r["decode"]))
         rows.append((f"decode step at batch {big} >= 50% of the {r['dtype']} matmul roofline",

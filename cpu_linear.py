@@ -243,12 +243,78 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], N)                                 # [..., N]
 
 
-def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] float32 against a weight's GGUF blocks at any row count (quantization="gguf";
-    the csrc kernel takes rows in blocks that stay in L2) -> [..., N] float32."""
+def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None,
+                q8_rows: int | None = None) -> torch.Tensor:
+    """x [..., K] float32 against a weight's GGUF blocks at any row count (quantization="gguf")
+    -> [..., N] float32: float32 sums (the reference's products), or from q8_rows rows on (where
+    choose_gguf_path found them faster) 8-bit activations against the blocks."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # [M, K]
-    out = torch.ops.nanoserve_linear.linear_gguf(x2, blocks.qs, blocks.scales, blocks.mins, bias)
+    if q8_rows is not None and len(x2) >= q8_rows:
+        out = gguf_linear_q8(x2, blocks, bias)
+    else:
+        out = torch.ops.nanoserve_linear.linear_gguf(x2, blocks.qs, blocks.scales, blocks.mins, bias)
     return out.view(*x.shape[:-1], out.shape[-1])                     # [..., N]
+
+
+# quantization="gguf" at a few rows always sums in float32 (batch-1 logits are the float32
+# engine's up to summation order); from GGUF_Q8_ROWS rows on it could take 8-bit activations where
+# they are faster at start-up (choose_gguf_path). They are off (GGUF_Q8_ACTIVATIONS): on SmolLM2
+# they cost 2.6% perplexity and 6% of greedy top-1 agreement (test_all.py), past issue 47's 1% and
+# 95%; and on the Zen 1 they measured 0.85-1.1x the float32 sums' time, run to run.
+GGUF_Q8_ROWS = 16
+GGUF_Q8_ACTIVATIONS = False
+
+
+def choose_gguf_path(blocks: GGUFBlocks, rows: int = 64, repeats: int = 3) -> tuple[int | None, str]:
+    """Time one layer's blocks at `rows` rows, float32 sums against 8-bit activations, taking turns;
+    -> (q8_rows for gguf_linear: GGUF_Q8_ROWS if 8-bit activations are on and won, else None; a log line)."""
+    import time
+    x = torch.randn(rows, blocks.scales.shape[1] * 32)
+    runs = {"float32 sums": lambda: torch.ops.nanoserve_linear.linear_gguf(x, blocks.qs, blocks.scales, blocks.mins, None),
+            "8-bit activations": lambda: gguf_linear_q8(x, blocks)}
+    best = {k: float("inf") for k in runs}
+    for _ in range(repeats):
+        for k, f in runs.items():
+            t = time.perf_counter()
+            f()
+            best[k] = min(best[k], time.perf_counter() - t)
+    q8 = GGUF_Q8_ACTIVATIONS and best["8-bit activations"] < best["float32 sums"]
+    line = (f"from {GGUF_Q8_ROWS} rows {'8-bit activations' if q8 else 'float32 sums'} (measured now at {rows} rows: "
+            f"float32 sums {best['float32 sums'] * 1e3:.2f} ms, 8-bit activations {best['8-bit activations'] * 1e3:.2f} ms, "
+            f"AVX2 maddubs, no VNNI kernel{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: they cost accuracy'})")
+    return (GGUF_Q8_ROWS if q8 else None), line
+
+
+def quantize_rows(x2: torch.Tensor, q4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 float32 [M, K] -> (xq int8 [M, K], dx float32 [M, K/32]): each block of 32 values of a row
+    as round(x / dx) with dx = max |x| / 127 (llama.cpp's Q8_0), the bytes of each group laid out
+    like the weight's lanes (csrc/linear_cpu.cpp, linear_gguf_q8), so the integer dot products
+    pair the right values."""
+    M, K = x2.shape
+    xs = x2.view(M, K // 32, 32)
+    dx = xs.abs().amax(-1) / 127                                      # [M, K/32]
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xq = torch.round(xs * inv[..., None]).to(torch.int8)              # [M, K/32, 32], |q| <= 127
+    if q4:   # per 64 values: value 8 (2k + h) + L at byte 32 h + 4 L + k
+        xq = xq.view(M, K // 64, 4, 2, 8).permute(0, 1, 3, 4, 2)
+    else:    # per 32 values: value 8 i + L at byte 4 L + i
+        xq = xq.view(M, K // 32, 4, 8).transpose(-1, -2)
+    return xq.reshape(M, K), dx
+
+
+def gguf_linear_q8(x2: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 float32 [M, K] -> [M, N]: 8-bit activations (quantize_rows) against the blocks, integer dot
+    products per block; the mins' term (Q4_1, Q4_0) from the float32 block sums of x."""
+    M, K = x2.shape
+    q4 = blocks.mins is not None
+    xq, dx = quantize_rows(x2, q4)
+    if q4:
+        out = x2.view(M, K // 32, 32).sum(-1) @ blocks.mins.T          # [M, N]: sum_b m_b * sum_k x_k
+        out = out if bias is None else out.add_(bias)
+    else:
+        out = torch.zeros(M, blocks.qs.shape[0]) if bias is None else bias.repeat(M, 1)   # a copy: written in place
+    torch.ops.nanoserve_linear.linear_gguf_q8(xq, dx, blocks.qs, blocks.scales, q4, out)
+    return out
 
 
 def _linear_invariant(x2, weight, bias, packed, float_out):
@@ -276,11 +342,12 @@ class Linear(nn.Linear):
     _packed_invariant = (None, None)          # the same for batch-invariant mode, where the copy may differ
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
     quantized: GGUFBlocks | None = None       # quantization="gguf": only these, at every row count (weights.keep_only_blocks)
+    q8_rows: int | None = None                # and 8-bit activations from this many rows (choose_gguf_path)
     batch_invariant = False                   # model.Llama.set_batch_invariant sets it
 
     def forward(self, x, float_out=False):
         if self.quantized is not None:
-            return gguf_linear(x, self.quantized, self.bias)
+            return gguf_linear(x, self.quantized, self.bias, self.q8_rows)
         return linear(x, self.weight, self.bias, *self.prepared(), float_out=float_out,
                       invariant=self.batch_invariant)
 

@@ -178,7 +178,7 @@ def make_engine(**overrides):
     """
     from engine import Engine, EngineConfig
     cfg = EngineConfig(num_threads=os.cpu_count(), **overrides)
-    key = (cfg.model, cfg.dtype, cfg.device)
+    key = (cfg.model, cfg.dtype, cfg.device, cfg.quantization)   # quantization="gguf" keeps other weights
     engine = Engine(cfg, loaded_model=_weights.get(key))
     _weights.setdefault(key, (engine.model, engine.model_config, engine.model_dir))
     return engine
