@@ -1689,7 +1689,8 @@ def test_gguf_8bit_activations_keep_greedy_tokens_and_perplexity(hf_smollm, hf_g
 
 
 def test_quantization_gguf_is_rejected_without_blocks(tiny):
-    # a safetensors checkpoint has no GGUF blocks: the error names the field
+    # a safetensors checkpoint has no GGUF blocks: the error names the field (serve.py's flag is vLLM's)
+    assert serve.engine_config(serve.parse_args(["--quantization", "gguf"])).quantization == "gguf"
     with pytest.raises(InvalidRequest) as e:
         Engine(model=str(tiny[0]), quantization="gguf", kv_cache_memory=SMALL_KV, **CPU32)
     assert e.value.field == "quantization" and "gguf" in str(e.value)
