@@ -4,10 +4,12 @@ Loading a model's weights: from a Hugging Face checkpoint directory (config.json
 into model.py's Llama.
 
 A GGUF file is dequantized once into a cached safetensors directory, so later starts take
-about a second. Beside the float32 weights that directory keeps the file's own Q4_1/Q8_0
+about a second. Beside the float32 weights that directory keeps the file's own Q4_1/Q4_0/Q8_0
 blocks, laid out for csrc/linear_cpu.cpp: at a few rows (decode at small batch) a linear layer
 is a stream over its weight, and the blocks are a sixth of the bytes for the same values.
-load_model hands each Linear its blocks; model.linear decides when to read them.
+load_model hands each Linear its blocks; model.linear decides when to read them. With
+quantization="gguf" (keep_only_blocks) the blocks are all that is kept, the embedding included
+(GGUFEmbedding): docs/quantization.md.
 Under tensor parallelism (parallel.py) each rank reads only its slice of every tensor (safetensors'
 get_slice), so no rank ever holds the whole model.
 """

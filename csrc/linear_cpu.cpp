@@ -14,7 +14,8 @@
 // Registered as torch.ops.nanoserve_linear.linear_small_m (float32; needs K % 8 == 0 and
 // N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0), linear_gguf (float32
 // activations against a GGUF file's Q4_1 / Q4_0 / Q8_0 blocks, a sixth / a quarter of the
-// float32 bytes, at any M; K % 64 == 0), pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
+// float32 bytes, at any M; K % 64 == 0 and N % 2 == 0), linear_gguf_q8 (the same blocks against
+// 8-bit activations, quantization="gguf" where chosen), pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
 // AVX512_BF16, N % 32 == 0 and K % 2 == 0, without it N % 16 == 0: panel_columns says; float_out:
 // float32 out from bf16), contiguous inputs
 // (model.linear checks). Built with -O3 -march=native: AVX2+FMA at least, AVX512_BF16 used
