@@ -2256,7 +2256,7 @@ def test_cpu_kernels_built_for_avx2_only_match_the_references():
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the launchers' codes
 EMULATED_SMS = pa.EMULATED_SMS
 PLANTED_BUGS = dict(old_prefill_grid=1, too_many_threads=2, shared_over_48kb=3, shared_opt_in=4,
-                    unzeroed_tail=5, global_query=6, last_block_merges=7)   # enum Bug in the .cu
+                    unzeroed_tail=5, global_query=6, last_block_merges=7, no_async_wait=8)   # enum Bug in the .cu
 EMU_FLAGS = ["-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-fno-strict-aliasing",
              "-pthread", "-shared", "-fPIC"]
 
@@ -2421,6 +2421,32 @@ def test_emulated_cuda_kernel_matches_reference(emulated_binding, name, q_lens, 
     check_against_reference(emulated_binding_attention(emulated_binding), batch, 2e-5)
 
 
+@pytest.mark.parametrize("group, head_dim, kv_dtype, kernel", [
+    (1, 64, torch.bfloat16, "decode_d64"),        # head_dim 64 and 128 with 16-bit caches: their own kernels
+    (4, 64, torch.float16, "decode_d64"),
+    (8, 128, torch.bfloat16, "decode_d128"),      # float rows of 128 would need 8-row tiles; 16-bit: 16
+    (3, 96, torch.float16, "decode"),             # any other multiple of 32: the generic kernel
+])
+@pytest.mark.cuda_emu
+def test_emulated_cuda_decode_kernels_match_reference_per_head_dim(emulated_binding, group, head_dim, kv_dtype,
+                                                                   kernel):
+    """Each decode kernel (one block per row x partition x KV head, serving the whole GQA group,
+    K/V tiles double-buffered through cp.async) against the reference. One KV head, 4 rows < 16
+    blocks for 4 fake SMs, so rows split in 128-token parts: 17 ends mid-block, 129 leaves its last
+    part 1 token, 256 ends exactly on a part; a padding row (context 0) gets zeros."""
+    _, lib = emulated_binding
+    query, kc, vc, tables, ctx, qsl, scale = make_batch([1, 1, 1, 1], [17, 0, 129, 256], num_kv_heads=1,
+                                                        group=group, head_dim=head_dim, kv_dtype=kv_dtype)
+    lib.cuda_emu_take_launch_log()
+    out = pa.paged_attention(query, kc, vc, tables, ctx, qsl, scale, backend="cuda_emu")
+    assert launches(lib) == {kernel: [(4 * 2, 1, 1)], "reduce": [(4, group, 1)]}   # 129 and 256: 2 parts each
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    rows = [0, 2, 3]
+    expected = pa.paged_attention_reference(query[rows], kc, vc, tables[rows], ctx[rows],
+                                            torch.arange(4, dtype=torch.int32), scale)
+    assert (out[rows] - expected).abs().max().item() < 2e-5
+
+
 @pytest.mark.cuda_emu
 def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_binding):
     batch = make_batch([1, 12], [80, 12], q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
@@ -2539,6 +2565,16 @@ def test_emulation_catches_planted_bug(emulator, bug, lenient, strict, caught_by
     emulator.cuda_emu_configure(*strict, 0)
     diff, err = emulated_error(emulator, batch)
     assert err is None and diff > 1e-3, f"{caught_by} should expose {bug}: max error {diff}"
+
+
+@pytest.mark.cuda_emu
+def test_emulation_catches_a_tile_read_before_its_cp_async_wait(emulator):
+    """The emulator lands a thread's cp.async copies only when async_wait retires their group, the
+    latest a GPU may: decode planted to read each K/V tile without waiting reads its buffer's old
+    contents (NaN poison at first) and is caught; the same batch unplanted matches (its other tests)."""
+    emulator.plant_bug(PLANTED_BUGS["no_async_wait"])
+    diff, err = emulated_error(emulator, bug_batch())
+    assert err is None and diff > 1e-3, f"a missing cp.async wait went unnoticed: max error {diff}"
 
 
 @pytest.mark.cuda_emu
