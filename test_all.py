@@ -2421,30 +2421,31 @@ def test_emulated_cuda_kernel_matches_reference(emulated_binding, name, q_lens, 
     check_against_reference(emulated_binding_attention(emulated_binding), batch, 2e-5)
 
 
-@pytest.mark.parametrize("group, head_dim, kv_dtype, kernel", [
-    (1, 64, torch.bfloat16, "decode_d64"),        # head_dim 64 and 128 with 16-bit caches: their own kernels
-    (4, 64, torch.float16, "decode_d64"),
-    (8, 128, torch.bfloat16, "decode_d128"),      # float rows of 128 would need 8-row tiles; 16-bit: 16
+@pytest.mark.parametrize("group, head_dim, dtype, kernel", [
+    (1, 64, torch.bfloat16, "decode_d64"),        # head_dim 64 and 128, queries and cache in bf16 or fp16:
+    (4, 64, torch.float16, "decode_d64"),         # their own kernels
+    (8, 128, torch.bfloat16, "decode_d128"),
     (3, 96, torch.float16, "decode"),             # any other multiple of 32: the generic kernel
+    (3, 128, torch.float32, "decode"),            # and float32 (its rows of 128: 8-row tiles, not 16)
 ])
 @pytest.mark.cuda_emu
-def test_emulated_cuda_decode_kernels_match_reference_per_head_dim(emulated_binding, group, head_dim, kv_dtype,
-                                                                   kernel):
+def test_emulated_cuda_decode_kernels_match_reference_per_head_dim(emulated_binding, group, head_dim, dtype, kernel):
     """Each decode kernel (one block per row x partition x KV head, serving the whole GQA group,
     K/V tiles double-buffered through cp.async) against the reference. One KV head, 4 rows < 16
     blocks for 4 fake SMs, so rows split in 128-token parts: 17 ends mid-block, 129 leaves its last
     part 1 token, 256 ends exactly on a part; a padding row (context 0) gets zeros."""
     _, lib = emulated_binding
-    query, kc, vc, tables, ctx, qsl, scale = make_batch([1, 1, 1, 1], [17, 0, 129, 256], num_kv_heads=1,
-                                                        group=group, head_dim=head_dim, kv_dtype=kv_dtype)
+    query, kc, vc, tables, ctx, qsl, scale = make_batch([1, 1, 1, 1], [17, 0, 129, 256], num_kv_heads=1, group=group,
+                                                        head_dim=head_dim, kv_dtype=dtype, q_dtype=dtype)
     lib.cuda_emu_take_launch_log()
     out = pa.paged_attention(query, kc, vc, tables, ctx, qsl, scale, backend="cuda_emu")
     assert launches(lib) == {kernel: [(4 * 2, 1, 1)], "reduce": [(4, group, 1)]}   # 129 and 256: 2 parts each
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     rows = [0, 2, 3]
-    expected = pa.paged_attention_reference(query[rows], kc, vc, tables[rows], ctx[rows],
+    expected = pa.paged_attention_reference(query[rows].float(), kc, vc, tables[rows], ctx[rows],   # in float32
                                             torch.arange(4, dtype=torch.int32), scale)
-    assert (out[rows] - expected).abs().max().item() < 2e-5
+    rtol = 0 if dtype == torch.float32 else 2 ** -7       # 16-bit: only the output's rounding (<= 2^-9 of it)
+    torch.testing.assert_close(out[rows].float(), expected, rtol=rtol, atol=2e-5)
 
 
 @pytest.mark.cuda_emu
@@ -2481,6 +2482,9 @@ def test_emulated_cuda_grids_follow_the_plan(emulated_binding, q_lens, ctx_lens,
     ([100_000, 10], 8, 132, None, 1536, 66),    # a short row beside it: one part, the grid still 66 per row
     ([500] * 66, 8, 132, None, 1 << 30, 1),     # 66 rows x 8 heads = 528 blocks already: no split
     ([0, 1], 1, 16, None, 128, 1),              # at least 128 tokens (4 warps x 32); an empty row gets a block
+    # 40 x 8 = 320 blocks < 528: 40000 x 8 / 528 -> 640, then equal parts: 1000 in 2 x 512, not 640 + 360
+    # (a block's 4 warps take 4 chunks each, not 5), 640 blocks in all (over 4 per SM)
+    ([1000] * 40, 8, 132, None, 512, 2),
     # a fixed grid of 22 parts per row (bucket_max_parts(3, 8, 132, 8192) = ceil(528 / 24)): 5000 tokens
     # would split in 128s (5300 x 8 / 528 -> 128), so the partition grows to ceil(5000 / 22) -> 256
     ([300, 5000, 0], 8, 132, 22, 256, 22),

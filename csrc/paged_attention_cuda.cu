@@ -9,11 +9,14 @@
 //   decode_kernel        one thread block per (row x one of max_parts context partitions, KV
 //                        head). The partition size is read from the plan on the device; a block
 //                        past its row's last partition, or of a row that is not decoding, exits
-//                        at once. Each warp stages 32-token chunks of K, then V, into shared
-//                        memory with coalesced 16-byte loads; a lane scores its token against
-//                        every query head of the GQA group (K/V read once per group); online
-//                        softmax per warp, warps merged through shared memory. A row with
-//                        context_len == 0 (a padding row) gets zeros.
+//                        at once. Each warp walks 32-token chunks, each as tiles of K rows, then
+//                        V rows, staged into shared memory with coalesced 16-byte cp.async copies,
+//                        double-buffered: the next tile loads while this one is used. A lane
+//                        scores its token against every query head of the GQA group (K/V read
+//                        once per group); online softmax per warp, warps merged through shared
+//                        memory. A row with context_len == 0 (a padding row) gets zeros.
+//                        head_dim 64 and 128 (16-bit) have their own instances, others the
+//                        generic one; __launch_bounds__ keeps 4 blocks resident per SM.
 //   reduce_kernel        one block per (row, head), launched whenever max_parts > 1; merges the
 //                        partitions of a split row (flash-decoding style), other rows exit.
 //   prefill_kernel       one thread block per (prefill item = tile of query rows, KV head); K/V
@@ -29,6 +32,7 @@
 #include "cuda_common.h"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -445,11 +449,12 @@ struct DecodeKernel {
   const char* name;
 };
 
-// head_dim 64 and 128 with a 16-bit KV cache (what a GPU serves) get their own kernels; every
-// other case (float32 caches, head_dim 32 or 96) the generic one, to bound compile time.
+// head_dim 64 and 128 in what a GPU serves (bf16 or fp16 queries and cache alike) get their own
+// kernels; every other case (float32 or mixed dtypes, head_dim 32 or 96) the generic one: each
+// instance adds about 2 s of nvcc time (sm_80 + sm_90).
 template <typename Q, typename KV>
 DecodeKernel<Q, KV> pick_decode(int head_dim) {
-  if constexpr (sizeof(KV) == 2) {
+  if constexpr (std::is_same_v<Q, KV> && sizeof(KV) == 2) {
     if (head_dim == 64) return {decode_kernel<Q, KV, 64>, "decode_d64"};
     if (head_dim == 128) return {decode_kernel<Q, KV, 128>, "decode_d128"};
   }
