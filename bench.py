@@ -121,9 +121,9 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               peer_max_num_seqs=8, peer_kv_cache_memory="128MiB", b1_tokens=8, hf_requests=2, hf_batch_sizes=(2,),
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
               kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
-              cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(32, 48), pressure_prompt_median=16,
+              cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(20, 28), pressure_prompt_median=16,
               fused_compile=False, fused_rounds=1, gguf_rows=(1, 4), gguf_batches=(1,), panel_rows=(1, 8),
-              panel_batches=(4,), spec_batches=(1, 4), spec_min_requests=2, spec_out=12, spec_kv_cache_memory="128MiB")
+              panel_batches=(4,), spec_batches=(2,), spec_min_requests=2, spec_out=12, spec_kv_cache_memory="128MiB")
 
 
 # ----------------------------------------------------------------------------- measurements from other files
