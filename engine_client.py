@@ -223,25 +223,37 @@ class EngineClient:
         self.tracked: dict[str, Tracked] = {}
         self.outbox = queue.SimpleQueue()  # commands for the writer thread: a big prompt never blocks the loop
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_update = lambda update: None   # data_parallel.py's hooks: it sees each update before the Runs
+        self.on_died = lambda reason: None
 
     @staticmethod
     def in_process(config: EngineConfig, grammar_timeout: float = 10.0) -> "EngineClient":
         """serve.py: the engine core in a process of its own; returns once its engine is built.
         Raises the core's ValueError for a bad engine flag."""
+        return EngineClient.launch(config, grammar_timeout)()
+
+    @staticmethod
+    def launch(config: EngineConfig, grammar_timeout: float = 10.0):
+        """Start the core process; returns the call that waits for its engine and gives its client (so
+        several cores build their engines at once: data_parallel.py)."""
         context = multiprocessing.get_context("spawn")   # never fork a process that may hold OpenMP threads
         conn, core_conn = context.Pipe()
         core = context.Process(target=run_core_process, args=(config, core_conn, grammar_timeout), name="nanoserve-engine-core",
                                daemon=True)
         core.start()
         core_conn.close()                  # ours is the only end left here, so the core's exit reads as EOF
-        try:
-            info = conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the engine core exited while starting (exit code {core.join(5) or core.exitcode})")
-        if isinstance(info, Exception):
-            core.join(5)
-            raise info
-        return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, core)
+
+        def connect() -> "EngineClient":
+            try:
+                info = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"the engine core exited while starting (exit code {core.join(5) or core.exitcode})")
+            if isinstance(info, Exception):
+                core.join(5)
+                raise info
+            return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, core)
+        connect.process = core
+        return connect
 
     @staticmethod
     def in_thread(engine: Engine) -> "EngineClient":
@@ -276,6 +288,10 @@ class EngineClient:
 
     def alive(self) -> bool:
         return self.dead_reason is None and self.core.is_alive()
+
+    def dead_cores(self) -> dict[int, str]:
+        """/health: cores that are gone while the server still serves (one core: never)."""
+        return {}
 
     def num_waiting(self) -> int:
         """Sequences waiting for the engine (prompts x n): what admission counts against --max-waiting."""
@@ -332,6 +348,7 @@ class EngineClient:
     # -- back on the event loop
     def apply(self, update: CoreUpdate) -> None:
         """Route one turn of the core to the Runs: admissions, refusals, outputs, failures."""
+        self.on_update(update)
         self.stats = update.stats
         for key in update.admitted:
             run = self.adding.pop(key)
@@ -378,6 +395,7 @@ class EngineClient:
         """The core is gone: every run still waiting on it ends with a 503, and so does new work."""
         log.error("engine core died: %s", reason)
         self.dead_reason = reason
+        self.on_died(reason)
         error = APIError(503, f"engine is dead: {reason}", code="engine_dead")
         runs = {entry.run for entry in self.tracked.values()} | set(self.adding.values())
         self.tracked.clear()

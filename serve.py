@@ -38,11 +38,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from data_parallel import DataParallelClient
 from engine import Engine, EngineConfig, InvalidRequest
 from engine_client import ClientGone, EngineClient, Failed, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
     OpenAIProtocol, RequestLimits
 import parallel
+import router
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -139,8 +141,9 @@ class OpenAIServer:
     async def health(self):
         if not self.accepting:            # draining: a load balancer should send new traffic elsewhere
             return APIError(503, "draining: the server is shutting down", code="shutting_down").response()
-        if self.client.alive():
-            return JSONResponse({"status": "ok"})
+        if self.client.alive():   # some cores dead, some serving: 200, so traffic still comes, and the body says so
+            dead = self.client.dead_cores()
+            return JSONResponse({"status": "degraded", "dead_cores": dead} if dead else {"status": "ok"})
         reason = self.client.dead_reason or "the engine core is not running"
         return APIError(503, f"unhealthy: {reason}", code="engine_dead").response()
 
@@ -245,6 +248,8 @@ def render_metrics(server: OpenAIServer) -> str:
               for reason, count in sorted(client.metrics.finished.items(), key=lambda kv: str(kv[0]))]
     for histogram in (client.metrics.ttft, client.metrics.tpot, client.metrics.e2e):
         lines += histogram.render(labels)
+    if isinstance(client, DataParallelClient):
+        lines += client.metrics_lines(labels)
     return "\n".join(lines) + "\n"
 
 
@@ -255,7 +260,7 @@ def build_app(engine: Engine | EngineClient, served_model_name: str, max_waiting
               body_timeout: float = 30.0, metrics_require_key: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine core. serve.py passes the client of a
     core process; tests may pass an Engine, whose core then runs in a thread of this process."""
-    client = engine if isinstance(engine, EngineClient) else EngineClient.in_thread(engine)
+    client = engine if isinstance(engine, (EngineClient, DataParallelClient)) else EngineClient.in_thread(engine)
     server = OpenAIServer(client, served_model_name, max_waiting, max_request_bytes, limits, body_timeout)
 
     @asynccontextmanager
@@ -350,6 +355,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"host memory for --preemption-mode swap, bytes or e.g. 1GiB (default {default.swap_space})")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks that split each layer; under torchrun, its number of processes (default 1)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine cores, each a full replica with its own KV cache and share of the threads (default 1)")
+    p.add_argument("--routing", choices=router.POLICIES, default="cache_aware",
+                   help="with --data-parallel-size > 1: which core serves a request (default cache_aware)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
@@ -500,7 +509,14 @@ def main(argv: list[str] | None = None) -> None:
         return parallel.run_worker()        # torchrun's other ranks: only rank 0 serves HTTP
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        client = EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)   # builds the engine there
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        if args.data_parallel_size > 1 and (args.tensor_parallel_size or 1) > 1:
+            raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
+        client = (EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)  # builds the engine there
+                  if args.data_parallel_size == 1 else
+                  DataParallelClient.in_processes(engine_config(args), args.data_parallel_size, args.routing,
+                                                  args.grammar_compile_timeout))
     except ValueError as exc:  # a bad flag value: say which, without a traceback
         sys.exit(f"serve.py: error: {exc}")
     default_name = os.path.basename(os.path.normpath(args.model or "SmolLM2-135M-Instruct")).removesuffix(".gguf")

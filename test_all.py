@@ -76,6 +76,7 @@ import parallel
 import cost_model as cm
 import simulate_cluster as sc
 from router import PrefixTree, Router, RouterConfig
+from data_parallel import DataParallelClient
 import serve
 import spec_decode as sd
 from benchmarks import harness, report, soak
@@ -5820,6 +5821,106 @@ def test_concurrent_routing_from_threads_keeps_the_counts_consistent():
     per_worker = {w: sent.count(w) for w in range(4)}
     assert {w: sum(n for (_, _, x), n in router.decision_counts().items() if x == w) for w in range(4)} == per_worker
     assert router.loads() == {w: per_worker[w] - finished.count(w) for w in range(4)}
+
+
+# ##################################################################################################
+# data_parallel.py: engine cores behind one server, routed
+# ##################################################################################################
+
+def routed_cores(client) -> list:
+    """Wrap the client's router so a test sees each decision, in order."""
+    decisions, route = [], client.router.route
+    def recording(tokens):
+        decisions.append(route(tokens))
+        return decisions[-1]
+    client.router.route = recording
+    return decisions
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
+def test_data_parallel_routes_tenants_to_one_core_and_round_robin_alternates(tiny, policy):
+    # 4 tenants x 3 questions, shuffled, one at a time (so loads tie at 0): round_robin alternates
+    # 0, 1, 0, ...; cache_aware puts each tenant's first request on the core with the smaller tree
+    # (2 tenants per core) and the rest after it, where the core's prefix cache serves the system prompt
+    engines = [tiny_llm(tiny).engine for _ in range(2)]
+    client = DataParallelClient.in_threads(engines, policy)
+    decisions = routed_cores(client)
+    order = [(t, q) for t in range(4) for q in range(3)]
+    random.Random(0).shuffle(order)
+    prompts = [tenant_prompt(t, q) for t, q in order]
+    with TestClient(build_app(client, "tiny")) as http:
+        bodies = [http.post("/v1/completions", json={"prompt": p, "max_tokens": 3, "temperature": 0,
+                                                     "ignore_eos": True}).json() for p in prompts]
+        metrics = http.get("/metrics").text
+    assert [b["choices"][0]["text"] for b in bodies] == [client.tokenizer.decode(ids) for ids in
+                                                         hf_greedy_ids(tiny[1], prompts, 3)]
+    if policy == "round_robin":
+        assert decisions == [0, 1] * 6
+    else:
+        homes = {t: {d for (t2, _), d in zip(order, decisions) if t2 == t} for t in range(4)}
+        assert all(len(h) == 1 for h in homes.values()), homes
+        assert sorted(len([t for t in homes if w in homes[t]]) for w in (0, 1)) == [2, 2]
+        # 3 requests per tenant: all but the first hit the system prompt (64 tokens, 4 full blocks)
+        assert sum(e.blocks.prefix_hits for e in engines) == 4 * 2 * 64
+    for w in (0, 1):
+        n = decisions.count(w)
+        assert f'routing_decisions_total{{model_name="tiny",policy="{policy}"' in metrics
+        assert sum(int(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("nanoserve:routing_decisions_total") and f'core="{w}"' in line) == n
+        assert f'nanoserve:engine_core_alive{{model_name="tiny",core="{w}"}} 1' in metrics
+
+
+@pytest.mark.slow
+def test_serve_data_parallel_2_serves_the_openai_client_and_survives_a_killed_core(tiny):
+    """Two engine core processes behind serve.py, round_robin: concurrent openai requests are each
+    answered once with transformers' tokens; killing one core mid-stream ends its stream with an error
+    event, the other core's stream finishes, /health says degraded, new requests still get answers."""
+    port, log = free_port(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--model", str(tiny[0]),
+                             "--data-parallel-size", "2", "--routing", "round_robin", "--kv-cache-memory", "4MiB", "--served-model-name", "tiny",
+                             "--device", "cpu", "--dtype", "float32"],
+                            cwd=HERE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(proc, url, log)
+        pids = process_tree(proc.pid)
+        cores = sorted(p for p, cmd in child_processes(proc.pid).items() if "spawn_main" in cmd)   # started in order
+        assert len(cores) == 2, pids
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: client.completions.create(
+                model="tiny", prompt=p, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}), TINY_PROMPTS))
+        assert len({a.id for a in answers}) == len(TINY_PROMPTS)
+        assert [a.choices[0].text for a in answers] == tiny_texts(tiny, TINY_PROMPTS, 4)
+        metrics = httpx.get(url + "/metrics").text
+        per_core = [sum(int(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                        if line.startswith("nanoserve:routing_decisions_total") and f'core="{w}"' in line) for w in (0, 1)]
+        assert per_core == [3, 3], metrics
+        body = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as first, \
+                httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 300}, timeout=60) as second:
+            lines = [first.iter_lines(), second.iter_lines()]
+            for it in lines:      # both streaming: the first went to core 0 (round_robin's turn), the second to 1
+                assert next(line for line in it if line.startswith("data: ")).startswith("data: {")
+            os.kill(cores[0], signal.SIGKILL)   # the first core started is core 0
+            killed = [line for line in lines[0] if line.startswith("data: ")]
+            survived = [line for line in lines[1] if line.startswith("data: ")]
+        assert killed[-1] == "data: [DONE]" and "engine is dead" in json.loads(killed[-2][6:])["error"]["message"]
+        assert survived[-1] == "data: [DONE]" and json.loads(survived[-2][6:])["choices"][0]["finish_reason"] == "length"
+        health = httpx.get(url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        assert list(health.json()["dead_cores"]) == ["0"]
+        late = client.completions.create(model="tiny", prompt=TINY_PROMPTS[0], max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert late.choices[0].text == answers[0].choices[0].text
+    finally:
+        code = stop_and_check_no_orphans(proc, pids, log)
+    assert code == 0, server_log(log)
+
+
+def tiny_texts(tiny, prompts, max_tokens) -> list[str]:
+    tok = Tokenizer.from_dir(tiny[0])
+    return [tok.decode(ids) for ids in hf_greedy_ids(tiny[1], prompts, max_tokens)]
 
 
 # ##################################################################################################
