@@ -233,12 +233,12 @@ class EngineClient:
         return EngineClient.launch(config, grammar_timeout)()
 
     @staticmethod
-    def launch(config: EngineConfig, grammar_timeout: float = 10.0):
+    def launch(config: EngineConfig, grammar_timeout: float = 10.0, group=None, role: str = "both"):
         """Start the core process; returns the call that waits for its engine and gives its client (so
         several cores build their engines at once: data_parallel.py)."""
         context = multiprocessing.get_context("spawn")   # never fork a process that may hold OpenMP threads
         conn, core_conn = context.Pipe()
-        core = context.Process(target=run_core_process, args=(config, core_conn, grammar_timeout), name="nanoserve-engine-core",
+        core = context.Process(target=run_core_process, args=(config, core_conn, grammar_timeout, group, role), name="nanoserve-engine-core",
                                daemon=True)
         core.start()
         core_conn.close()                  # ours is the only end left here, so the core's exit reads as EOF
@@ -256,10 +256,11 @@ class EngineClient:
         return connect
 
     @staticmethod
-    def in_thread(engine: Engine) -> "EngineClient":
+    def in_thread(engine: Engine, transfer=None, role: str = "both") -> "EngineClient":
         """Tests: the same core loop over the same pipe, in a thread beside an Engine the test holds."""
         conn, core_conn = multiprocessing.Pipe()
-        core = threading.Thread(target=EngineCore(engine, core_conn).run, name="engine-core", daemon=True)
+        core = threading.Thread(target=EngineCore(engine, core_conn, transfer=transfer, role=role).run,
+                                name="engine-core", daemon=True)
         return EngineClient(EngineInfo.of(engine), engine.tokenizer, conn, core)
 
     # -- called on the event loop

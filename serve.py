@@ -39,6 +39,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from data_parallel import DataParallelClient
+from disaggregation import DisaggregatedClient, parse_disaggregation
 from engine import Engine, EngineConfig, InvalidRequest
 from engine_client import ClientGone, EngineClient, Failed, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
@@ -359,6 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine cores, each a full replica with its own KV cache and share of the threads (default 1)")
     p.add_argument("--routing", choices=router.POLICIES, default="cache_aware",
                    help="with --data-parallel-size > 1: which core serves a request (default cache_aware)")
+    p.add_argument("--disaggregation", metavar="P:D", default=None,
+                   help="P prefill cores and D decode cores; each request's KV moves from one to the other")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
@@ -513,10 +516,17 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
         if args.data_parallel_size > 1 and (args.tensor_parallel_size or 1) > 1:
             raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
-        client = (EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)  # builds the engine there
-                  if args.data_parallel_size == 1 else
-                  DataParallelClient.in_processes(engine_config(args), args.data_parallel_size, args.routing,
-                                                  args.grammar_compile_timeout))
+        if args.disaggregation is not None:
+            if args.data_parallel_size > 1 or (args.tensor_parallel_size or 1) > 1 or args.speculative_config:
+                raise ValueError("--disaggregation does not combine with --data-parallel-size, "
+                                 "--tensor-parallel-size or --speculative-config yet")
+            client = DisaggregatedClient.in_processes(engine_config(args), *parse_disaggregation(args.disaggregation),
+                                                      grammar_timeout=args.grammar_compile_timeout)
+        elif args.data_parallel_size > 1:
+            client = DataParallelClient.in_processes(engine_config(args), args.data_parallel_size, args.routing,
+                                                     args.grammar_compile_timeout)
+        else:
+            client = EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)  # builds the engine there
     except ValueError as exc:  # a bad flag value: say which, without a traceback
         sys.exit(f"serve.py: error: {exc}")
     default_name = os.path.basename(os.path.normpath(args.model or "SmolLM2-135M-Instruct")).removesuffix(".gguf")
