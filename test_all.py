@@ -77,6 +77,8 @@ import cost_model as cm
 import simulate_cluster as sc
 from router import PrefixTree, Router, RouterConfig
 from data_parallel import DataParallelClient
+from disaggregation import DisaggregatedClient
+from engine_core import Stop
 import serve
 import spec_decode as sd
 from benchmarks import harness, report, soak
@@ -5921,6 +5923,97 @@ def test_serve_data_parallel_2_serves_the_openai_client_and_survives_a_killed_co
 def tiny_texts(tiny, prompts, max_tokens) -> list[str]:
     tok = Tokenizer.from_dir(tiny[0])
     return [tok.decode(ids) for ids in hf_greedy_ids(tiny[1], prompts, max_tokens)]
+
+
+# ##################################################################################################
+# disaggregation.py and kv_transfer.py: prefill on one core, decode on another, the KV moved between
+# ##################################################################################################
+
+def disagg_bodies(rng) -> list[dict]:
+    """16 completions: greedy and seeded, n = 2, logprobs, one that ends at its first token; prompts of
+    5..80 tokens with distinct first tokens (so no prefix is shared by accident)."""
+    bodies = []
+    for i in range(16):
+        prompt = [200 + 40 * i] + [rng.randrange(300, 40_000) for _ in range(4 + 5 * i)]
+        body = {"prompt": prompt, "max_tokens": 1 if i == 5 else 6 + i % 5, "ignore_eos": True,
+                "temperature": 0 if i % 2 else 0.9, "seed": 17 + i}
+        if i % 4 == 0:
+            body["n"] = 2
+        if i % 3 == 0:
+            body["logprobs"] = 2
+        bodies.append(body)
+    return bodies
+
+
+def post_all(http, bodies) -> list[dict]:
+    with ThreadPoolExecutor(4) as pool:
+        return [r.json() for r in pool.map(lambda b: http.post("/v1/completions", json=b), bodies)]
+
+
+def choices_of(answer) -> list[tuple]:
+    return [(c["text"], c["finish_reason"], None if c["logprobs"] is None else c["logprobs"]["tokens"])
+            for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+
+@pytest.mark.slow
+def test_disaggregated_1_1_gives_one_engines_outputs_and_moves_each_prompt_block_once(tiny):
+    # The oracle is one engine behind the same server: greedy and seeded samples (n = 2, logprobs),
+    # then stop strings cut from its own outputs; the prefill core chunks prompts by 16 tokens. The
+    # decode core receives each prompt's blocks once (a request that ends at its first token moves
+    # none), and skips the blocks its prefix cache holds. The autouse fixture checks both cores free.
+    bodies = disagg_bodies(random.Random(0))
+    with TestClient(build_app(tiny_llm(tiny).engine, "tiny")) as http:
+        want = post_all(http, bodies)
+        stops = [{**b, "stop": [a["choices"][0]["text"][4:7]]} for b, a in zip(bodies, want) if len(a["choices"][0]["text"]) > 7][:6]
+        want_stopped = post_all(http, stops)
+    prefill, decode = tiny_llm(tiny, max_num_batched_tokens=16).engine, tiny_llm(tiny).engine
+    client = DisaggregatedClient.in_threads([prefill], [decode])
+    with TestClient(build_app(client, "tiny")) as http:
+        got = post_all(http, bodies)
+        moved = client.kv_bytes
+        got_stopped = post_all(http, stops)
+        # a prompt that shares its first 2 full blocks with bodies[12]'s (65 tokens): the decode core has them
+        before = client.kv_bytes
+        hit = {**bodies[12], "prompt": bodies[12]["prompt"][:32] + [7] * 9}
+        http.post("/v1/completions", json=hit)
+        metrics = http.get("/metrics").text
+    assert [choices_of(a) for a in got] == [choices_of(a) for a in want]
+    assert [choices_of(a) for a in got_stopped] == [choices_of(a) for a in want_stopped]
+    assert any(c[1] == "stop" for a in want_stopped for c in choices_of(a))
+    sent_blocks = sum(-(-len(b["prompt"]) // 16) for b in bodies if b["max_tokens"] > 1)
+    assert moved == sent_blocks * TINY_BLOCK_BYTES
+    assert client.kv_bytes - before == (3 - 2) * TINY_BLOCK_BYTES     # 41 tokens: 3 blocks, 2 already held
+    assert f'nanoserve:kv_transfer_bytes_total{{model_name="tiny"}} {client.kv_bytes}' in metrics
+
+
+def test_a_prefill_core_dying_mid_transfer_fails_the_stream_and_frees_both_sides(tiny):
+    # The decode core has allocated the prompt's blocks and posted its receives; the prefill core holds
+    # them and (held back here) has not sent yet, when it stops. The stream ends with an error event;
+    # the decode core frees what it allocated, and the prefill core's exit freed its own (the autouse
+    # fixture checks both engines).
+    prefill, decode = tiny_llm(tiny).engine, tiny_llm(tiny).engine
+    client = DisaggregatedClient.in_threads([prefill], [decode], timeout_s=5)
+    prefill_core = client.cores[0].core._target.__self__          # the EngineCore running in that thread
+    prefill_core.transfer.send = lambda *args: None              # the blocks never leave
+    body = {"prompt": list(range(300, 340)), "max_tokens": 50, "temperature": 0, "ignore_eos": True, "stream": True}
+    with TestClient(build_app(client, "tiny")) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"][0]["text"]
+            deadline = time.monotonic() + 30
+            while not (client.kv_blocks and decode.importing):      # 3 blocks asked for and allocated
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert len(prefill.exporting) == 1 and client.kv_blocks == 3
+            client.cores[0].outbox.put(Stop())                       # the prefill core ends
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and "died while the request's KV moved" in json.loads(rest[-2][6:])["error"]["message"]
+        deadline = time.monotonic() + 10
+        while decode.importing or decode.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert http.get("/health").json() == {"status": "degraded", "dead_cores": {"0": "the engine core exited (exit code None)"}}
+    assert not prefill.exporting and client.kv_bytes == 0
 
 
 # ##################################################################################################
