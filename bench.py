@@ -38,6 +38,7 @@ from benchmarks import online as bench_online
 from benchmarks import parallel as bench_tp
 from benchmarks import peers as bench_peers
 from benchmarks import report
+from benchmarks import scaleout as bench_scaleout
 from benchmarks import spec_decode as bench_spec_decode
 from cpu_linear import cpu_linear_path
 from benchmarks.harness import make_engine, md_table, model_dtype, section_header
@@ -343,7 +344,8 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
                "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
                "gpu_decode": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
-               "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative}
+               "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative,
+               "scaleout": bench_scaleout.bench_scaleout}
 SECTIONS = list(EXPERIMENTS)
 
 
