@@ -317,6 +317,12 @@ def targets(results):
                          grounded[batch]["ratio"] if batch in grounded else f"batch {batch} not run", need))
         rows.append(("ngram speculation, random workload, every batch size >= 0.95x plain (worst)",
                      min(r_["ratio"] for r_ in rand.values()), 0.95))
+    so = results.get("scaleout")
+    if so:                                   # 2 one-thread cores; TPOT as colocated / 1:1, so higher is better here too
+        rows.append(("scaleout: cache_aware >= 2x round_robin's prefix-hit rate", so["ratios"]["hit_rate"], 2.0))
+        rows.append(("scaleout: cache_aware >= 1.3x round_robin's out tok/s", so["ratios"]["throughput"], 1.3))
+        rows.append(("scaleout: disaggregated 1:1 TPOT p99 <= 0.6x colocated (colocated / 1:1 >= 1/0.6)",
+                     1 / so["ratios"]["tpot_p99"], 1 / 0.6))
     notes = []
     if p and r and "lm_head_params" in r:
         # the most any engine could give on these requests here: every matmul FLOP at the best rate measured

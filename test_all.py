@@ -6215,7 +6215,8 @@ def test_bad_cluster_arguments_are_rejected_naming_the_flag(capsys):
 # ##################################################################################################
 
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
-                  "copy_on_write", "preemption", "hot", "api", "gpu_decode", "parallel", "invariance", "speculative"]
+                  "copy_on_write", "preemption", "hot", "api", "gpu_decode", "parallel", "invariance", "speculative",
+                  "scaleout"]
 
 
 @pytest.mark.slow
@@ -6281,6 +6282,12 @@ def test_bench_quick_reports_every_section(tmp_path):
     assert cow["cow_peak_blocks"] == cow["one_prompt_plus_4_tails"] < cow["separate_peak_blocks"] == cow["four_copies"]
     assert r["prefix"]["shared_prefix_caching_off"]["hit_rate"] == 0 < r["prefix"]["shared_prefix_caching_on"]["hit_rate"]
     assert all(r["preemption"][m]["preemptions"] > 0 for m in ("recompute", "swap"))   # the pool really was short
+    so = r["scaleout"]                       # every request routed once; only the 1:1 run moves KV
+    assert all(sum(x["per_core_requests"]) == so["shape"]["tenants"] * so["shape"]["questions"] and 0 <= x["hit_rate"] < 1
+               for x in so["routing"])
+    colocated, disagg = so["disaggregation"]
+    assert colocated["kv_bytes"] == 0 < disagg["kv_bytes"]
+    assert all(x["tpot_p99_ms"] >= x["tpot_p50_ms"] > 0 for x in (colocated, disagg))
     for t in r["targets"]:
         assert isinstance(t["measured"], str) or t["measured"] >= 0, t
     assert (tmp_path / "throughput.png").exists()
