@@ -15,9 +15,10 @@ import dataclasses
 import functools
 import logging
 import os
+from multiprocessing.connection import Listener
 
 from engine import Engine, EngineConfig, EngineStats
-from engine_client import EngineClient, Run, ServerMetrics
+from engine_client import EngineClient, RemoteCore, Run, ServerMetrics
 from engine_core import CoreUpdate
 from openai_api import APIError
 from router import Router, RouterConfig
@@ -41,16 +42,28 @@ class DataParallelClient:
             core.on_died = functools.partial(self._core_died, i)
 
     @staticmethod
-    def in_processes(config: EngineConfig, size: int, policy: str, grammar_timeout: float = 10.0):
-        """serve.py: `size` core processes, the host's threads split between them (one each at least)."""
-        threads = max(1, (config.num_threads or os.cpu_count()) // size)
+    def in_processes(config: EngineConfig, size: int, policy: str, grammar_timeout: float = 10.0,
+                     local: int | None = None, address: tuple[str, int] | None = None, authkey: bytes = b""):
+        """serve.py: `local` core processes here (default all `size`), the host's threads split between them
+        (one each at least); the other size - local join from other machines (serve.py --headless) through
+        a listener at `address`, authenticated by `authkey`."""
+        local = size if local is None else local
+        threads = max(1, (config.num_threads or os.cpu_count()) // max(1, local))
         starting = [EngineClient.launch(dataclasses.replace(config, num_threads=threads), grammar_timeout)
-                    for _ in range(size)]     # the engines build at once
+                    for _ in range(local)]    # the engines build at once
         cores = []
         try:
             for connect in starting:
                 cores.append(connect())
+            if size > local:
+                with Listener(address, authkey=authkey) as listener:
+                    log.info("waiting for %d remote engine cores (serve.py --headless) on %s:%d", size - local,
+                             *address)
+                    cores += [EngineClient.accept(listener) for _ in range(size - local)]
         except BaseException:
+            for core in cores:
+                if isinstance(core.core, RemoteCore):
+                    core.conn.close()         # its loop reads EOF and ends
             for connect in starting:
                 if connect.process.is_alive():
                     connect.process.kill()

@@ -206,6 +206,19 @@ class Tracked:
 
 # ----------------------------------------------------------------------------- the engine core's client
 
+class RemoteCore:
+    """A core process on another machine, as EngineClient sees it: alive until its connection closes."""
+
+    def __init__(self, address):
+        self.address, self.exitcode = address, f"unknown: the connection from {address} closed"
+
+    def is_alive(self) -> bool:
+        return True                        # the reader's EOF (EngineClient.died) says when it is not
+
+    def join(self, timeout=None) -> None:
+        pass
+
+
 class EngineClient:
     """The front end's handle on the engine core: submit and abort from the event loop; a reader thread
     hands each CoreUpdate to the event loop, which routes it to the Runs. All client state (tracked,
@@ -254,6 +267,16 @@ class EngineClient:
             return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, core)
         connect.process = core
         return connect
+
+    @staticmethod
+    def accept(listener) -> "EngineClient":
+        """A remote engine core (serve.py --headless on another machine) connects to the front end's
+        listener; the same messages then travel over that socket instead of a pipe."""
+        conn = listener.accept()
+        info = conn.recv()
+        if isinstance(info, Exception):
+            raise info
+        return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, RemoteCore(listener.last_accepted))
 
     @staticmethod
     def in_thread(engine: Engine, transfer=None, role: str = "both") -> "EngineClient":

@@ -324,3 +324,21 @@ def run_core_process(config: EngineConfig, conn: Connection, grammar_timeout: fl
         EngineCore(engine, conn, grammar_timeout, transfer, role).run()
     finally:
         engine.shutdown()           # tensor-parallel workers stop with the core
+
+
+def run_remote_core(config: EngineConfig, address: tuple[str, int], authkey: bytes, grammar_timeout: float = 10.0,
+                    wait_s: float = 120.0) -> None:
+    """serve.py --headless: one engine core on this machine serving a front end on another. It connects
+    to the front end's listener (authenticated: the messages are pickles), retrying while the front end
+    starts, then runs exactly as a local core does over its pipe."""
+    from multiprocessing.connection import Client
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            conn = Client(address, authkey=authkey)
+            break
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no front end listening at {address[0]}:{address[1]} after {wait_s:g} s")
+            time.sleep(0.5)
+    run_core_process(config, conn, grammar_timeout)

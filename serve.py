@@ -360,6 +360,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine cores, each a full replica with its own KV cache and share of the threads (default 1)")
     p.add_argument("--routing", choices=router.POLICIES, default="cache_aware",
                    help="with --data-parallel-size > 1: which core serves a request (default cache_aware)")
+    p.add_argument("--data-parallel-size-local", type=int, default=None,
+                   help="engine cores started on this machine (default: all of --data-parallel-size; with "
+                        "--headless: 1); the others join with serve.py --headless from other machines")
+    p.add_argument("--data-parallel-address", default="127.0.0.1",
+                   help="the front end's address, where remote cores connect (default 127.0.0.1)")
+    p.add_argument("--data-parallel-rpc-port", type=int, default=13345,
+                   help="the port remote cores connect to (default 13345); both sides need NANOSERVE_DP_KEY, "
+                        "a shared secret that authenticates them")
+    p.add_argument("--headless", action="store_true",
+                   help="run only engine cores (--data-parallel-size-local of them), serving the front end at "
+                        "--data-parallel-address:--data-parallel-rpc-port; no HTTP")
     p.add_argument("--disaggregation", metavar="P:D", default=None,
                    help="P prefill cores and D decode cores; each request's KV moves from one to the other")
     p.add_argument("--speculative-config", type=json.loads, default=None,
@@ -511,6 +522,8 @@ def main(argv: list[str] | None = None) -> None:
     if parallel.launched_by_torchrun() and int(os.environ["RANK"]) > 0:
         return parallel.run_worker()        # torchrun's other ranks: only rank 0 serves HTTP
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.headless:
+        return run_headless(args)
     try:
         if args.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
@@ -523,8 +536,13 @@ def main(argv: list[str] | None = None) -> None:
             client = DisaggregatedClient.in_processes(engine_config(args), *parse_disaggregation(args.disaggregation),
                                                       grammar_timeout=args.grammar_compile_timeout)
         elif args.data_parallel_size > 1:
+            local = args.data_parallel_size if args.data_parallel_size_local is None else args.data_parallel_size_local
+            if not 0 <= local <= args.data_parallel_size:
+                raise ValueError(f"--data-parallel-size-local must be in [0, --data-parallel-size], got {local}")
             client = DataParallelClient.in_processes(engine_config(args), args.data_parallel_size, args.routing,
-                                                     args.grammar_compile_timeout)
+                                                     args.grammar_compile_timeout, local,
+                                                     (args.data_parallel_address, args.data_parallel_rpc_port),
+                                                     dp_key() if local < args.data_parallel_size else b"")
         else:
             client = EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)  # builds the engine there
     except ValueError as exc:  # a bad flag value: say which, without a traceback
@@ -550,6 +568,38 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def dp_key() -> bytes:
+    key = os.environ.get("NANOSERVE_DP_KEY", "")
+    if not key:   # the cores' messages are pickles: an unauthenticated port would run anyone's code
+        raise ValueError("remote engine cores need NANOSERVE_DP_KEY (the same secret on every machine)")
+    return key.encode()
+
+
+def run_headless(args: argparse.Namespace) -> None:
+    """serve.py --headless: engine cores for a front end on another machine; exits when they all end
+    (the front end stopped, or hung up)."""
+    import multiprocessing
+    from engine_core import run_remote_core
+    try:
+        key, local = dp_key(), args.data_parallel_size_local or 1
+    except ValueError as exc:
+        sys.exit(f"serve.py: error: {exc}")
+    config = engine_config(args)
+    config.num_threads = max(1, (config.num_threads or os.cpu_count()) // local)
+    address = (args.data_parallel_address, args.data_parallel_rpc_port)
+    context = multiprocessing.get_context("spawn")
+    cores = [context.Process(target=run_remote_core, args=(config, address, key, args.grammar_compile_timeout),
+                             name=f"nanoserve-engine-core-{i}") for i in range(local)]
+    for core in cores:
+        core.start()
+    log.info("%d headless engine cores serving the front end at %s:%d", local, *address)
+    for sig in (signal.SIGINT, signal.SIGTERM):    # the cores end when the front end stops them
+        signal.signal(sig, lambda *_: [c.kill() for c in cores])
+    for core in cores:
+        core.join()
+    sys.exit(max(0, *(c.exitcode or 0 for c in cores)))
 
 
 def check_fits_one_sequence(args: argparse.Namespace, client: EngineClient) -> None:

@@ -5920,6 +5920,37 @@ def test_serve_data_parallel_2_serves_the_openai_client_and_survives_a_killed_co
     assert code == 0, server_log(log)
 
 
+@pytest.mark.slow
+def test_a_headless_core_joins_the_front_end_and_serves_its_share(tiny):
+    """Two machines' commands on one: the front end starts one core and waits for another; serve.py
+    --headless starts it and connects (NANOSERVE_DP_KEY authenticates both). round_robin gives each core
+    half the requests, with transformers' tokens; SIGTERM to the front end stops the remote core too."""
+    port, rpc, log = free_port(), free_port(), tempfile.TemporaryFile()
+    common = ["--model", str(tiny[0]), "--kv-cache-memory", "4MiB", "--device", "cpu", "--dtype", "float32",
+              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
+    env = {**os.environ, "NANOSERVE_DP_KEY": "test-secret"}
+    front = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--served-model-name", "tiny",
+                              "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--routing",
+                              "round_robin", *common], cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    headless = subprocess.Popen([sys.executable, "serve.py", "--headless", *common], cwd=HERE, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(front, url, log)
+        pids = process_tree(front.pid) | process_tree(headless.pid)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json(), TINY_PROMPTS[:4]))
+        assert [a["choices"][0]["text"] for a in answers] == tiny_texts(tiny, TINY_PROMPTS[:4], 4)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'nanoserve:routing_decisions_total{model_name="tiny",policy="round_robin",reason="round_robin",core="1"} 2' in metrics
+    finally:
+        code = stop_and_check_no_orphans(front, pids, log)
+        assert headless.wait(timeout=30) == 0, server_log(log)
+    assert code == 0, server_log(log)
+
+
 def tiny_texts(tiny, prompts, max_tokens) -> list[str]:
     tok = Tokenizer.from_dir(tiny[0])
     return [tok.decode(ids) for ids in hf_greedy_ids(tiny[1], prompts, max_tokens)]
