@@ -121,8 +121,9 @@ class DataParallelClient:
     # -- requests
     def submit(self, run: Run) -> None:
         """Route the run (all its prompts go to one core: the core adds them all or none) by its first prompt."""
-        if not self.alive():
-            raise APIError(503, f"engine is dead: {self.dead_reason}", code="engine_dead")
+        if not self.alive() or not self.router.loads():   # no core left, or none left for this stage
+            raise APIError(503, f"engine is dead: {self.dead_reason or 'no core left to take requests'}",
+                           code="engine_dead")
         i = self.router.route(run.prompts[0])
         self.cores[i].submit(run)
         for request_id in run.request_ids:

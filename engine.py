@@ -31,14 +31,13 @@ import paged_attention
 import parallel
 from cpu_linear import cpu_linear_path
 from draft_model import DraftModelProposer
-from errors import EngineError, InvalidRequest, need
+from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
 from model import resolve_dtype
 from model_runner import ModelRunner
 from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from sequence import Completion, CompletionHandoff, CompletionOutput, Handoff, Request, RequestMetrics, RequestOutput, \
-    Sequence, Status
+from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from spec_decode import SpeculativeConfig, Speculator
 from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
@@ -215,8 +214,8 @@ class Engine:
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
-        self.exporting: dict[str, Sequence] = {}     # disaggregation: prompts whose blocks are on their way out,
-        self.importing: dict[str, tuple[Request, Sequence]] = {}   # and on their way in (kv_transfer.py)
+        self.exporting: dict[str, Sequence] = {}     # disaggregation (handoff.py): prompts whose blocks are on
+        self.importing: dict[str, tuple[Request, Sequence]] = {}   # their way out, and on their way in
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
         self.grammars: GrammarCompiler | None = None                   # built at the first structured request
@@ -492,92 +491,6 @@ class Engine:
         """Stop the tensor-parallel workers and leave the group (nothing to do on one rank)."""
         if self.tp is not None:
             self.tp.shutdown()
-
-    # ------------------------------------------------------------------ disaggregation: a request between two engines
-    def ready_for_handoff(self) -> list[str]:
-        """A prefill engine's requests whose prompt is computed and whose samples have their first token."""
-        # sample 0 holds the prompt's blocks; if it ended at its first token (n > 1), the rest decode here
-        return [rid for rid, req in self.requests.items() if req.completions[0].finish_reason is None
-                and req.completions[0].seq.num_output_tokens >= 1]
-
-    def export_request(self, request_id: str) -> Handoff:
-        """Take the request out of this engine as it stands; its prompt's blocks stay held (by a sequence
-        outside the scheduler) until release_export, when kv_transfer.py has sent them."""
-        req = self.requests.pop(request_id)
-        first = req.completions[0].seq
-        holder = Sequence(next(self.seq_ids), list(req.prompt_token_ids), len(req.prompt_token_ids), 0,
-                          num_computed_tokens=len(req.prompt_token_ids), request=req)
-        holder.block_table = first.block_table[:self.blocks.blocks_needed(len(req.prompt_token_ids))]
-        for block in holder.block_table:        # the prompt's blocks (the first token's KV is not computed yet)
-            self.blocks.ref_counts[block] += 1
-        completions = []
-        for c in req.completions:
-            generator = c.sampling.generator
-            completions.append(CompletionHandoff(
-                c.index, c.seq.token_ids[c.seq.num_prompt_tokens:], c.text, c.detok._pending, c.emitted_text,
-                c.emitted_tokens, c.finish_reason, c.stop_reason, c.logprobs,
-                None if generator is None else generator.get_state()))
-            if c.finish_reason is None:
-                self._remove(c.seq)
-        self.exporting[request_id] = holder
-        return Handoff(request_id, req.prompt, req.prompt_token_ids, req.params, first.priority, req.cache_salt,
-                       req.metrics, req.prompt_logprobs, completions, len(holder.block_table))
-
-    def release_export(self, request_id: str):
-        """The blocks were sent (or the transfer failed): free them; an aborted request's are free already."""
-        holder = self.exporting.pop(request_id, None)
-        if holder is not None:
-            self.blocks.free(holder)
-
-    def exported_blocks(self, request_id: str) -> list[int]:
-        return self.exporting[request_id].block_table
-
-    def import_request(self, h: Handoff) -> list[int]:
-        """A decode engine takes a request a prefill engine exported: it allocates the prompt's blocks
-        now (its own prefix-cache hits first) and returns the indices, among the prompt's blocks, still to
-        receive. The request runs once finish_import says they arrived. Raises EngineError when the pool
-        cannot hold the prompt."""
-        params, ids = h.params, h.prompt_token_ids
-        req = Request(h.request_id, h.prompt, ids, params, [], h.metrics, h.prompt_logprobs, h.cache_salt)
-        for ch in h.completions:
-            state = SamplingState(params, ids, self.model_config.vocab_size, make_generator(params.seed, ch.index),
-                                  self.eos_token_ids, self._grammar(params.structured_outputs))
-            for token in ch.token_ids:          # penalties' counts and the grammar's state, as the prefill left them
-                state.append(token)
-            if ch.generator_state is not None:
-                state.generator.set_state(ch.generator_state)
-            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
-            detok._pending = ch.detok_pending
-            seq = Sequence(next(self.seq_ids), ids + ch.token_ids, len(ids), params.max_tokens, h.priority,
-                           h.metrics.arrival_time, request=req)
-            req.completions.append(Completion(ch.index, seq, detok, state, ch.text, ch.emitted_text, ch.emitted_tokens,
-                                              ch.finish_reason, ch.stop_reason, ch.logprobs))
-        holder = Sequence(next(self.seq_ids), list(ids), len(ids), 0, h.priority, h.metrics.arrival_time, request=req)
-        hits = self.blocks.take_cached_prefix(holder) // self.config.block_size
-        if not self.blocks.can_allocate(holder, len(ids) - holder.num_computed_tokens):
-            self.blocks.free(holder)
-            raise EngineError(f"the decode core has no free KV blocks for a {len(ids)}-token prompt")
-        self.blocks.allocate_slots(holder, len(ids) - holder.num_computed_tokens)
-        self.importing[h.request_id] = (req, holder)
-        return list(range(hits, h.num_blocks))
-
-    def imported_blocks(self, request_id: str) -> list[int]:
-        return self.importing[request_id][1].block_table
-
-    def finish_import(self, request_id: str):
-        """The prompt's KV arrived: register its full blocks in the prefix cache and start every
-        unfinished sample decoding from them (they share the blocks, as forks do)."""
-        req, holder = self.importing.pop(request_id)
-        holder.num_computed_tokens = len(holder.token_ids)
-        self.blocks.cache_full_blocks(holder)
-        for c in req.completions:
-            if c.finish_reason is None:
-                c.seq.num_computed_tokens = holder.num_computed_tokens
-                self.scheduler.fork(holder, c.seq)
-            else:
-                c.seq.status = Status.FINISHED
-        self.blocks.free(holder)
-        self.requests[request_id] = req
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self):

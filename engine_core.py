@@ -27,7 +27,8 @@ from multiprocessing.connection import Connection
 from engine import Engine, EngineConfig, EngineStats, PromptLimits, RequestOutput, SamplingParams
 from errors import EngineError, InvalidRequest
 from kv_transfer import KVTransfer, TransferGroup
-from sequence import Handoff
+import handoff
+from handoff import Handoff
 
 log = logging.getLogger("nanoserve.engine_core")
 MAX_STEP_FAILURES = 3      # consecutive engine.step() exceptions before the core gives up
@@ -169,7 +170,8 @@ class EngineCore:
                     failures += 1
                     self.step_failed(exc, failures, update)
                 if self.role == "prefill":   # prompt done and first token out: the rest decodes elsewhere
-                    update.handoffs = [self.engine.export_request(rid) for rid in self.engine.ready_for_handoff()]
+                    update.handoffs = [handoff.export_request(self.engine, rid)
+                                       for rid in handoff.ready_for_handoff(self.engine)]
                 self.send(update)
 
     def send(self, update: CoreUpdate) -> None:
@@ -194,7 +196,7 @@ class EngineCore:
                     self.import_request(command, update)
                 elif isinstance(command, SendBlocks):
                     if command.request_id in self.engine.exporting:   # else aborted meanwhile
-                        blocks = self.engine.exported_blocks(command.request_id)
+                        blocks = handoff.exported_blocks(self.engine, command.request_id)
                         self.transfer.send(self.engine.kv_pool, command.request_id,
                                            [blocks[i] for i in command.indices], command.dst, command.tag)
                 elif command.params.structured_outputs is not None:
@@ -220,11 +222,11 @@ class EngineCore:
     def import_request(self, command: ImportRequest, update: CoreUpdate) -> None:
         request_id = command.handoff.request_id
         try:
-            needed = self.engine.import_request(command.handoff)
+            needed = handoff.import_request(self.engine, command.handoff)
         except Exception as exc:    # no room, or a grammar that does not compile here
             update.failed.append((request_id, exc if isinstance(exc, EngineError) else EngineError(repr(exc))))
             return
-        blocks = self.engine.imported_blocks(request_id)
+        blocks = handoff.imported_blocks(self.engine, request_id)
         self.transfer.receive(self.engine.kv_pool, request_id, [blocks[i] for i in needed], command.src, command.tag)
         update.wanted.append((request_id, needed, command.tag))
 
@@ -234,10 +236,10 @@ class EngineCore:
         sent, received, failed = self.transfer.poll(self.engine.kv_pool)
         now = time.monotonic()
         for t in sent:
-            self.engine.release_export(t.request_id)
+            handoff.release_export(self.engine, t.request_id)
             update.sent.append((t.request_id, t.nbytes, now - t.started))
         for t in received:
-            self.engine.finish_import(t.request_id)
+            handoff.finish_import(self.engine, t.request_id)
             update.received.append((t.request_id, t.nbytes, now - t.started))
         for request_id, exc in failed:     # the peer died: free this side's blocks; a decode core fails the request
             log.error("KV transfer of %s failed: %r", request_id, exc)

@@ -146,32 +146,3 @@ class Request:
     def finished(self):
         return all(c.finish_reason is not None for c in self.completions)
 
-
-@dataclass
-class CompletionHandoff:
-    """One sample as a prefill core leaves it after its first token (disaggregation: engine.export_request)."""
-    index: int
-    token_ids: list[int]                  # generated so far
-    text: str
-    detok_pending: bytes                  # the detokenizer's unfinished UTF-8 character
-    emitted_text: int
-    emitted_tokens: int
-    finish_reason: str | None
-    stop_reason: str | int | None
-    logprobs: list | None
-    generator_state: object = None        # torch.Generator.get_state() of a seeded sample: the stream goes on
-
-
-@dataclass
-class Handoff:
-    """A request whose prompt a prefill core computed, on its way to a decode core with its KV blocks."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: object                        # SamplingParams
-    priority: int
-    cache_salt: str | None
-    metrics: RequestMetrics
-    prompt_logprobs: list | None
-    completions: list[CompletionHandoff]
-    num_blocks: int                       # the prompt's blocks, sent in order

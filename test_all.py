@@ -5961,8 +5961,8 @@ def tiny_texts(tiny, prompts, max_tokens) -> list[str]:
 # ##################################################################################################
 
 def disagg_bodies(rng) -> list[dict]:
-    """16 completions: greedy and seeded, n = 2, logprobs, one that ends at its first token; prompts of
-    5..80 tokens with distinct first tokens (so no prefix is shared by accident)."""
+    """16 completions: greedy and seeded, n = 2, logprobs, a regex, one that ends at its first token;
+    prompts of 5..80 tokens with distinct first tokens (so no prefix is shared by accident)."""
     bodies = []
     for i in range(16):
         prompt = [200 + 40 * i] + [rng.randrange(300, 40_000) for _ in range(4 + 5 * i)]
@@ -5973,6 +5973,8 @@ def disagg_bodies(rng) -> list[dict]:
         if i % 3 == 0:
             body["logprobs"] = 2
         bodies.append(body)
+    bodies[7]["structured_outputs"] = {"regex": "[a-z]{3,12} [0-9]{2,5}"}   # the grammar's state moves too
+    bodies[7]["max_tokens"] = 24
     return bodies
 
 
