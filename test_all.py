@@ -5872,6 +5872,37 @@ def test_data_parallel_routes_tenants_to_one_core_and_round_robin_alternates(tin
         assert f'nanoserve:engine_core_alive{{model_name="tiny",core="{w}"}} 1' in metrics
 
 
+def test_data_parallel_abort_reaches_the_core_that_runs_the_request(tiny):
+    # round_robin puts r0 on core 0 and r1 on core 1; r1's client leaves after its first token. Had the
+    # abort gone anywhere else, core 1 would generate all 1000 tokens.
+    from engine_client import Run
+    engines = [tiny_llm(tiny).engine for _ in range(2)]
+    client = DataParallelClient.in_threads(engines, "round_robin")
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        client.start()
+        try:
+            runs = [Run(client, [f"r{i}"], [[5 + i, 6, 7]], params, 0, None, set()) for i in range(2)]
+            for run in runs:
+                client.submit(run)
+            for run in runs:
+                await run.admitted()
+                async for _ in run.outputs():
+                    break
+            runs[1].close()
+            async for _ in runs[0].outputs():
+                pass
+            runs[0].close()
+            while engines[1].has_unfinished_requests():
+                await asyncio.sleep(0.01)
+        finally:
+            client.stop()
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert engines[0].num_generation_tokens == 1000 and 0 < engines[1].num_generation_tokens < 1000
+    assert client.metrics.requests == {"finished": 1, "aborted": 1}
+
+
 @pytest.mark.slow
 def test_serve_data_parallel_2_serves_the_openai_client_and_survives_a_killed_core(tiny):
     """Two engine core processes behind serve.py, round_robin: concurrent openai requests are each
