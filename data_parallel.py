@@ -19,7 +19,7 @@ from multiprocessing.connection import Listener
 
 from engine import Engine, EngineConfig, EngineStats
 from engine_client import EngineClient, RemoteCore, Run, ServerMetrics
-from engine_core import CoreUpdate
+from engine_core import CoreUpdate, Stop
 from openai_api import APIError
 from router import Router, RouterConfig
 
@@ -111,6 +111,9 @@ class DataParallelClient:
             core.start()
 
     def stop(self) -> None:
+        for core in self.cores:            # all told first, so they stop together, not one after another
+            core.stopping = True
+            core.outbox.put(Stop())
         for core in self.cores:
             core.stop()
 

@@ -30,7 +30,10 @@ class TransferGroup:
     port: int
     rank: int
     world_size: int
-    timeout_s: float = 30.0
+    # gloo's per-operation limit. A receive is posted when the decode core allocates, and the send only
+    # when the prefill core is between steps, so it must cover a long prefill step; a dead peer is noticed
+    # sooner anyway, by the front end, through its pipe. This is the backstop.
+    timeout_s: float = 300.0
 
 
 @dataclasses.dataclass

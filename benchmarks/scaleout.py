@@ -45,7 +45,7 @@ class Shape:
 def shape_for(sz) -> Shape:
     if sz.name == "quick":
         return Shape(2, 4, 3, 128, 16, 4, 512, 2, 24, 2, 256, 4.0, 64)
-    return Shape(8, 8, 8 if sz.name == "default" else 32, 500, 32, 16, 4096, 4, 1000, 6, 1500, 1.0, 256)
+    return Shape(8, 8, 8 if sz.name == "default" else 32, 500, 32, 16, 4096, 4, 600, 5, 1000, 1.0, 256)
 
 
 def params(max_tokens: int):
@@ -137,11 +137,18 @@ def bench_scaleout(sz, seed, results):
         model_dir = make_checkpoint(tmp, shape.layers)
         policies = ("round_robin", "cache_aware") if sz.name == "quick" else ("round_robin", "least_loaded", "cache_aware")
         routing = [run_routing(model_dir, shape, p, seed) for p in policies]
+        rr, ca = routing[0], routing[-1]
+        ratios = {"hit_rate": ca["hit_rate"] / max(rr["hit_rate"], 1e-9), "throughput": ca["out_tok_s"] / rr["out_tok_s"]}
+        print_routing(shape, routing, ratios)
         disagg = [run_disaggregation(model_dir, shape, m, seed) for m in ("colocated", "1:1")]
-    rr, ca = routing[0], routing[-1]
-    ratios = {"hit_rate": ca["hit_rate"] / max(rr["hit_rate"], 1e-9), "throughput": ca["out_tok_s"] / rr["out_tok_s"],
-              "tpot_p99": disagg[1]["tpot_p99_ms"] / disagg[0]["tpot_p99_ms"],
-              "long_ttft_p50": disagg[1]["long_ttft_p50_s"] / disagg[0]["long_ttft_p50_s"]}
+    ratios |= {"tpot_p99": disagg[1]["tpot_p99_ms"] / disagg[0]["tpot_p99_ms"],
+               "long_ttft_p50": disagg[1]["long_ttft_p50_s"] / disagg[0]["long_ttft_p50_s"]}
+    print_disaggregation(shape, disagg, ratios)
+    results["scaleout"] = {"shape": dataclasses.asdict(shape), "routing": routing, "disaggregation": disagg,
+                           "ratios": ratios}
+
+
+def print_routing(shape: Shape, routing: list[dict], ratios: dict) -> None:
     section_header("Scale-out: data-parallel routing", [
         f"2 engine cores (processes, 1 thread each); a random Llama of SmolLM2's width, {shape.layers} layers, float32; "
         f"{shape.tenants} system prompts of {shape.system_len} tokens x {shape.questions} questions of "
@@ -153,6 +160,9 @@ def bench_scaleout(sz, seed, results):
                     for r in routing]))
     print(f"\ncache_aware / round_robin: hit rate **{ratios['hit_rate']:.2f}x** (target >= 2), throughput "
           f"**{ratios['throughput']:.2f}x** (target >= 1.3)")
+
+
+def print_disaggregation(shape: Shape, disagg: list[dict], ratios: dict) -> None:
     section_header("Scale-out: disaggregated prefill and decode", [
         f"{shape.steady} steady decodes ({shape.steady_out} tokens) while {shape.long_prompts} prompts of "
         f"{shape.long_len} tokens arrive (Poisson, {shape.long_rate}/s). colocated: one core with 2 threads, chunked "
@@ -163,5 +173,3 @@ def bench_scaleout(sz, seed, results):
                      r["kv_bytes"]] for r in disagg]))
     print(f"\n1:1 / colocated: TPOT p99 **{ratios['tpot_p99']:.2f}x** (target <= 0.6), long-prompt TTFT p50 "
           f"{ratios['long_ttft_p50']:.2f}x")
-    results["scaleout"] = {"shape": dataclasses.asdict(shape), "routing": routing, "disaggregation": disagg,
-                           "ratios": ratios}
