@@ -44,7 +44,7 @@ class Shape:
 
 def shape_for(sz) -> Shape:
     if sz.name == "quick":
-        return Shape(2, 4, 3, 128, 16, 4, 512, 2, 24, 2, 256, 4.0, 64)
+        return Shape(2, 4, 3, 128, 16, 4, 1024, 2, 24, 2, 256, 4.0, 64)
     return Shape(8, 8, 8 if sz.name == "default" else 32, 500, 32, 16, 4096, 4, 600, 5, 1000, 1.0, 256)
 
 
@@ -154,7 +154,8 @@ def print_routing(shape: Shape, routing: list[dict], ratios: dict) -> None:
         f"{shape.tenants} system prompts of {shape.system_len} tokens x {shape.questions} questions of "
         f"{shape.question_len} tokens, shuffled, queued at once, {shape.out_len} output tokens each; each core's KV pool "
         f"holds {shape.kv_tokens} tokens.",
-        "hit rate = 1 - prompt tokens computed / prompt tokens sent (both cores)."])
+        "hit rate = 1 - prompt tokens computed / prompt tokens sent (both cores; a preempted request's recompute "
+        "counts as computed)."])
     print(md_table(["policy", "hit rate", "out tok/s", "wall s", "requests per core"],
                    [[r["policy"], r["hit_rate"], r["out_tok_s"], r["wall_s"], str(r["per_core_requests"])]
                     for r in routing]))
