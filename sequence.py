@@ -145,4 +145,3 @@ class Request:
     @property
     def finished(self):
         return all(c.finish_reason is not None for c in self.completions)
-
