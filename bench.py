@@ -38,6 +38,7 @@ from benchmarks import online as bench_online
 from benchmarks import parallel as bench_tp
 from benchmarks import peers as bench_peers
 from benchmarks import report
+from benchmarks import scaleout as bench_scaleout
 from benchmarks import spec_decode as bench_spec_decode
 from cpu_linear import cpu_linear_path
 from benchmarks.harness import make_engine, md_table, model_dtype, section_header
@@ -316,6 +317,12 @@ def targets(results):
                          grounded[batch]["ratio"] if batch in grounded else f"batch {batch} not run", need))
         rows.append(("ngram speculation, random workload, every batch size >= 0.95x plain (worst)",
                      min(r_["ratio"] for r_ in rand.values()), 0.95))
+    so = results.get("scaleout")
+    if so:                                   # 2 one-thread cores; TPOT as colocated / 1:1, so higher is better here too
+        rows.append(("scaleout: cache_aware >= 2x round_robin's prefix-hit rate", so["ratios"]["hit_rate"], 2.0))
+        rows.append(("scaleout: cache_aware >= 1.3x round_robin's out tok/s", so["ratios"]["throughput"], 1.3))
+        rows.append(("scaleout: disaggregated 1:1 TPOT p99 <= 0.6x colocated (colocated / 1:1 >= 1/0.6)",
+                     1 / so["ratios"]["tpot_p99"], 1 / 0.6))
     notes = []
     if p and r and "lm_head_params" in r:
         # the most any engine could give on these requests here: every matmul FLOP at the best rate measured
@@ -343,7 +350,8 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
                "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
                "gpu_decode": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
-               "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative}
+               "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative,
+               "scaleout": bench_scaleout.bench_scaleout}
 SECTIONS = list(EXPERIMENTS)
 
 

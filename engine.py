@@ -214,6 +214,8 @@ class Engine:
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
+        self.exporting: dict[str, Sequence] = {}     # disaggregation (handoff.py): prompts whose blocks are on
+        self.importing: dict[str, tuple[Request, Sequence]] = {}   # their way out, and on their way in
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
         self.grammars: GrammarCompiler | None = None                   # built at the first structured request
@@ -290,6 +292,9 @@ class Engine:
 
     def abort_request(self, request_id: str):
         """Drop a request (e.g. its client went away); its blocks return to the pool now."""
+        for held in (self.exporting.pop(request_id, None), self.importing.pop(request_id, (None, None))[1]):
+            if held is not None:
+                self.blocks.free(held)
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -300,7 +305,7 @@ class Engine:
                 c.finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.exporting or self.importing)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()   # the sampler edits the model's logits in place: they are inference tensors
@@ -489,7 +494,8 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self):
-        self.blocks.check_invariants(self.scheduler.all_sequences())
+        held = list(self.exporting.values()) + [seq for _, seq in self.importing.values()]
+        self.blocks.check_invariants(self.scheduler.all_sequences() + held)
         for seq in self.scheduler.running:
             assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens
         if self.speculator:

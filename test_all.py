@@ -76,6 +76,9 @@ import parallel
 import cost_model as cm
 import simulate_cluster as sc
 from router import PrefixTree, Router, RouterConfig
+from data_parallel import DataParallelClient
+from disaggregation import DisaggregatedClient
+from engine_core import Stop
 import serve
 import spec_decode as sd
 from benchmarks import harness, report, soak
@@ -5863,6 +5866,261 @@ def test_concurrent_routing_from_threads_keeps_the_counts_consistent():
 
 
 # ##################################################################################################
+# data_parallel.py: engine cores behind one server, routed
+# ##################################################################################################
+
+def routed_cores(client) -> list:
+    """Wrap the client's router so a test sees each decision, in order."""
+    decisions, route = [], client.router.route
+    def recording(tokens):
+        decisions.append(route(tokens))
+        return decisions[-1]
+    client.router.route = recording
+    return decisions
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
+def test_data_parallel_routes_tenants_to_one_core_and_round_robin_alternates(tiny, policy):
+    # 4 tenants x 3 questions, shuffled, one at a time (so loads tie at 0): round_robin alternates
+    # 0, 1, 0, ...; cache_aware puts each tenant's first request on the core with the smaller tree
+    # (2 tenants per core) and the rest after it, where the core's prefix cache serves the system prompt
+    engines = [tiny_llm(tiny).engine for _ in range(2)]
+    client = DataParallelClient.in_threads(engines, policy)
+    decisions = routed_cores(client)
+    order = [(t, q) for t in range(4) for q in range(3)]
+    random.Random(0).shuffle(order)
+    prompts = [tenant_prompt(t, q) for t, q in order]
+    with TestClient(build_app(client, "tiny")) as http:
+        bodies = [http.post("/v1/completions", json={"prompt": p, "max_tokens": 3, "temperature": 0,
+                                                     "ignore_eos": True}).json() for p in prompts]
+        metrics = http.get("/metrics").text
+    assert [b["choices"][0]["text"] for b in bodies] == [client.tokenizer.decode(ids) for ids in
+                                                         hf_greedy_ids(tiny[1], prompts, 3)]
+    if policy == "round_robin":
+        assert decisions == [0, 1] * 6
+    else:
+        homes = {t: {d for (t2, _), d in zip(order, decisions) if t2 == t} for t in range(4)}
+        assert all(len(h) == 1 for h in homes.values()), homes
+        assert sorted(len([t for t in homes if w in homes[t]]) for w in (0, 1)) == [2, 2]
+        # 3 requests per tenant: all but the first hit the system prompt (64 tokens, 4 full blocks)
+        assert sum(e.blocks.prefix_hits for e in engines) == 4 * 2 * 64
+    for w in (0, 1):
+        n = decisions.count(w)
+        assert f'routing_decisions_total{{model_name="tiny",policy="{policy}"' in metrics
+        assert sum(int(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("nanoserve:routing_decisions_total") and f'core="{w}"' in line) == n
+        assert f'nanoserve:engine_core_alive{{model_name="tiny",core="{w}"}} 1' in metrics
+
+
+def test_data_parallel_abort_reaches_the_core_that_runs_the_request(tiny):
+    # round_robin puts r0 on core 0 and r1 on core 1; r1's client leaves after its first token. Had the
+    # abort gone anywhere else, core 1 would generate all 1000 tokens.
+    from engine_client import Run
+    engines = [tiny_llm(tiny).engine for _ in range(2)]
+    client = DataParallelClient.in_threads(engines, "round_robin")
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        client.start()
+        try:
+            runs = [Run(client, [f"r{i}"], [[5 + i, 6, 7]], params, 0, None, set()) for i in range(2)]
+            for run in runs:
+                client.submit(run)
+            for run in runs:
+                await run.admitted()
+                async for _ in run.outputs():
+                    break
+            runs[1].close()
+            async for _ in runs[0].outputs():
+                pass
+            runs[0].close()
+            while engines[1].has_unfinished_requests():
+                await asyncio.sleep(0.01)
+        finally:
+            client.stop()
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert engines[0].num_generation_tokens == 1000 and 0 < engines[1].num_generation_tokens < 1000
+    assert client.metrics.requests == {"finished": 1, "aborted": 1}
+
+
+@pytest.mark.slow
+def test_serve_data_parallel_2_serves_the_openai_client_and_survives_a_killed_core(tiny):
+    """Two engine core processes behind serve.py, round_robin: concurrent openai requests are each
+    answered once with transformers' tokens; killing one core mid-stream ends its stream with an error
+    event, the other core's stream finishes, /health says degraded, new requests still get answers."""
+    port, log = free_port(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--model", str(tiny[0]),
+                             "--data-parallel-size", "2", "--routing", "round_robin", "--kv-cache-memory", "4MiB", "--served-model-name", "tiny",
+                             "--device", "cpu", "--dtype", "float32"],
+                            cwd=HERE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(proc, url, log)
+        pids = process_tree(proc.pid)
+        cores = sorted(p for p, cmd in child_processes(proc.pid).items() if "spawn_main" in cmd)   # started in order
+        assert len(cores) == 2, pids
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: client.completions.create(
+                model="tiny", prompt=p, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}), TINY_PROMPTS))
+        assert len({a.id for a in answers}) == len(TINY_PROMPTS)
+        assert [a.choices[0].text for a in answers] == tiny_texts(tiny, TINY_PROMPTS, 4)
+        metrics = httpx.get(url + "/metrics").text
+        per_core = [sum(int(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                        if line.startswith("nanoserve:routing_decisions_total") and f'core="{w}"' in line) for w in (0, 1)]
+        assert per_core == [3, 3], metrics
+        body = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as first, \
+                httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 300}, timeout=60) as second:
+            lines = [first.iter_lines(), second.iter_lines()]
+            for it in lines:      # both streaming: the first went to core 0 (round_robin's turn), the second to 1
+                assert next(line for line in it if line.startswith("data: ")).startswith("data: {")
+            os.kill(cores[0], signal.SIGKILL)   # the first core started is core 0
+            killed = [line for line in lines[0] if line.startswith("data: ")]
+            survived = [line for line in lines[1] if line.startswith("data: ")]
+        assert killed[-1] == "data: [DONE]" and "engine is dead" in json.loads(killed[-2][6:])["error"]["message"]
+        assert survived[-1] == "data: [DONE]" and json.loads(survived[-2][6:])["choices"][0]["finish_reason"] == "length"
+        health = httpx.get(url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        assert list(health.json()["dead_cores"]) == ["0"]
+        late = client.completions.create(model="tiny", prompt=TINY_PROMPTS[0], max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert late.choices[0].text == answers[0].choices[0].text
+    finally:
+        code = stop_and_check_no_orphans(proc, pids, log)
+    assert code == 0, server_log(log)
+
+
+@pytest.mark.slow
+def test_a_headless_core_joins_the_front_end_and_serves_its_share(tiny):
+    """Two machines' commands on one: the front end starts one core and waits for another; serve.py
+    --headless starts it and connects (NANOSERVE_DP_KEY authenticates both). round_robin gives each core
+    half the requests, with transformers' tokens; SIGTERM to the front end stops the remote core too."""
+    port, rpc, log = free_port(), free_port(), tempfile.TemporaryFile()
+    common = ["--model", str(tiny[0]), "--kv-cache-memory", "4MiB", "--device", "cpu", "--dtype", "float32",
+              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
+    env = {**os.environ, "NANOSERVE_DP_KEY": "test-secret"}
+    front = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--served-model-name", "tiny",
+                              "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--routing",
+                              "round_robin", *common], cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    headless = subprocess.Popen([sys.executable, "serve.py", "--headless", *common], cwd=HERE, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(front, url, log)
+        pids = process_tree(front.pid) | process_tree(headless.pid)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json(), TINY_PROMPTS[:4]))
+        assert [a["choices"][0]["text"] for a in answers] == tiny_texts(tiny, TINY_PROMPTS[:4], 4)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'nanoserve:routing_decisions_total{model_name="tiny",policy="round_robin",reason="round_robin",core="1"} 2' in metrics
+    finally:
+        code = stop_and_check_no_orphans(front, pids, log)
+        assert headless.wait(timeout=30) == 0, server_log(log)
+    assert code == 0, server_log(log)
+
+
+def tiny_texts(tiny, prompts, max_tokens) -> list[str]:
+    tok = Tokenizer.from_dir(tiny[0])
+    return [tok.decode(ids) for ids in hf_greedy_ids(tiny[1], prompts, max_tokens)]
+
+
+# ##################################################################################################
+# disaggregation.py and kv_transfer.py: prefill on one core, decode on another, the KV moved between
+# ##################################################################################################
+
+def disagg_bodies(rng) -> list[dict]:
+    """16 completions: greedy and seeded, n = 2, logprobs, a regex, one that ends at its first token;
+    prompts of 5..80 tokens with distinct first tokens (so no prefix is shared by accident)."""
+    bodies = []
+    for i in range(16):
+        prompt = [200 + 40 * i] + [rng.randrange(300, 40_000) for _ in range(4 + 5 * i)]
+        body = {"prompt": prompt, "max_tokens": 1 if i == 5 else 6 + i % 5, "ignore_eos": True,
+                "temperature": 0 if i % 2 else 0.9, "seed": 17 + i}
+        if i % 4 == 0:
+            body["n"] = 2
+        if i % 3 == 0:
+            body["logprobs"] = 2
+        bodies.append(body)
+    bodies[7]["structured_outputs"] = {"regex": "[a-z]{3,12} [0-9]{2,5}"}   # the grammar's state moves too
+    bodies[7]["max_tokens"] = 24
+    return bodies
+
+
+def post_all(http, bodies) -> list[dict]:
+    with ThreadPoolExecutor(4) as pool:
+        return [r.json() for r in pool.map(lambda b: http.post("/v1/completions", json=b), bodies)]
+
+
+def choices_of(answer) -> list[tuple]:
+    return [(c["text"], c["finish_reason"], None if c["logprobs"] is None else c["logprobs"]["tokens"])
+            for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+
+@pytest.mark.slow
+def test_disaggregated_1_1_gives_one_engines_outputs_and_moves_each_prompt_block_once(tiny):
+    # The oracle is one engine behind the same server: greedy and seeded samples (n = 2, logprobs),
+    # then stop strings cut from its own outputs; the prefill core chunks prompts by 16 tokens. The
+    # decode core receives each prompt's blocks once (a request that ends at its first token moves
+    # none), and skips the blocks its prefix cache holds. The autouse fixture checks both cores free.
+    bodies = disagg_bodies(random.Random(0))
+    with TestClient(build_app(tiny_llm(tiny).engine, "tiny")) as http:
+        want = post_all(http, bodies)
+        stops = [{**b, "stop": [a["choices"][0]["text"][4:7]]} for b, a in zip(bodies, want) if len(a["choices"][0]["text"]) > 7][:6]
+        want_stopped = post_all(http, stops)
+    prefill, decode = tiny_llm(tiny, max_num_batched_tokens=16).engine, tiny_llm(tiny).engine
+    client = DisaggregatedClient.in_threads([prefill], [decode])
+    with TestClient(build_app(client, "tiny")) as http:
+        got = post_all(http, bodies)
+        moved = client.kv_bytes
+        got_stopped = post_all(http, stops)
+        # a prompt that shares its first 2 full blocks with bodies[12]'s (65 tokens): the decode core has them
+        before = client.kv_bytes
+        hit = {**bodies[12], "prompt": bodies[12]["prompt"][:32] + [7] * 9}
+        http.post("/v1/completions", json=hit)
+        metrics = http.get("/metrics").text
+    assert [choices_of(a) for a in got] == [choices_of(a) for a in want]
+    assert [choices_of(a) for a in got_stopped] == [choices_of(a) for a in want_stopped]
+    assert any(c[1] == "stop" for a in want_stopped for c in choices_of(a))
+    sent_blocks = sum(-(-len(b["prompt"]) // 16) for b in bodies if b["max_tokens"] > 1)
+    assert moved == sent_blocks * TINY_BLOCK_BYTES
+    assert client.kv_bytes - before == (3 - 2) * TINY_BLOCK_BYTES     # 41 tokens: 3 blocks, 2 already held
+    assert f'nanoserve:kv_transfer_bytes_total{{model_name="tiny"}} {client.kv_bytes}' in metrics
+
+
+def test_a_prefill_core_dying_mid_transfer_fails_the_stream_and_frees_both_sides(tiny):
+    # The decode core has allocated the prompt's blocks and posted its receives; the prefill core holds
+    # them and (held back here) has not sent yet, when it stops. The stream ends with an error event;
+    # the decode core frees what it allocated, and the prefill core's exit freed its own (the autouse
+    # fixture checks both engines).
+    prefill, decode = tiny_llm(tiny).engine, tiny_llm(tiny).engine
+    client = DisaggregatedClient.in_threads([prefill], [decode], timeout_s=5)
+    prefill_core = client.cores[0].core._target.__self__          # the EngineCore running in that thread
+    prefill_core.transfer.send = lambda *args: None              # the blocks never leave
+    body = {"prompt": list(range(300, 340)), "max_tokens": 50, "temperature": 0, "ignore_eos": True, "stream": True}
+    with TestClient(build_app(client, "tiny")) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"][0]["text"]
+            deadline = time.monotonic() + 30
+            while not (client.kv_blocks and decode.importing):      # 3 blocks asked for and allocated
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert len(prefill.exporting) == 1 and client.kv_blocks == 3
+            client.cores[0].outbox.put(Stop())                       # the prefill core ends
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and "died while the request's KV moved" in json.loads(rest[-2][6:])["error"]["message"]
+        deadline = time.monotonic() + 10
+        while decode.importing or decode.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert http.get("/health").json() == {"status": "degraded", "dead_cores": {"0": "the engine core exited (exit code None)"}}
+    assert not prefill.exporting and client.kv_bytes == 0
+
+
+# ##################################################################################################
 # cost_model.py: host overhead and tensor parallelism
 # ##################################################################################################
 
@@ -6061,7 +6319,8 @@ def test_bad_cluster_arguments_are_rejected_naming_the_flag(capsys):
 # ##################################################################################################
 
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
-                  "copy_on_write", "preemption", "hot", "api", "gpu_decode", "parallel", "invariance", "speculative"]
+                  "copy_on_write", "preemption", "hot", "api", "gpu_decode", "parallel", "invariance", "speculative",
+                  "scaleout"]
 
 
 @pytest.mark.slow
@@ -6127,6 +6386,12 @@ def test_bench_quick_reports_every_section(tmp_path):
     assert cow["cow_peak_blocks"] == cow["one_prompt_plus_4_tails"] < cow["separate_peak_blocks"] == cow["four_copies"]
     assert r["prefix"]["shared_prefix_caching_off"]["hit_rate"] == 0 < r["prefix"]["shared_prefix_caching_on"]["hit_rate"]
     assert all(r["preemption"][m]["preemptions"] > 0 for m in ("recompute", "swap"))   # the pool really was short
+    so = r["scaleout"]                       # every request routed once; only the 1:1 run moves KV
+    assert all(sum(x["per_core_requests"]) == so["shape"]["tenants"] * so["shape"]["questions"] and x["hit_rate"] < 1
+               for x in so["routing"])
+    colocated, disagg = so["disaggregation"]
+    assert colocated["kv_bytes"] == 0 < disagg["kv_bytes"]
+    assert all(x["tpot_p99_ms"] >= x["tpot_p50_ms"] > 0 for x in (colocated, disagg))
     for t in r["targets"]:
         assert isinstance(t["measured"], str) or t["measured"] >= 0, t
     assert (tmp_path / "throughput.png").exists()
