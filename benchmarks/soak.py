@@ -259,14 +259,15 @@ def offline_params(body: dict):
                           structured_outputs=StructuredOutputsParams(**so) if so else None)
 
 
-def offline_oracle(answered: list, model: str | None) -> tuple[int, list[str]]:
+def offline_oracle(answered: list, model: str | None, batch_invariant: bool) -> tuple[int, list[str]]:
     """Every finished greedy or seeded answer against the offline engine's (LLM.generate, the same model,
-    params and seed, its own roomy KV pool: no preemption). All are generated in one batch; an answer
-    that differs is asked again alone, and counts as altered only if it differs from that too (a float32
-    batch of another size may flip a near tie; that is not a lost or altered token). Returns (answers
-    checked, the altered ones described)."""
+    params and seed, its own roomy KV pool: no preemption). In batch-invariant mode (the soak's default)
+    a row's tokens do not depend on its batch, its chunks or a recompute, so every token must be the
+    same. All are generated in one batch; an answer that differs is asked again alone, and counts as
+    altered only if it differs from that too (without the mode a batch of another size may round a
+    near tie the other way). Returns (requests checked, the altered ones described)."""
     from llm import LLM
-    llm = LLM(model)
+    llm = LLM(model, batch_invariant=batch_invariant)
     jobs, checked = [], 0                      # (prompt, params, the server's text of each of its samples)
     for path, body, texts in answered:
         params = offline_params(body)
@@ -289,7 +290,8 @@ def offline_oracle(answered: list, model: str | None) -> tuple[int, list[str]]:
     return checked, wrong
 
 
-def run_soak(base_url: str, minutes: float, concurrency: int = 200, seed: int = 0, model: str | None = None) -> dict:
+def run_soak(base_url: str, minutes: float, concurrency: int = 200, seed: int = 0, model: str | None = None,
+             batch_invariant: bool = True) -> dict:
     """Drive the server at base_url for `minutes`, then check that nothing was lost or leaked."""
     before = read_metrics(base_url)
     load = [round(os.getloadavg()[0], 1)]      # the machine is shared: its load is part of the result
@@ -299,12 +301,12 @@ def run_soak(base_url: str, minutes: float, concurrency: int = 200, seed: int = 
     load.append(round(os.getloadavg()[0], 1))
     after = wait_drained(base_url)
     counts = {name: int(after[METRIC[name]] - before[METRIC[name]]) for name in COUNTERS}   # the load's alone
-    checked, altered = offline_oracle(state["answered"], model)
+    checked, altered = offline_oracle(state["answered"], model, batch_invariant)
     sent = sum(tally[k] for k in TALLY)
     gaps = sorted(state["gaps"])
     return {**tally, "sent": sent, "wall_s": round(wall, 1), "concurrency": concurrency,
             "altered": len(altered), "checked_against_offline": checked,
-            "load_average": load,
+            "load_average": load, "batch_invariant": batch_invariant,
             "finished_unchecked": len(state["answered"]) - checked,   # sampled without a seed: not reproducible
             "p99_inter_token_gap_s": round(gaps[int(0.99 * (len(gaps) - 1))], 3) if gaps else None,
             "p50_inter_token_gap_s": round(gaps[len(gaps) // 2], 3) if gaps else None,
@@ -358,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="soak a running server (127.0.0.1 only) instead of starting serve.py")
     # 40MiB: ~56 blocks of SmolLM2 for up to 64 sequences of ~40 tokens (3 blocks each): the engine must preempt
     # --max-waiting: every client's sequences may queue, so backpressure (503) is not mistaken for a failure
-    p.add_argument("--server-args", default="--max-num-seqs 64 --kv-cache-memory 40MiB --max-waiting 2048",
+    # --batch-invariant: a row's tokens do not depend on its batch, so the offline engine's must be the same
+    p.add_argument("--server-args", default="--max-num-seqs 64 --kv-cache-memory 40MiB --max-waiting 2048 "
+                                            "--batch-invariant",
                    help="flags for the serve.py this starts (default: a KV pool small enough to force preemption)")
     args = p.parse_args(argv)
     stdout = sys.stdout
@@ -386,7 +390,7 @@ def soak_main(args) -> tuple[bool, dict]:
     try:
         flags = args.server_args.split()
         model = flags[flags.index("--model") + 1] if "--model" in flags else None
-        result = run_soak(url, args.minutes, args.concurrency, args.seed, model)
+        result = run_soak(url, args.minutes, args.concurrency, args.seed, model, "--batch-invariant" in flags)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
