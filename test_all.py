@@ -5089,22 +5089,30 @@ def test_a_bystander_stream_keeps_its_pace_while_hostile_requests_arrive(server)
 
 
 class FailOnce:
-    """Wraps a method: its `at`-th call raises (an injected fault), every other call runs it."""
+    """Wraps a method: its `at`-th call raises (an injected fault), every other call runs it.
+    after_swap_in: the fault strikes right after the first call that ran a swap-in (kv_pool.run)."""
 
-    def __init__(self, fn, at: int):
-        self.fn, self.calls, self.at = fn, 0, at
+    def __init__(self, fn, at: int | None = None):
+        self.fn, self.calls, self.at, self.struck = fn, 0, at, False
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
         if self.calls == self.at:
             raise RuntimeError("injected fault mid-step")
-        return self.fn(*args, **kwargs)
+        result = self.fn(*args, **kwargs)
+        if self.at is None and not self.struck and any(isinstance(op, SwapIn) for op in args[0]):
+            self.struck = True
+            raise RuntimeError("injected fault mid-step, after a swap-in")
+        return result
 
 
-FAULTS = {   # where in a step the fault strikes: (object holding the method, its name)
-    "after_scheduling": (lambda eng: eng, "run_model"),
-    "after_block_copies": (lambda eng: eng.runner, "forward"),          # prepare ran the copy-on-write copies
-    "in_sampling": (lambda eng: eng, "_sample"),                         # the step's blocks were just cached
+FAULTS = {   # where in a step the fault strikes: (engine settings, object holding the method, its name, at)
+    "after_scheduling": ({}, lambda eng: eng, "run_model", 3),
+    "after_block_copies": ({}, lambda eng: eng.runner, "forward", 3),   # prepare ran the copy-on-write copies
+    "in_sampling": ({}, lambda eng: eng, "_sample", 3),                  # the step's blocks were just cached
+    # 4 blocks for 2 samples that need 5: one is swapped out, and back in once the other finishes
+    "after_swap_in": (dict(kv_cache_memory=4 * TINY_BLOCK_BYTES, preemption_mode="swap",
+                           swap_space=8 * TINY_BLOCK_BYTES), lambda eng: eng.kv_pool, "run", None),
 }
 
 
@@ -5112,13 +5120,13 @@ FAULTS = {   # where in a step the fault strikes: (object holding the method, it
 def test_a_fault_mid_step_fails_its_requests_and_leaks_nothing(tiny, where):
     """The requests in the engine when a step fails get an error; the next ones are served with the
     oracle's tokens (no block or prefix-cache entry was left half-written) and every block comes back."""
-    eng = tiny_llm(tiny).engine
-    holder, name = FAULTS[where]
-    setattr(holder(eng), name, FailOnce(getattr(holder(eng), name), at=3))
+    settings, holder, name, at = FAULTS[where]
+    eng = tiny_llm(tiny, **settings).engine
+    setattr(holder(eng), name, FailOnce(getattr(holder(eng), name), at))
     prompt = list(range(200, 236))                                        # 2 full blocks and a partial one
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     with TestClient(build_app(eng, "tiny")) as http:
-        failed = http.post("/v1/completions", json={**body, "n": 2})      # forks: copy-on-write of the tail
+        failed = http.post("/v1/completions", json={**body, "n": 2, **({"max_tokens": 20} if at is None else {})})
         assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
         served = http.post("/v1/completions", json=body)                  # hits the prefix cache
     alone = tiny_llm(tiny).generate([prompt], greedy(6))[0].outputs[0]
