@@ -5006,7 +5006,8 @@ def health_ok(url: str) -> bool:
         return False
 
 
-def test_max_waiting_counts_every_prompt_of_a_request(tiny):
+def test_max_waiting_counts_every_sequence_of_a_request(tiny):
+    """Admission counts prompts x n against --max-waiting, a request's samples not yet forked included."""
     engine = WrappedEngine(tiny_llm(tiny).engine)
     engine.gate.clear()                           # the first request's step holds the loop: the rest wait
     def body(prompts):
@@ -5014,7 +5015,7 @@ def test_max_waiting_counts_every_prompt_of_a_request(tiny):
     with TestClient(build_app(engine, "tiny", max_waiting=3)) as http, ThreadPoolExecutor(2) as pool:
         client = http.app.state.server.client
         try:
-            first = pool.submit(http.post, "/v1/completions", json=body([[5, 6], [7, 8]]))   # 2 of 3 places
+            first = pool.submit(http.post, "/v1/completions", json={**body([[5, 6]]), "n": 2})   # 2 of 3 places
             deadline = time.monotonic() + 30
             while client.num_waiting() != 2 or client.num_pending_adds:   # admitted, queued in the engine
                 assert time.monotonic() < deadline, (client.stats, client.num_pending_adds)
