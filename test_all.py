@@ -3404,6 +3404,10 @@ def test_min_tokens_with_a_grammar_holds_the_end_back_until_met_unless_the_gramm
     assert not any(whole(held[:k]) for k in range(5, len(held)))
     done = run(5, SO(choice=["yes", "no"]))                              # nothing but the end after one word
     assert done.finish_reason == "stop" and done.text in ("yes", "no") and len(done.token_ids) < 5
+    x = llm.tokenizer.encode("x")[-1]             # a grammar whose only token is a stop id: masking it leaves nothing
+    only_stop = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, min_tokens=3, stop_token_ids=[x],
+                                                         structured_outputs=SO(regex="x")))[0].outputs[0]
+    assert (only_stop.token_ids, only_stop.finish_reason, only_stop.stop_reason) == ([x], "stop", x)
     assert_all_blocks_free(llm.engine)
 
 
@@ -5164,6 +5168,44 @@ def test_preemption_over_http_with_n_samples_gives_the_offline_engines_tokens(ti
     for answer, want in zip(answers, expected):
         assert answer.status_code == 200
         assert [c["text"] for c in answer.json()["choices"]] == want
+
+
+def test_a_slow_grammar_compile_stalls_no_step_and_is_refused_past_its_timeout(tiny, monkeypatch):
+    """A grammar still compiling (here, a compile held until the test ends) keeps its request out of
+    the engine while a plain request is served step after step; past --grammar-compile-timeout the
+    structured request is refused with a 400 naming structured_outputs."""
+    from engine_core import AddRequests, EngineCore, Stop
+    from structured_output import GrammarCompiler, StructuredOutputsParams as SO
+    release, compiled = threading.Event(), GrammarCompiler._compiled
+
+    def held(self, params):
+        if params.choice == ["held", "back"]:
+            release.wait(120)
+        return compiled(self, params)
+    monkeypatch.setattr(GrammarCompiler, "_compiled", held)
+    eng = tiny_llm(tiny).engine
+    conn, core_conn = multiprocessing.Pipe()
+    core = threading.Thread(target=EngineCore(eng, core_conn, grammar_timeout=1.0).run, daemon=True)
+    core.start()
+    rejected, finished, deadline = {}, {}, time.monotonic() + 60
+    try:
+        conn.send(AddRequests(1, ["held"], [[5, 6, 7]], SamplingParams(max_tokens=4, structured_outputs=SO(
+            choice=["held", "back"]))))
+        conn.send(AddRequests(2, ["plain"], [TINY_PROMPTS[0]], greedy(8)))
+        while not (rejected and "plain" in finished) and time.monotonic() < deadline:
+            if conn.poll(0.1):
+                update = conn.recv()
+                rejected |= dict(update.rejected)
+                finished |= {o.request_id: o for o in update.outputs if o.finished}
+        assert not release.is_set() and "plain" in finished, "a step waited for the grammar"
+        assert_greedy_under(tiny[1], TINY_PROMPTS[0], finished["plain"].outputs[0].token_ids)
+        assert list(rejected) == [1] and rejected[1].field == "structured_outputs"
+        assert "did not compile within 1 s" in str(rejected[1]) and not eng.requests
+    finally:
+        release.set()
+        conn.send(Stop())
+        core.join(30)
+    assert not core.is_alive()
 
 
 def test_disconnect_while_being_added_leaks_nothing(tiny):
