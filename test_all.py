@@ -5024,7 +5024,7 @@ def test_max_waiting_counts_every_sequence_of_a_request(tiny):
             while client.num_waiting() != 2 or client.num_pending_adds:   # admitted, queued in the engine
                 assert time.monotonic() < deadline, (client.stats, client.num_pending_adds)
                 time.sleep(0.02)
-            two_more = http.post("/v1/completions", json=body([[9], [10]]))                 # 2 + 2 > 3
+            two_more = http.post("/v1/completions", json={**body([[9]]), "n": 2})            # 2 + 1 x 2 > 3
             fits = pool.submit(http.post, "/v1/completions", json=body([[11]]))             # 2 + 1 = 3
             while client.num_waiting() != 3:
                 assert time.monotonic() < deadline, (client.stats, client.num_pending_adds)
@@ -5157,8 +5157,10 @@ def test_a_fault_mid_step_fails_its_requests_and_leaks_nothing(tiny, where):
     prompt = list(range(200, 236))                                        # 2 full blocks and a partial one
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     with TestClient(build_app(eng, "tiny")) as http:
-        failed = http.post("/v1/completions", json={**body, "n": 2, **({"max_tokens": 20} if at is None else {})})
+        # long enough (but for the 4-block pool's) that a failed request left in the engine would still run
+        failed = http.post("/v1/completions", json={**body, "n": 2, "max_tokens": 20 if at is None else 400})
         assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
+        assert not eng.requests and not eng.scheduler.all_sequences()    # it left the engine with its error
         served = http.post("/v1/completions", json=body)                  # hits the prefix cache
     alone = tiny_llm(tiny).generate([prompt], greedy(6))[0].outputs[0]
     assert_greedy_under(tiny[1], prompt, alone.token_ids, where)
