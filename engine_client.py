@@ -244,10 +244,11 @@ class EngineClient:
         return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, core)
 
     @staticmethod
-    def in_thread(engine: Engine) -> "EngineClient":
+    def in_thread(engine: Engine, grammar_timeout: float = 10.0) -> "EngineClient":
         """Tests: the same core loop over the same pipe, in a thread beside an Engine the test holds."""
         conn, core_conn = multiprocessing.Pipe()
-        core = threading.Thread(target=EngineCore(engine, core_conn).run, name="engine-core", daemon=True)
+        core = threading.Thread(target=EngineCore(engine, core_conn, grammar_timeout).run, name="engine-core",
+                                daemon=True)
         return EngineClient(EngineInfo.of(engine), engine.tokenizer, conn, core)
 
     # -- called on the event loop
