@@ -5017,7 +5017,7 @@ def test_max_waiting_counts_every_sequence_of_a_request(tiny):
     engine.gate.clear()                           # the first request's step holds the loop: the rest wait
     def body(prompts):
         return {"prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    with TestClient(build_app(engine, "tiny", max_waiting=3)) as http, ThreadPoolExecutor(2) as pool:
+    with TestClient(build_app(engine, "tiny", max_waiting=3)) as http, ThreadPoolExecutor(4) as pool:
         client = http.app.state.server.client
         try:
             first = pool.submit(http.post, "/v1/completions", json={**body([[5, 6]]), "n": 2})   # 2 of 3 places
@@ -5025,12 +5025,14 @@ def test_max_waiting_counts_every_sequence_of_a_request(tiny):
             while client.num_waiting() != 2 or client.num_pending_adds:   # admitted, queued in the engine
                 assert time.monotonic() < deadline, (client.stats, client.num_pending_adds)
                 time.sleep(0.02)
-            two_more = http.post("/v1/completions", json={**body([[9]]), "n": 2})            # 2 + 1 x 2 > 3
+            def answer(prompts, n=1):        # one accepted by mistake would wait behind the held step
+                return pool.submit(http.post, "/v1/completions", json={**body(prompts), "n": n}).result(60)
+            two_more = answer([[9]], n=2)                                                   # 2 + 1 x 2 > 3
             fits = pool.submit(http.post, "/v1/completions", json=body([[11]]))             # 2 + 1 = 3
             while client.num_waiting() != 3:
                 assert time.monotonic() < deadline, (client.stats, client.num_pending_adds)
                 time.sleep(0.02)
-            one_more = http.post("/v1/completions", json=body([[12]]))                      # 3 + 1 > 3
+            one_more = answer([[12]])                                                       # 3 + 1 > 3
         finally:
             engine.gate.set()                     # a failed wait must not leave the pool's requests hanging
         accepted = [first.result(timeout=60), fits.result(timeout=60)]
