@@ -4649,7 +4649,8 @@ def test_client_leaving_a_non_streamed_request_aborts_it(server):
 
 @pytest.mark.slow
 def test_soak_loses_nothing_and_frees_every_block(server):
-    result = soak.run_soak(server, minutes=0.1, concurrency=100, seed=1)
+    # tokens against the offline engine: `python bench.py soak` (a batch-invariant server; a minute of it)
+    result = soak.run_soak(server, minutes=0.1, concurrency=100, seed=1, check_tokens=False)
     print(f"\nsoak: {({k: v for k, v in result.items() if k != 'problems'})}")
     assert result["lost"] == 0 and result["bad_answered_wrong"] == 0, result["problems"]
     assert result["leaked_blocks"] == 0 and result["still_running"] == 0

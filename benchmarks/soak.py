@@ -266,15 +266,16 @@ def offline_params(body: dict):
                           structured_outputs=StructuredOutputsParams(**so) if so else None)
 
 
-def offline_oracle(answered: list, model: str | None, batch_invariant: bool) -> tuple[int, list[str]]:
+def offline_oracle(answered: list, model: str | None, batch_invariant: bool, llm=None) -> tuple[int, list[str]]:
     """Every finished greedy or seeded answer against the offline engine's (LLM.generate, the same model,
     params and seed, its own roomy KV pool: no preemption). In batch-invariant mode (the soak's default)
     a row's tokens do not depend on its batch, its chunks or a recompute, so every token must be the
     same. All are generated in one batch; an answer that differs is asked again alone, and counts as
     altered only if it differs from that too (without the mode a batch of another size may round a
-    near tie the other way). Returns (requests checked, the altered ones described)."""
+    near tie the other way). llm: an offline engine already loaded for this model (else one is built).
+    Returns (requests checked, the altered ones described)."""
     from llm import LLM
-    llm = LLM(model, batch_invariant=batch_invariant)
+    llm = llm or LLM(model, batch_invariant=batch_invariant)
     jobs, checked = [], 0                      # (prompt, params, the server's text of each of its samples)
     for path, body, texts in answered:
         params = offline_params(body)
@@ -298,7 +299,7 @@ def offline_oracle(answered: list, model: str | None, batch_invariant: bool) -> 
 
 
 def run_soak(base_url: str, minutes: float, concurrency: int = 200, seed: int = 0, model: str | None = None,
-             batch_invariant: bool = True) -> dict:
+             batch_invariant: bool = True, oracle=None, check_tokens: bool = True) -> dict:
     """Drive the server at base_url for `minutes`, then check that nothing was lost or leaked."""
     before = read_metrics(base_url)
     load = [round(os.getloadavg()[0], 1)]      # the machine is shared: its load is part of the result
@@ -308,7 +309,7 @@ def run_soak(base_url: str, minutes: float, concurrency: int = 200, seed: int = 
     load.append(round(os.getloadavg()[0], 1))
     after = wait_drained(base_url)
     counts = {name: int(after[METRIC[name]] - before[METRIC[name]]) for name in COUNTERS}   # the load's alone
-    checked, altered = offline_oracle(state["answered"], model, batch_invariant)
+    checked, altered = offline_oracle(state["answered"], model, batch_invariant, oracle) if check_tokens else (0, [])
     sent = sum(tally[k] for k in TALLY)
     gaps = sorted(state["gaps"])
     return {**tally, "sent": sent, "wall_s": round(wall, 1), "concurrency": concurrency,
