@@ -436,7 +436,9 @@ class Engine:
             c.logprobs = c.logprobs or []
             c.logprobs.append(logprob)
         p = req.params
-        can_stop = seq.num_output_tokens >= p.min_tokens    # min_tokens: no stop id, EOS or stop string before
+        # min_tokens: no stop id, EOS or stop string before, unless the grammar has ended (it allowed only an end)
+        grammar_ended = c.sampling.grammar is not None and c.sampling.grammar.is_finished
+        can_stop = seq.num_output_tokens >= p.min_tokens or grammar_ended
         if can_stop and (token in p.stop_token_id_set or (token in self.eos_token_ids and not p.ignore_eos)):
             return self._finish(c, "stop", token, now)
         c.text += c.detok.step(token)
@@ -448,7 +450,7 @@ class Engine:
             at, i = min(hits)
             c.text = c.text[:at]
             return self._finish(c, "stop", p.stop[i], now)
-        if c.sampling.grammar is not None and c.sampling.grammar.is_finished:   # nothing but EOS could follow
+        if grammar_ended:                                   # nothing but EOS could follow
             return self._finish(c, "stop", None, now)
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(c, "length", None, now)

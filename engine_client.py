@@ -279,10 +279,11 @@ class EngineClient:
         return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, RemoteCore(listener.last_accepted))
 
     @staticmethod
-    def in_thread(engine: Engine, transfer=None, role: str = "both") -> "EngineClient":
+    def in_thread(engine: Engine, transfer=None, role: str = "both",
+                  grammar_timeout: float = 10.0) -> "EngineClient":
         """Tests: the same core loop over the same pipe, in a thread beside an Engine the test holds."""
         conn, core_conn = multiprocessing.Pipe()
-        core = threading.Thread(target=EngineCore(engine, core_conn, transfer=transfer, role=role).run,
+        core = threading.Thread(target=EngineCore(engine, core_conn, grammar_timeout, transfer=transfer, role=role).run,
                                 name="engine-core", daemon=True)
         return EngineClient(EngineInfo.of(engine), engine.tokenizer, conn, core)
 
