@@ -223,6 +223,8 @@ class Engine:
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
+        self.exporting: dict[str, Sequence] = {}     # disaggregation (handoff.py): prompts whose blocks are on
+        self.importing: dict[str, tuple[Request, Sequence]] = {}   # their way out, and on their way in
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
         self.grammars: GrammarCompiler | None = None                   # built at the first structured request
@@ -299,6 +301,9 @@ class Engine:
 
     def abort_request(self, request_id: str):
         """Drop a request (e.g. its client went away); its blocks return to the pool now."""
+        for held in (self.exporting.pop(request_id, None), self.importing.pop(request_id, (None, None))[1]):
+            if held is not None:
+                self.blocks.free(held)
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -309,7 +314,7 @@ class Engine:
                 c.finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.exporting or self.importing)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()   # the sampler edits the model's logits in place: they are inference tensors
@@ -440,7 +445,9 @@ class Engine:
             c.logprobs = c.logprobs or []
             c.logprobs.append(logprob)
         p = req.params
-        can_stop = seq.num_output_tokens >= p.min_tokens    # min_tokens: no stop id, EOS or stop string before
+        # min_tokens: no stop id, EOS or stop string before, unless the grammar has ended (it allowed only an end)
+        grammar_ended = c.sampling.grammar is not None and c.sampling.grammar.is_finished
+        can_stop = seq.num_output_tokens >= p.min_tokens or grammar_ended
         if can_stop and (token in p.stop_token_id_set or (token in self.eos_token_ids and not p.ignore_eos)):
             return self._finish(c, "stop", token, now)
         c.text += c.detok.step(token)
@@ -452,7 +459,7 @@ class Engine:
             at, i = min(hits)
             c.text = c.text[:at]
             return self._finish(c, "stop", p.stop[i], now)
-        if c.sampling.grammar is not None and c.sampling.grammar.is_finished:   # nothing but EOS could follow
+        if grammar_ended:                                   # nothing but EOS could follow
             return self._finish(c, "stop", None, now)
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(c, "length", None, now)
@@ -498,7 +505,8 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self):
-        self.blocks.check_invariants(self.scheduler.all_sequences())
+        held = list(self.exporting.values()) + [seq for _, seq in self.importing.values()]
+        self.blocks.check_invariants(self.scheduler.all_sequences() + held)
         for seq in self.scheduler.running:
             assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens
         if self.speculator:

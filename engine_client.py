@@ -206,6 +206,19 @@ class Tracked:
 
 # ----------------------------------------------------------------------------- the engine core's client
 
+class RemoteCore:
+    """A core process on another machine, as EngineClient sees it: alive until its connection closes."""
+
+    def __init__(self, address):
+        self.address, self.exitcode = address, f"unknown: the connection from {address} closed"
+
+    def is_alive(self) -> bool:
+        return True                        # the reader's EOF (EngineClient.died) says when it is not
+
+    def join(self, timeout=None) -> None:
+        pass
+
+
 class EngineClient:
     """The front end's handle on the engine core: submit and abort from the event loop; a reader thread
     hands each CoreUpdate to the event loop, which routes it to the Runs. All client state (tracked,
@@ -223,31 +236,55 @@ class EngineClient:
         self.tracked: dict[str, Tracked] = {}
         self.outbox = queue.SimpleQueue()  # commands for the writer thread: a big prompt never blocks the loop
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_update = lambda update: None   # data_parallel.py's hooks: it sees each update before the Runs
+        self.on_died = lambda reason: None
 
     @staticmethod
     def in_process(config: EngineConfig, grammar_timeout: float = 10.0) -> "EngineClient":
         """serve.py: the engine core in a process of its own; returns once its engine is built.
         Raises the core's ValueError for a bad engine flag."""
+        return EngineClient.launch(config, grammar_timeout)()
+
+    @staticmethod
+    def launch(config: EngineConfig, grammar_timeout: float = 10.0, group=None, role: str = "both"):
+        """Start the core process; returns the call that waits for its engine and gives its client (so
+        several cores build their engines at once: data_parallel.py)."""
         context = multiprocessing.get_context("spawn")   # never fork a process that may hold OpenMP threads
         conn, core_conn = context.Pipe()
-        core = context.Process(target=run_core_process, args=(config, core_conn, grammar_timeout), name="nanoserve-engine-core",
+        core = context.Process(target=run_core_process, args=(config, core_conn, grammar_timeout, group, role), name="nanoserve-engine-core",
                                daemon=True)
         core.start()
         core_conn.close()                  # ours is the only end left here, so the core's exit reads as EOF
-        try:
-            info = conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the engine core exited while starting (exit code {core.join(5) or core.exitcode})")
-        if isinstance(info, Exception):
-            core.join(5)
-            raise info
-        return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, core)
+
+        def connect() -> "EngineClient":
+            try:
+                info = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"the engine core exited while starting (exit code {core.join(5) or core.exitcode})")
+            if isinstance(info, Exception):
+                core.join(5)
+                raise info
+            return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, core)
+        connect.process = core
+        return connect
 
     @staticmethod
-    def in_thread(engine: Engine) -> "EngineClient":
+    def accept(listener) -> "EngineClient":
+        """A remote engine core (serve.py --headless on another machine) connects to the front end's
+        listener; the same messages then travel over that socket instead of a pipe."""
+        conn = listener.accept()
+        info = conn.recv()
+        if isinstance(info, Exception):
+            raise info
+        return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, RemoteCore(listener.last_accepted))
+
+    @staticmethod
+    def in_thread(engine: Engine, transfer=None, role: str = "both",
+                  grammar_timeout: float = 10.0) -> "EngineClient":
         """Tests: the same core loop over the same pipe, in a thread beside an Engine the test holds."""
         conn, core_conn = multiprocessing.Pipe()
-        core = threading.Thread(target=EngineCore(engine, core_conn).run, name="engine-core", daemon=True)
+        core = threading.Thread(target=EngineCore(engine, core_conn, grammar_timeout, transfer=transfer, role=role).run,
+                                name="engine-core", daemon=True)
         return EngineClient(EngineInfo.of(engine), engine.tokenizer, conn, core)
 
     # -- called on the event loop
@@ -276,6 +313,10 @@ class EngineClient:
 
     def alive(self) -> bool:
         return self.dead_reason is None and self.core.is_alive()
+
+    def dead_cores(self) -> dict[int, str]:
+        """/health: cores that are gone while the server still serves (one core: never)."""
+        return {}
 
     def num_waiting(self) -> int:
         """Sequences waiting for the engine (prompts x n): what admission counts against --max-waiting."""
@@ -332,6 +373,7 @@ class EngineClient:
     # -- back on the event loop
     def apply(self, update: CoreUpdate) -> None:
         """Route one turn of the core to the Runs: admissions, refusals, outputs, failures."""
+        self.on_update(update)
         self.stats = update.stats
         for key in update.admitted:
             run = self.adding.pop(key)
@@ -378,6 +420,7 @@ class EngineClient:
         """The core is gone: every run still waiting on it ends with a 503, and so does new work."""
         log.error("engine core died: %s", reason)
         self.dead_reason = reason
+        self.on_died(reason)
         error = APIError(503, f"engine is dead: {reason}", code="engine_dead")
         runs = {entry.run for entry in self.tracked.values()} | set(self.adding.values())
         self.tracked.clear()

@@ -142,6 +142,22 @@ class KVCachePool:
                     b[dst.to(b.device)] = a[src.to(a.device)].to(b.device)
 
 
+    def read_block(self, block: int) -> torch.Tensor:
+        """A copy of one block's K and V in every layer, [num_layers, 2, block_size, num_kv_heads, head_dim]:
+        what kv_transfer.py sends (bytes_per_block bytes)."""
+        return torch.stack([torch.stack((k[block], v[block])) for k, v in self.kv_caches])
+
+    def empty_block(self) -> torch.Tensor:
+        k = self.kv_caches[0][0]
+        return torch.empty((len(self.kv_caches), 2) + tuple(k.shape[1:]), dtype=k.dtype, device=k.device)
+
+    def write_block(self, block: int, data: torch.Tensor):
+        """data: [num_layers, 2, block_size, num_kv_heads, head_dim], as read_block gives it."""
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[block].copy_(data[layer, 0])
+            v[block].copy_(data[layer, 1])
+
+
 def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 

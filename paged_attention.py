@@ -95,13 +95,17 @@ def plan_cuda_launch(q_lens: list[int], ctx_lens: list[int], num_kv_heads: int, 
                      max_parts: int | None = None) -> tuple[list[int], int, int]:
     """The ints of a CudaPlan from the host's lists -> (plan ints, max_parts, num_prefill_items).
     max_parts None: as many decode blocks per row as the longest decode row needs; given (a fixed
-    grid), the partition grows until every decode row fits in it."""
+    grid), the partition grows until every decode row fits in it. Then the partition shrinks to
+    split the longest row in equal parts (to 128 tokens): never more parts, a shorter critical path."""
     decode_ctx = [c for q, c in zip(q_lens, ctx_lens) if q == 1]
     partition = choose_partition(decode_ctx, num_kv_heads, num_sms)
     if max_parts is None:
         max_parts = max((num_parts(c, partition) for c in decode_ctx), default=0)
     elif decode_ctx:
         partition = max(partition, _ceil_to(-(-max(decode_ctx) // max_parts), MIN_PARTITION))
+    if decode_ctx and partition < NO_SPLIT:    # equal parts for the longest row: it sets the step's time
+        longest = max(decode_ctx)
+        partition = _ceil_to(-(-longest // num_parts(longest, partition)), MIN_PARTITION)
     rows_per_tile = TILE_VECTORS // group
     tiles = [x for i, q in enumerate(q_lens) if q > 1 for r in range(0, q, rows_per_tile) for x in (i, r)]
     return [partition, 0, *tiles], max_parts, len(tiles) // 2

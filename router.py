@@ -245,6 +245,9 @@ class Router:
             worker, reason = self._least_loaded(), "balance_guard"
         elif best >= cfg.min_match_tokens and best >= cfg.min_match_fraction * len(token_ids):
             worker, reason = self._least_loaded([w for w in self.workers if matched[w] == best]), "prefix_match"
+        elif max(loads) == 0:   # idle (requests one at a time): load says nothing; the smaller tree takes
+            worker = min(self.workers, key=lambda w: self.trees[w].num_tokens)   # the new prefix, as SGLang's
+            reason = "least_loaded"
         else:
             worker, reason = self._least_loaded(), "least_loaded"
         tree = self.trees[worker]

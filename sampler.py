@@ -94,8 +94,6 @@ class SamplingParams:
         need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"an integer in [0, max_tokens={self.max_tokens}]")
         need(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
-        need(self.min_tokens == 0 or self.structured_outputs is None, "min_tokens",
-             "0 with structured_outputs (the grammar decides where the output ends, and may end it sooner)")
         need(number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
         need(number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
         need(number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"), "repetition_penalty",
@@ -327,14 +325,23 @@ def top_p_reference(x, top_p):
 
 
 def apply_min_tokens(logits, states):
-    """Rows still short of min_tokens cannot end: their EOS and stop ids go to -inf."""
+    """Rows still short of min_tokens cannot end: their EOS and stop ids go to -inf (as vLLM's
+    MinTokensLogitsProcessor does, after the grammar's mask). A grammar row whose mask left nothing
+    but those ids keeps them: the grammar is the harder rule, and the engine ends the row there."""
     rows, cols = [], []
     for i, s in enumerate(states):
-        if s.num_output_tokens < s.params.min_tokens:
+        if s.num_output_tokens < s.params.min_tokens and not (s.grammar is not None and only_ends_allowed(logits[i], s)):
             rows += [i] * len(s.min_tokens_banned)
             cols += s.min_tokens_banned
     if rows:
         logits[rows, cols] = float("-inf")
+
+
+def only_ends_allowed(row, state) -> bool:
+    """row: [vocab] logits after the grammar mask. True when every token it allows is an end id.
+    One pass over the row, only for grammar rows short of min_tokens."""
+    banned = torch.tensor(state.min_tokens_banned, dtype=torch.int64)
+    return int(torch.isfinite(row).sum()) == int(torch.isfinite(row[banned]).sum())
 
 
 def apply_logit_bias(logits, params):

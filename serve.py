@@ -38,11 +38,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from data_parallel import DataParallelClient
+from disaggregation import DisaggregatedClient, parse_disaggregation
 from engine import Engine, EngineConfig, InvalidRequest
 from engine_client import ClientGone, EngineClient, Failed, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
     OpenAIProtocol, RequestLimits
 import parallel
+import router
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -139,8 +142,9 @@ class OpenAIServer:
     async def health(self):
         if not self.accepting:            # draining: a load balancer should send new traffic elsewhere
             return APIError(503, "draining: the server is shutting down", code="shutting_down").response()
-        if self.client.alive():
-            return JSONResponse({"status": "ok"})
+        if self.client.alive():   # some cores dead, some serving: 200, so traffic still comes, and the body says so
+            dead = self.client.dead_cores()
+            return JSONResponse({"status": "degraded", "dead_cores": dead} if dead else {"status": "ok"})
         reason = self.client.dead_reason or "the engine core is not running"
         return APIError(503, f"unhealthy: {reason}", code="engine_dead").response()
 
@@ -245,6 +249,8 @@ def render_metrics(server: OpenAIServer) -> str:
               for reason, count in sorted(client.metrics.finished.items(), key=lambda kv: str(kv[0]))]
     for histogram in (client.metrics.ttft, client.metrics.tpot, client.metrics.e2e):
         lines += histogram.render(labels)
+    if isinstance(client, DataParallelClient):
+        lines += client.metrics_lines(labels)
     return "\n".join(lines) + "\n"
 
 
@@ -255,7 +261,7 @@ def build_app(engine: Engine | EngineClient, served_model_name: str, max_waiting
               body_timeout: float = 30.0, metrics_require_key: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine core. serve.py passes the client of a
     core process; tests may pass an Engine, whose core then runs in a thread of this process."""
-    client = engine if isinstance(engine, EngineClient) else EngineClient.in_thread(engine)
+    client = engine if isinstance(engine, (EngineClient, DataParallelClient)) else EngineClient.in_thread(engine)
     server = OpenAIServer(client, served_model_name, max_waiting, max_request_bytes, limits, body_timeout)
 
     @asynccontextmanager
@@ -350,6 +356,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"host memory for --preemption-mode swap, bytes or e.g. 1GiB (default {default.swap_space})")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks that split each layer; under torchrun, its number of processes (default 1)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine cores, each a full replica with its own KV cache and share of the threads (default 1)")
+    p.add_argument("--routing", choices=router.POLICIES, default="cache_aware",
+                   help="with --data-parallel-size > 1: which core serves a request (default cache_aware)")
+    p.add_argument("--data-parallel-size-local", type=int, default=None,
+                   help="engine cores started on this machine (default: all of --data-parallel-size; with "
+                        "--headless: 1); the others join with serve.py --headless from other machines")
+    p.add_argument("--data-parallel-address", default="127.0.0.1",
+                   help="the front end's address, where remote cores connect (default 127.0.0.1)")
+    p.add_argument("--data-parallel-rpc-port", type=int, default=13345,
+                   help="the port remote cores connect to (default 13345); both sides need NANOSERVE_DP_KEY, "
+                        "a shared secret that authenticates them")
+    p.add_argument("--headless", action="store_true",
+                   help="run only engine cores (--data-parallel-size-local of them), serving the front end at "
+                        "--data-parallel-address:--data-parallel-rpc-port; no HTTP")
+    p.add_argument("--disaggregation", metavar="P:D", default=None,
+                   help="P prefill cores and D decode cores; each request's KV moves from one to the other")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
@@ -501,8 +524,29 @@ def main(argv: list[str] | None = None) -> None:
     if parallel.launched_by_torchrun() and int(os.environ["RANK"]) > 0:
         return parallel.run_worker()        # torchrun's other ranks: only rank 0 serves HTTP
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.headless:
+        return run_headless(args)
     try:
-        client = EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)   # builds the engine there
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        if args.data_parallel_size > 1 and (args.tensor_parallel_size or 1) > 1:
+            raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
+        if args.disaggregation is not None:
+            if args.data_parallel_size > 1 or (args.tensor_parallel_size or 1) > 1 or args.speculative_config:
+                raise ValueError("--disaggregation does not combine with --data-parallel-size, "
+                                 "--tensor-parallel-size or --speculative-config yet")
+            client = DisaggregatedClient.in_processes(engine_config(args), *parse_disaggregation(args.disaggregation),
+                                                      grammar_timeout=args.grammar_compile_timeout)
+        elif args.data_parallel_size > 1:
+            local = args.data_parallel_size if args.data_parallel_size_local is None else args.data_parallel_size_local
+            if not 0 <= local <= args.data_parallel_size:
+                raise ValueError(f"--data-parallel-size-local must be in [0, --data-parallel-size], got {local}")
+            client = DataParallelClient.in_processes(engine_config(args), args.data_parallel_size, args.routing,
+                                                     args.grammar_compile_timeout, local,
+                                                     (args.data_parallel_address, args.data_parallel_rpc_port),
+                                                     dp_key() if local < args.data_parallel_size else b"")
+        else:
+            client = EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)  # builds the engine there
     except ValueError as exc:  # a bad flag value: say which, without a traceback
         sys.exit(f"serve.py: error: {exc}")
     default_name = os.path.basename(os.path.normpath(args.model or "SmolLM2-135M-Instruct")).removesuffix(".gguf")
@@ -526,6 +570,38 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def dp_key() -> bytes:
+    key = os.environ.get("NANOSERVE_DP_KEY", "")
+    if not key:   # the cores' messages are pickles: an unauthenticated port would run anyone's code
+        raise ValueError("remote engine cores need NANOSERVE_DP_KEY (the same secret on every machine)")
+    return key.encode()
+
+
+def run_headless(args: argparse.Namespace) -> None:
+    """serve.py --headless: engine cores for a front end on another machine; exits when they all end
+    (the front end stopped, or hung up)."""
+    import multiprocessing
+    from engine_core import run_remote_core
+    try:
+        key, local = dp_key(), args.data_parallel_size_local or 1
+    except ValueError as exc:
+        sys.exit(f"serve.py: error: {exc}")
+    config = engine_config(args)
+    config.num_threads = max(1, (config.num_threads or os.cpu_count()) // local)
+    address = (args.data_parallel_address, args.data_parallel_rpc_port)
+    context = multiprocessing.get_context("spawn")
+    cores = [context.Process(target=run_remote_core, args=(config, address, key, args.grammar_compile_timeout),
+                             name=f"nanoserve-engine-core-{i}") for i in range(local)]
+    for core in cores:
+        core.start()
+    log.info("%d headless engine cores serving the front end at %s:%d", local, *address)
+    for sig in (signal.SIGINT, signal.SIGTERM):    # the cores end when the front end stops them
+        signal.signal(sig, lambda *_: [c.kill() for c in cores])
+    for core in cores:
+        core.join()
+    sys.exit(max(0, *(c.exitcode or 0 for c in cores)))
 
 
 def check_fits_one_sequence(args: argparse.Namespace, client: EngineClient) -> None:

@@ -191,8 +191,8 @@ class Grammar:
         self.matcher = matcher
 
     def advance(self, token: int):
-        # the mask allowed only tokens the grammar accepts, so this cannot fail unless a
-        # processor applied after the mask (min_tokens banning EOS at the end) left no choice
+        # the mask allowed only tokens the grammar accepts, and the processors after it never
+        # leave a row nothing (min_tokens keeps the end ids of a row the grammar allows only those)
         self.matcher.consume_token(token)
 
     @property

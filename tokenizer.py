@@ -104,8 +104,17 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
-        """Load from `tokenizer.json` (HF layout) or `gguf_tokenizer.json` (written by write_gguf_tokenizer)."""
-        model_dir = Path(model_dir)
+        """Load from `tokenizer.json` (HF layout) or `gguf_tokenizer.json` (written by write_gguf_tokenizer).
+        One tokenizer per directory and process while its files are unchanged: a Tokenizer never
+        changes once built, and building SmolLM2's (49k tokens' bytes, the BPE ranks) takes seconds,
+        which every engine started in one process (tests, bench.py) would pay again."""
+        model_dir = Path(model_dir).resolve()
+        files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(model_dir.glob("*.json")))
+        return cls._from_dir_cached(model_dir, files)
+
+    @classmethod
+    @lru_cache(maxsize=8)
+    def _from_dir_cached(cls, model_dir: Path, files: tuple) -> "Tokenizer":
         if (model_dir / "tokenizer.json").exists():
             return cls._from_hf(model_dir)
         if (model_dir / "gguf_tokenizer.json").exists():

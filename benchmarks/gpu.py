@@ -8,9 +8,12 @@ batch 1, 8, 32, 64 and 128 after a fixed context, through model_runner.py (host 
 buffers), replaying the captured CUDA graph and eagerly. For each: the step time against the HBM
 roofline (weight bytes + the KV bytes the step reads, over the read bandwidth measured here), the
 paged-attention kernel alone (CUDA events, the same plan), and the host's cost of one graph replay
-(cost_model.fit_host_overhead reads it). Skips, saying why, where there is no CUDA device.
+(cost_model.fit_host_overhead reads it). Then the decode kernel alone at 2,048 tokens of context (the
+issue's target: >= 50% of the read bandwidth), replayed from a CUDA graph so no host cost sits between
+its launches. Skips, saying why, where there is no CUDA device.
 Owns only measuring; changes nothing in the engine.
 """
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -29,6 +32,8 @@ SHAPES = {   # model.ModelConfig fields (Hugging Face's configs of these models)
 }
 BATCHES = (1, 8, 32, 64, 128)
 BLOCK_SIZE = 16
+KERNEL_CONTEXT = 2048        # the decode kernel's bandwidth target is set at this context (issue 41)
+L2_FLUSH_BYTES = 512 << 20   # KV the kernel-alone calls cycle through: far more than any L2 (H100: 50 MB)
 
 
 @dataclass
@@ -56,6 +61,42 @@ def read_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """HBM read bandwidth: bytes of a bf16 tensor far larger than L2 over the time of summing it."""
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     return nbytes / cuda_time(lambda: x.sum(dtype=torch.float32), 10) / 1e9
+
+
+def graph_time_per_call(call, calls: int, repeats: int) -> float:
+    """Median seconds per call of call(0), ..., call(calls - 1), captured in one CUDA graph and
+    replayed between CUDA events: the GPU's time alone, with no host cost between the launches."""
+    call(0)                                   # builds and loads the kernels, warms the allocator
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    return cuda_time(graph.replay, repeats) / calls
+
+
+def bench_kernel_alone(shape: dict, batch: int, context: int, repeats: int, bandwidth_gbs: float) -> dict:
+    """One layer's decode attention for `batch` rows of `context` tokens (bf16 KV), alone: the K/V
+    bytes it must read over its time, against the measured read bandwidth. Successive calls read
+    disjoint copies of the batch's KV, together over L2_FLUSH_BYTES, so even batch 1 streams from HBM."""
+    import paged_attention as pa
+    kv_heads, head_dim = shape["num_key_value_heads"], shape["head_dim"]
+    per_row = -(-context // BLOCK_SIZE)
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2             # K and V, bf16
+    copies = max(4, -(-L2_FLUSH_BYTES // kv_bytes))
+    num_blocks = copies * batch * per_row
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(copies, batch, per_row)  # scattered blocks
+    ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, shape["num_attention_heads"], head_dim, dtype=torch.bfloat16, device="cuda")
+    plan = pa.host_cuda_plan(q, k_cache, ctx, qsl, "cuda")              # one plan: every copy has these contexts
+    s = graph_time_per_call(lambda i: pa.paged_attention(q, k_cache, v_cache, tables[i], ctx, qsl, head_dim ** -0.5,
+                                                         "cuda", plan), copies, repeats)
+    return {"kernel_s": s, "kv_bytes": kv_bytes, "kernel_gbs": kv_bytes / s / 1e9,
+            "kernel_frac_of_bandwidth": kv_bytes / s / 1e9 / bandwidth_gbs, "max_parts": plan.max_parts,
+            "partition": int(plan.plan[0])}
 
 
 def random_model(shape: dict):
@@ -164,6 +205,10 @@ def bench_gpu(sz, seed, results):
     out = {"device": torch.cuda.get_device_name(), "read_bandwidth_gbs": bw, "context": gs.context, "models": {}}
     for name, shape in SHAPES.items():
         out["models"][name] = bench_shape(name, shape, gs, bw)
+    for name, shape in SHAPES.items():
+        out["models"][name]["kernel_at_context"] = {
+            str(b): bench_kernel_alone(shape, b, KERNEL_CONTEXT, gs.kernel_repeats, bw) for b in BATCHES}
+        torch.cuda.empty_cache()
     replays = [r["graph_replay_host_s"] for m in out["models"].values() for r in m["batches"].values()
                if "graph_replay_host_s" in r]
     if replays:
@@ -179,4 +224,10 @@ def bench_gpu(sz, seed, results):
                      r["eager_step_s"] * 1e3, r["eager_over_roofline"], r["kernel_s"] * 1e6,
                      r["kernel_frac_of_bandwidth"]]
                     for name, m in out["models"].items() for b, r in m["batches"].items()]))
+    print(f"\nThe decode kernel alone at {KERNEL_CONTEXT:,} tokens of context (one layer, bf16 KV; a CUDA graph of "
+          "calls over disjoint KV copies, so no host cost and no L2 reuse); target >= 0.50 of the read bandwidth:\n")
+    print(md_table(["model", "batch", "partition x parts", "kernel us", "KV MB read", "GB/s", "of HBM bw"],
+                   [[name, b, f"{min(r['partition'], KERNEL_CONTEXT)} x {r['max_parts']}", r["kernel_s"] * 1e6,
+                     r["kv_bytes"] / 1e6, r["kernel_gbs"], r["kernel_frac_of_bandwidth"]]
+                    for name, m in out["models"].items() for b, r in m["kernel_at_context"].items()]))
     results["gpu_decode"] = out

@@ -6,8 +6,9 @@ hang up at a random point, malformed or oversized requests, and hostile ones (to
 full logit_bias, thousands of stop strings, a huge grammar), against a KV pool small enough that the
 engine must preempt. At the end every well-formed request must have finished (or been left by its own
 client), every bad one must have had a 4xx naming the field, no answer may have lost or altered a token
-(every greedy answer must equal what the server gives the same request alone, afterwards), the KV pool
-must be all free again, and /metrics must add up: received = finished + aborted + rejected + failed.
+(every finished greedy or seeded answer must carry exactly the text the offline engine, LLM.generate,
+gives the same request with the same seed), the KV pool must be all free again, and /metrics must add
+up: received = finished + aborted + rejected + failed.
 It reports the p99 gap between a stream's tokens as well.
 Owns only the load and the checks: it starts serve.py itself unless given --url, and changes nothing in it.
 `python soak.py --minutes 1` (or `python bench.py soak --minutes 1 [--out results/]`, which calls main(argv)).
@@ -64,7 +65,7 @@ HEAVY = [
     {"prompt": "Pick one:", "max_tokens": 8, "structured_outputs": {"choice": [f"option {i}" for i in range(1500)]}},
     {"prompt": ["Count:", "Say:", "List:", "Name:"], "n": 8, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
 ]
-# greedy requests asked again and again: every answer must be the same text (the oracle asks each alone at the end)
+# greedy requests asked again and again, also checked against the offline engine
 GREEDY_PROMPTS = [f"Fact {i}: the number {i} is" for i in range(8)]
 
 
@@ -90,12 +91,19 @@ def good_request(rng: random.Random) -> tuple[str, dict]:
     return "/v1/chat/completions", {**body, "messages": CHAT}
 
 
+def choice_text(choice: dict, delta: bool = False) -> str:
+    """A completion's text or a chat message's content (a streamed chunk's delta when delta)."""
+    if "text" in choice:
+        return choice["text"] or ""
+    return (choice.get("delta" if delta else "message") or {}).get("content") or ""
+
+
 async def streamed(http: httpx.AsyncClient, path: str, body: dict, hang_up_after: int | None,
-                   gaps: list | None = None) -> str:
+                   gaps: list | None = None, answered: list | None = None) -> str:
     """'finished' when every choice got a finish_reason and [DONE] came; 'left' when we hung up.
     Appends the seconds between successive chunks that carry tokens, after the first (its wait is the
-    TTFT, not a gap), of a finished stream to gaps."""
-    finish, chunks, done, times = {}, 0, False, []
+    TTFT, not a gap), of a finished stream to gaps, and (path, body, texts by choice) to answered."""
+    finish, chunks, done, times, texts = {}, 0, False, [], collections.defaultdict(str)
     async with http.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -110,6 +118,7 @@ async def streamed(http: httpx.AsyncClient, path: str, body: dict, hang_up_after
                 if "error" in event:
                     return f"error event: {event['error']}"
                 for choice in event["choices"]:
+                    texts[choice["index"]] += choice_text(choice, delta=True)
                     if choice.get("finish_reason"):
                         finish[choice["index"]] = choice["finish_reason"]
                 chunks += 1
@@ -121,22 +130,25 @@ async def streamed(http: httpx.AsyncClient, path: str, body: dict, hang_up_after
     ok = done and len(finish) == want and all(f in ("length", "stop") for f in finish.values())
     if ok and gaps is not None:
         gaps += [b - a for a, b in zip(times, times[1:])]
+    if ok and answered is not None:
+        answered.append((path, body, [texts[i] for i in range(want)]))
     return "finished" if ok else f"incomplete: done={done} finish={finish}"
 
 
-async def greedy(http: httpx.AsyncClient, rng: random.Random, answers: dict) -> str:
-    """A greedy completion of a known prompt; its text is kept to compare with the others' and the oracle's."""
+async def greedy(http: httpx.AsyncClient, rng: random.Random, answered: list) -> str:
+    """A greedy completion of a known prompt, asked again and again; its texts go to the oracle."""
     key = (rng.choice(GREEDY_PROMPTS), rng.choice([4, 12]))
     body = {"prompt": key[0], "max_tokens": key[1], "temperature": 0, "ignore_eos": True, "n": rng.choice([1, 2])}
     r = await http.post("/v1/completions", json=body)
     if r.status_code != 200:
         return f"status {r.status_code}: {r.text[:200]}"
     texts = [c["text"] for c in r.json()["choices"]]
-    answers[key].update(texts)
+    answered.append(("/v1/completions", body, texts))
     return "finished" if len(texts) == body["n"] else f"incomplete: {texts}"
 
 
-async def unary(http: httpx.AsyncClient, path: str, body: dict, hang_up_s: float | None) -> str:
+async def unary(http: httpx.AsyncClient, path: str, body: dict, hang_up_s: float | None,
+                answered: list | None = None) -> str:
     try:
         r = await http.post(path, json=body, timeout=hang_up_s or http.timeout)
     except httpx.TimeoutException:
@@ -148,6 +160,8 @@ async def unary(http: httpx.AsyncClient, path: str, body: dict, hang_up_s: float
     choices = r.json()["choices"]
     prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
     ok = len(choices) == body.get("n", 1) * prompts and all(c["finish_reason"] in ("length", "stop") for c in choices)
+    if ok and answered is not None:
+        answered.append((path, body, [choice_text(c) for c in sorted(choices, key=lambda c: c["index"])]))
     return "finished" if ok else f"incomplete: {choices}"
 
 
@@ -170,17 +184,19 @@ async def client(http: httpx.AsyncClient, rng: random.Random, deadline: float, t
                 outcome, kind = await bad(http, case), "bad_inputs"
                 state["refused_by_field"][f"{case[2]} {case[3]}"] += outcome == "refused"
             elif roll < 0.14:
-                outcome, kind = await unary(http, "/v1/completions", rng.choice(HEAVY), None), "heavy"
+                outcome, kind = await unary(http, "/v1/completions", rng.choice(HEAVY), None, state["answered"]), "heavy"
             elif roll < 0.24:
-                outcome, kind = await greedy(http, rng, state["answers"]), "requests"
+                outcome, kind = await greedy(http, rng, state["answered"]), "requests"
             else:
                 path, body = good_request(rng)
                 leave = roll < 0.3                                   # ~18% of good requests hang up
                 kind = "disconnects" if leave else "requests"
                 if body["stream"]:
-                    outcome = await streamed(http, path, body, rng.randint(0, 4) if leave else None, state["gaps"])
+                    outcome = await streamed(http, path, body, rng.randint(0, 4) if leave else None, state["gaps"],
+                                             state["answered"])
                 else:
-                    outcome = await unary(http, path, body, rng.uniform(0.05, 1.0) if leave else None)
+                    outcome = await unary(http, path, body, rng.uniform(0.05, 1.0) if leave else None,
+                                          state["answered"])
         except Exception as exc:  # a transport error on a request we did not abandon is a loss
             outcome, kind = f"exception {exc!r}", "requests"
         if outcome.startswith("status 503") and "queue_full" in outcome:
@@ -215,48 +231,91 @@ def wait_drained(url: str, timeout: float = 60) -> dict:
         time.sleep(0.2)
 
 
+CLIENT_TIMEOUT_S = 1800
 TALLY = ["requests", "heavy", "disconnects", "bad_inputs", "busy", "lost", "bad_answered_wrong", "status_5xx"]
 
 
 async def soak(url: str, seconds: float, concurrency: int, seed: int) -> tuple[dict, list, dict]:
     tally, problems = dict.fromkeys(TALLY, 0), []
-    state = {"answers": collections.defaultdict(set), "gaps": [], "refused_by_field": collections.Counter()}
+    state = {"answered": [], "gaps": [], "refused_by_field": collections.Counter()}
     deadline = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
+    # A client drops an idle connection before the server's --timeout-keep-alive (5 s) can: at equal
+    # timeouts a request sent on a connection the server is closing fails (ReadError), which is the
+    # client's race, not a lost request.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=1.0)
+    # Closed-loop clients wait their turn: with 200 of them on a loaded 2-core machine a request queues
+    # for minutes (the server answered ~0.85 requests/s at a load average of 20), so the patience
+    # is CLIENT_TIMEOUT_S; a request not answered by then is counted lost.
+    async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S, limits=limits) as http:
         await asyncio.gather(*[client(http, random.Random(seed * 100_003 + i), deadline, tally, problems, state)
                                for i in range(concurrency)])
     return tally, problems, state
 
 
-async def altered_answers(url: str, answers: dict) -> list[str]:
-    """Each greedy request asked again alone, after the load: under load (batched, preempted, recomputed)
-    every answer must have been exactly this text."""
+def offline_params(body: dict):
+    """The offline engine's SamplingParams for a request body; None when its output is not reproducible
+    (sampled without a seed)."""
+    from llm import SamplingParams, StructuredOutputsParams
+    temperature = body.get("temperature", 1.0)
+    if temperature > 0 and body.get("seed") is None:
+        return None
+    so = body.get("structured_outputs")
+    return SamplingParams(n=body.get("n", 1), temperature=temperature, seed=body.get("seed"),
+                          max_tokens=body["max_tokens"], stop=body.get("stop"), ignore_eos=body.get("ignore_eos", False),
+                          logit_bias={int(t): b for t, b in body["logit_bias"].items()} if "logit_bias" in body else None,
+                          structured_outputs=StructuredOutputsParams(**so) if so else None)
+
+
+def offline_oracle(answered: list, model: str | None, batch_invariant: bool, llm=None) -> tuple[int, list[str]]:
+    """Every finished greedy or seeded answer against the offline engine's (LLM.generate, the same model,
+    params and seed, its own roomy KV pool: no preemption). In batch-invariant mode (the soak's default)
+    a row's tokens do not depend on its batch, its chunks or a recompute, so every token must be the
+    same. All are generated in one batch; an answer that differs is asked again alone, and counts as
+    altered only if it differs from that too (without the mode a batch of another size may round a
+    near tie the other way). llm: an offline engine already loaded for this model (else one is built).
+    Returns (requests checked, the altered ones described)."""
+    from llm import LLM
+    llm = llm or LLM(model, batch_invariant=batch_invariant)
+    jobs, checked = [], 0                      # (prompt, params, the server's text of each of its samples)
+    for path, body, texts in answered:
+        params = offline_params(body)
+        if params is None:
+            continue
+        checked += 1
+        if path == "/v1/chat/completions":
+            prompts = [llm.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)]
+        else:
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        jobs += [(prompt, params, texts[i * params.n:(i + 1) * params.n]) for i, prompt in enumerate(prompts)]
+    if not jobs:
+        return 0, []
+    batched = llm.generate([p for p, _, _ in jobs], [q for _, q, _ in jobs])
     wrong = []
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        for (prompt, max_tokens), seen in sorted(answers.items()):
-            r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                         "temperature": 0, "ignore_eos": True})
-            alone = r.json()["choices"][0]["text"]
-            wrong += [f"{prompt!r} x {max_tokens}: got {text!r} under load, {alone!r} alone"
-                      for text in seen if text != alone]
-    return wrong
+    for (prompt, params, texts), out in zip(jobs, batched):
+        if [c.text for c in out.outputs] != texts:
+            alone = [c.text for c in llm.generate([prompt], params)[0].outputs]
+            wrong += [f"{prompt!r} {params}: got {texts!r} under load, {alone!r} offline"] if alone != texts else []
+    return checked, wrong
 
 
-def run_soak(base_url: str, minutes: float, concurrency: int = 200, seed: int = 0) -> dict:
+def run_soak(base_url: str, minutes: float, concurrency: int = 200, seed: int = 0, model: str | None = None,
+             batch_invariant: bool = True, oracle=None, check_tokens: bool = True) -> dict:
     """Drive the server at base_url for `minutes`, then check that nothing was lost or leaked."""
     before = read_metrics(base_url)
+    load = [round(os.getloadavg()[0], 1)]      # the machine is shared: its load is part of the result
     start = time.monotonic()
     tally, problems, state = asyncio.run(soak(base_url, minutes * 60, concurrency, seed))
     wall = time.monotonic() - start
+    load.append(round(os.getloadavg()[0], 1))
     after = wait_drained(base_url)
     counts = {name: int(after[METRIC[name]] - before[METRIC[name]]) for name in COUNTERS}   # the load's alone
-    altered = asyncio.run(altered_answers(base_url, state["answers"]))
-    after = wait_drained(base_url)
+    checked, altered = offline_oracle(state["answered"], model, batch_invariant, oracle) if check_tokens else (0, [])
     sent = sum(tally[k] for k in TALLY)
     gaps = sorted(state["gaps"])
     return {**tally, "sent": sent, "wall_s": round(wall, 1), "concurrency": concurrency,
-            "altered": len(altered), "greedy_keys_checked": len(state["answers"]),
+            "altered": len(altered), "checked_against_offline": checked,
+            "load_average": load, "batch_invariant": batch_invariant,
+            "finished_unchecked": len(state["answered"]) - checked,   # sampled without a seed: not reproducible
             "p99_inter_token_gap_s": round(gaps[int(0.99 * (len(gaps) - 1))], 3) if gaps else None,
             "p50_inter_token_gap_s": round(gaps[len(gaps) // 2], 3) if gaps else None,
             "preemptions": int(after["num_preemptions_total"] - before["num_preemptions_total"]),
@@ -309,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="soak a running server (127.0.0.1 only) instead of starting serve.py")
     # 40MiB: ~56 blocks of SmolLM2 for up to 64 sequences of ~40 tokens (3 blocks each): the engine must preempt
     # --max-waiting: every client's sequences may queue, so backpressure (503) is not mistaken for a failure
-    p.add_argument("--server-args", default="--max-num-seqs 64 --kv-cache-memory 40MiB --max-waiting 2048",
+    # --batch-invariant: a row's tokens do not depend on its batch, so the offline engine's must be the same
+    p.add_argument("--server-args", default="--max-num-seqs 64 --kv-cache-memory 40MiB --max-waiting 2048 "
+                                            "--batch-invariant",
                    help="flags for the serve.py this starts (default: a KV pool small enough to force preemption)")
     args = p.parse_args(argv)
     stdout = sys.stdout
@@ -335,7 +396,9 @@ def soak_main(args) -> tuple[bool, dict]:
     else:
         proc, url, log = start_server(args.server_args.split())
     try:
-        result = run_soak(url, args.minutes, args.concurrency, args.seed)
+        flags = args.server_args.split()
+        model = flags[flags.index("--model") + 1] if "--model" in flags else None
+        result = run_soak(url, args.minutes, args.concurrency, args.seed, model, "--batch-invariant" in flags)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -343,13 +406,15 @@ def soak_main(args) -> tuple[bool, dict]:
     if proc is not None:
         result["server_exit_code"] = exit_code
     print(f"\n### Soak: {args.minutes:g} min, {args.concurrency} concurrent clients on 127.0.0.1\n")
-    keys = ["sent", "requests", "heavy", "disconnects", "bad_inputs", "busy", "status_5xx", "lost", "altered",
+    keys = ["sent", "requests", "heavy", "disconnects", "bad_inputs", "busy", "status_5xx", "lost", "altered", "checked_against_offline",
             "bad_answered_wrong", "leaked_blocks", "still_running", "preemptions", "p50_inter_token_gap_s",
             "p99_inter_token_gap_s", "counters_add_up", "wall_s"]
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     print("| " + " | ".join(str(result[k]) for k in keys) + " |")
     print(f"\n4xx by kind (status and field): {result['refused_4xx_by_kind']}")
-    print(f"greedy requests checked against the same request alone: {result['greedy_keys_checked']} kinds")
+    print(f"finished greedy or seeded requests checked against the offline engine: {result['checked_against_offline']}"
+          f" ({result['finished_unchecked']} sampled without a seed left unchecked)")
+    print(f"load average (1 min) at start and end: {result['load_average']} on {os.cpu_count()} CPUs")
     print(f"/metrics deltas: {result['counters']}")
     for problem in result["problems"]:
         print("problem:", problem)

@@ -1,5 +1,6 @@
 // What every CUDA source under csrc/ shares: the prelude that compiles a file with nvcc or, without
-// it, against csrc/cuda_emu.h (LAUNCH_KERNEL, block_shared<T>(), copy16), and the storage types
+// it, against csrc/cuda_emu.h (LAUNCH_KERNEL, block_shared<T>(), copy16, the cp.async trio
+// copy16_async / async_commit / async_wait<N>), and the storage types
 // (raw 16-bit bf16/fp16 patterns, converted to float on load and rounded to nearest even on store).
 // Holds no kernel. Each library includes csrc/cuda_emu.h through here, from any number of files.
 #pragma once
@@ -8,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #define LAUNCH_KERNEL(kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
+#define LAUNCH_KERNEL_NAMED(name, kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
 template <typename T>
 __device__ __forceinline__ T& block_shared() {
   __shared__ T storage;
@@ -16,10 +18,38 @@ __device__ __forceinline__ T& block_shared() {
 __device__ __forceinline__ void copy16(void* dst, const void* src) {
   *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
 }
+// Global -> shared, 16 bytes, without holding a register until it lands: cp.async on sm_80+
+// (.cg: through L2 only, the K/V stream is read once), a plain copy16 before. A thread's copies
+// form a group at async_commit(); async_wait<N>() returns when at most the N newest of its groups
+// are in flight. Another lane's copies are visible after a __syncwarp/__syncthreads that follows
+// its wait.
+__device__ __forceinline__ void copy16_async(void* shared_dst, const void* global_src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src) : "memory");
+#else
+  copy16(shared_dst, global_src);
+#endif
+}
+__device__ __forceinline__ void async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
 #else
 #include "cuda_emu.h"
 #define LAUNCH_KERNEL(kernel, grid, block, stream, ...) emu::launch(#kernel, kernel, grid, block, __VA_ARGS__)
+#define LAUNCH_KERNEL_NAMED(name, kernel, grid, block, stream, ...) emu::launch(name, kernel, grid, block, __VA_ARGS__)
+using emu::async_commit;
+using emu::async_wait;
 using emu::copy16;
+using emu::copy16_async;
 #endif
 
 #include <cmath>

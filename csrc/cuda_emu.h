@@ -13,6 +13,10 @@
 //   - the blocks of a grid run in a shuffled order, several at once (one worker per core),
 //     so a kernel that depends on block order or shares global scratch between blocks fails.
 //   - 16-byte loads (copy16) must be 16-byte aligned, as on the GPU.
+//   - cp.async (copy16_async, async_commit, async_wait<N>) lands as late as the GPU may let it:
+//     a thread's copies are held (their source and alignment checked at issue) and made only
+//     when async_wait<N> retires their group, so a kernel that reads a buffer before waiting
+//     for it reads the old contents (NaN poison at first), not a lucky early copy.
 //   - graph capture (cuda_emu_capture): while it is on, a host read of device data, which the
 //     binding asks for through cuda_emu_host_read, fails as it would inside a real CUDA graph
 //     capture (a copy to the host there is an error that invalidates the capture).
@@ -41,6 +45,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __restrict__
+#define __launch_bounds__(...)
 
 struct dim3 {
   unsigned x, y, z;
@@ -132,10 +137,32 @@ inline void* take_shared(size_t bytes, size_t align) {
   return current_block->shared_base() + offset;
 }
 
+inline bool aligned16(const void* dst, const void* src) {
+  if (reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) return true;
+  fail(cudaErrorMisalignedAddress, "misaligned address: a 16-byte access not 16-byte aligned");
+  return false;
+}
+
 inline void copy16(void* dst, const void* src) {
-  if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
-    fail(cudaErrorMisalignedAddress, "misaligned address: a 16-byte access not 16-byte aligned");
-  std::memcpy(dst, src, 16);
+  if (aligned16(dst, src)) std::memcpy(dst, src, 16);
+}
+
+// cp.async: this thread's copies, grouped by commit (the last group is the one being filled).
+// Each block's threads are fresh std::threads, so a block starts with none in flight.
+struct AsyncCopy { void* dst; const void* src; };
+inline thread_local std::vector<std::vector<AsyncCopy>> async_groups{{}};
+
+inline void copy16_async(void* dst, const void* src) {
+  if (aligned16(dst, src)) async_groups.back().push_back({dst, src});
+}
+inline void async_commit() { async_groups.emplace_back(); }
+template <int N>
+void async_wait() {                  // retire every committed group but the N newest
+  const size_t committed = async_groups.size() - 1;
+  const size_t retire = committed > size_t(N) ? committed - N : 0;
+  for (size_t g = 0; g < retire; ++g)
+    for (const AsyncCopy& c : async_groups[g]) std::memcpy(c.dst, c.src, 16);
+  async_groups.erase(async_groups.begin(), async_groups.begin() + retire);
 }
 
 // ---- launches -------------------------------------------------------------------------------

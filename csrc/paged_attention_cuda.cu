@@ -9,11 +9,14 @@
 //   decode_kernel        one thread block per (row x one of max_parts context partitions, KV
 //                        head). The partition size is read from the plan on the device; a block
 //                        past its row's last partition, or of a row that is not decoding, exits
-//                        at once. Each warp stages 32-token chunks of K, then V, into shared
-//                        memory with coalesced 16-byte loads; a lane scores its token against
-//                        every query head of the GQA group (K/V read once per group); online
-//                        softmax per warp, warps merged through shared memory. A row with
-//                        context_len == 0 (a padding row) gets zeros.
+//                        at once. Each warp walks 32-token chunks, each as tiles of K rows, then
+//                        V rows, staged into shared memory with coalesced 16-byte cp.async copies,
+//                        double-buffered: the next tile loads while this one is used. A lane
+//                        scores its token against every query head of the GQA group (K/V read
+//                        once per group); online softmax per warp, warps merged through shared
+//                        memory. A row with context_len == 0 (a padding row) gets zeros.
+//                        head_dim 64 and 128 (16-bit) have their own instances, others the
+//                        generic one; __launch_bounds__ keeps 4 blocks resident per SM.
 //   reduce_kernel        one block per (row, head), launched whenever max_parts > 1; merges the
 //                        partitions of a split row (flash-decoding style), other rows exit.
 //   prefill_kernel       one thread block per (prefill item = tile of query rows, KV head); K/V
@@ -29,12 +32,14 @@
 #include "cuda_common.h"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
 constexpr int kWarpSize = 32;
 constexpr int kNumWarps = 4;
 constexpr int kThreads = kWarpSize * kNumWarps;
+constexpr int kBlocksPerSM = 4;       // decode blocks resident per SM (paged_attention.BLOCKS_PER_SM)
 constexpr int kMaxGroup = 8;          // query heads per KV head
 constexpr int kMaxHeadDim = 128;      // head_dim must be a multiple of 32, at most this
 constexpr int kPerLane = kMaxHeadDim / kWarpSize;
@@ -43,12 +48,13 @@ constexpr int kTileVectors = 16;      // prefill: query vectors (row, head) per 
 constexpr int kVectorsPerWarp = kTileVectors / kNumWarps;
 constexpr int kStageRowBytes = kMaxHeadDim * 2 + 16;   // a 16-bit K/V row, +16: no bank conflicts
 constexpr int kStageBytes = kChunk * kStageRowBytes;  // per warp: 32 such rows (16 float rows)
+constexpr int kTileBytes = kStageBytes / 2;           // per warp, two tiles in flight: 16 such rows each
 constexpr unsigned kMaxGridX = 2147483647u, kMaxGridY = 65535;
 
 #ifdef PLANT_BUGS
 // Bugs a GPU would show and a lenient emulation would not; tests switch one on with plant_bug.
 enum Bug { kNoBug, kOldPrefillGrid, kTooManyThreads, kSharedOver48KB, kSharedOptIn, kUnzeroedTail,
-           kGlobalQuery, kLastBlockMerges };
+           kGlobalQuery, kLastBlockMerges, kNoAsyncWait };
 int planted_bug = kNoBug;
 __device__ float planted_global_query[kMaxGroup][kMaxHeadDim];   // a "forgot __shared__" scratch
 #define PLANTED(bug) (planted_bug == (bug))
@@ -100,33 +106,55 @@ struct DecodeShared {
   float q[kMaxGroup][kMaxHeadDim];               // the group's queries, pre-scaled
   float probs[kNumWarps][kMaxGroup][kChunk];     // a warp's chunk: scores, then softmax weights
   float warp_max[kNumWarps][kMaxGroup], warp_sum[kNumWarps][kMaxGroup];
-  union alignas(16) {                            // per warp: staged K/V rows, then its partial output
-    unsigned char rows[kStageBytes];
+  union alignas(16) {                            // per warp: two tiles of staged K/V rows, then its partial output
+    unsigned char tiles[2][kTileBytes];
     float acc[kMaxGroup][kMaxHeadDim];
   } warp_area[kNumWarps];
 };
 static_assert(sizeof(DecodeShared) <= 48 * 1024, "static shared memory is limited to 48 KB");
 
-// Rows [first, first + n) of a sequence's KV head into `stage`, row_bytes apart. Lane i copies
-// 16-byte pieces i, i + 32, ...: neighbouring lanes read neighbouring pieces of a row, so each
-// row arrives as whole sectors (coalesced) wherever its block sits in the pool.
+// K/V rows per staged tile: the most of a 32-token chunk (halving) whose padded rows fit a tile.
+__host__ __device__ constexpr int tile_rows(int row_bytes) {
+  int rows = kChunk;
+  while (rows > 1 && rows * row_bytes > kTileBytes) rows /= 2;
+  return rows;
+}
+
+// A warp's unit of staging: `first`.. of the K (or V) rows of the 32-token chunk at `chunk`. A warp
+// walks its chunks (start + warp * 32, then every 128 tokens), each as its K tiles, then its V tiles.
+struct Tile {
+  int chunk, first, is_value;
+};
+
+__device__ __forceinline__ Tile next_tile(Tile t, int rows_per_tile, int end) {
+  if (t.first + rows_per_tile < min(kChunk, end - t.chunk)) return {t.chunk, t.first + rows_per_tile, t.is_value};
+  if (!t.is_value) return {t.chunk, 0, 1};
+  return {t.chunk + kNumWarps * kChunk, 0, 0};
+}
+
+// Start copying a tile's rows into `stage` (cp.async), row_bytes apart. Lane i issues 16-byte
+// pieces i, i + 32, ...: neighbouring lanes read neighbouring pieces of a row, so each row
+// arrives as whole sectors (coalesced) wherever its block sits in the pool.
 template <typename KV>
-__device__ __forceinline__ void stage_kv_rows(const Params& p, const KV* cache, const int* table, int first, int n,
-                                              int kv_head, unsigned char* stage, int row_bytes, int lane) {
-  const int pieces = p.head_dim * int(sizeof(KV)) / 16, per_piece = 16 / int(sizeof(KV));
+__device__ __forceinline__ void issue_tile(const Params& p, const KV* cache, const int* table, int first, int n,
+                                           int kv_head, int D, unsigned char* stage, int row_bytes, int lane) {
+  const int pieces = D * int(sizeof(KV)) / 16, per_piece = 16 / int(sizeof(KV));
   for (int i = lane; i < n * pieces; i += kWarpSize) {
     const int t = i / pieces, piece = i % pieces;
-    copy16(stage + t * row_bytes + piece * 16, cache + kv_offset(p, table, first + t, kv_head) + piece * per_piece);
+    copy16_async(stage + t * row_bytes + piece * 16,
+                 cache + kv_offset(p, table, first + t, kv_head) + piece * per_piece);
   }
 }
 
 // score[g] += q[g] . k for a staged K row, read 16 bytes at a time (rows are padded so the
-// 8 lanes of a quarter warp hit distinct banks).
-template <typename KV>
+// 8 lanes of a quarter warp hit distinct banks). kHeadDim 0: D at run time.
+template <typename KV, int kHeadDim>
 __device__ __forceinline__ void add_scores(const unsigned char* row, const float (&q)[kMaxGroup][kMaxHeadDim], int G,
                                            int D, float (&score)[kMaxGroup]) {
   constexpr int kVec = 16 / sizeof(KV);
-  for (int d0 = 0; d0 < D; d0 += kVec) {
+  const int dims = kHeadDim ? kHeadDim : D;
+#pragma unroll 2   // fully unrolled, head_dim 128 would need over 128 registers (spills under the bound)
+  for (int d0 = 0; d0 < dims; d0 += kVec) {
     alignas(16) KV k[kVec];
     copy16(k, row + d0 * sizeof(KV));
 #pragma unroll
@@ -152,19 +180,35 @@ __device__ __forceinline__ float merge_partitions(const Params& p, int first, in
   return o / sum;
 }
 
-template <typename Q, typename KV>
-__global__ void decode_kernel(Params p) {
+// kHeadDim 64 or 128: loops over head_dim have fixed trip counts and registers hold only
+// head_dim / 32 output elements per lane; 0: the generic kernel, any multiple of 32 up to 128.
+// __launch_bounds__: at most 128 registers a thread, so 4 blocks (16 warps) fit an SM's registers,
+// as many as its shared memory holds (5 x 43 KB).
+template <typename Q, typename KV, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSM) decode_kernel(Params p) {
+  static_assert(kHeadDim % kWarpSize == 0 && kHeadDim <= kMaxHeadDim, "head_dim: a multiple of 32, at most 128");
+  constexpr int kLanesPerHead = kHeadDim ? kHeadDim / kWarpSize : kPerLane;   // output elements per lane
   const int seq = blockIdx.x / p.max_parts, part = blockIdx.x % p.max_parts, kv_head = blockIdx.y;
   const int q_row = p.query_start_loc[seq], ctx = p.context_lens[seq], partition = *p.partition_size;
   const int parts = num_parts(ctx, partition);
   if (p.query_start_loc[seq + 1] - q_row != 1 || part >= parts) return;   // not decoding, or a spare block
   const int start = part * partition, end = min(ctx, start + partition);
-  const int G = p.group, D = p.head_dim, lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int G = p.group, D = kHeadDim ? kHeadDim : p.head_dim;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const KV* key_cache = static_cast<const KV*>(p.key_cache);
   const KV* value_cache = static_cast<const KV*>(p.value_cache);
   const int* table = p.block_tables + int64_t(seq) * p.max_blocks;
+  const int row_bytes = D * int(sizeof(KV)) + 16;
+  const int rows_per_tile = tile_rows(row_bytes);   // 32; 16 for 16-bit rows of 128 or float rows of 64; 8 for float rows of 128
 
   DecodeShared& s = block_shared<DecodeShared>();
+  unsigned char (&stage)[2][kTileBytes] = s.warp_area[warp].tiles;
+  // the warp's first tile is under way while the block loads its queries
+  Tile tile{start + warp * kChunk, 0, 0};
+  if (tile.chunk < end)
+    issue_tile(p, key_cache, table, tile.chunk, min(rows_per_tile, end - tile.chunk), kv_head, D, stage[0], row_bytes,
+               lane);
+  async_commit();
 #ifdef PLANT_BUGS
   if (PLANTED(kSharedOver48KB) || PLANTED(kSharedOptIn)) block_shared<unsigned char[2][kStageBytes]>()[0][0] = 0;
   float (&q_s)[kMaxGroup][kMaxHeadDim] = PLANTED(kGlobalQuery) ? planted_global_query : s.q;
@@ -176,64 +220,69 @@ __global__ void decode_kernel(Params p) {
   __syncthreads();
 
   // per warp running softmax state; lane owns output elements d = e * 32 + lane
-  float run_max[kMaxGroup], run_sum[kMaxGroup], acc[kMaxGroup][kPerLane];
+  float run_max[kMaxGroup], run_sum[kMaxGroup], acc[kMaxGroup][kLanesPerHead], score[kMaxGroup];
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) {
     run_max[g] = -INFINITY;
-    run_sum[g] = 0.f;
+    run_sum[g] = score[g] = 0.f;
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) acc[g][e] = 0.f;
+    for (int e = 0; e < kLanesPerHead; ++e) acc[g][e] = 0.f;
   }
-  const int row_bytes = D * int(sizeof(KV)) + 16;
-  const int rows_per_stage = min(kChunk, kStageBytes / row_bytes);   // 32, or 16+ for float rows
-  unsigned char* stage = s.warp_area[warp].rows;
-  for (int c = start + warp * kChunk; c < end; c += kNumWarps * kChunk) {
-    const int n = min(kChunk, end - c);
-    float score[kMaxGroup];
+  // Double buffering: tile i + 1 is in flight while tile i is used (a chunk's V rows load while
+  // its K rows are scored, the next chunk's K rows while V is summed).
+  for (int buf = 0; tile.chunk < end; buf ^= 1) {
+    const int n = min(kChunk, end - tile.chunk), rows = min(rows_per_tile, n - tile.first);
+    const Tile next = next_tile(tile, rows_per_tile, end);
+    if (next.chunk < end)
+      issue_tile(p, next.is_value ? value_cache : key_cache, table, next.chunk + next.first,
+                 min(rows_per_tile, min(kChunk, end - next.chunk) - next.first), kv_head, D, stage[buf ^ 1],
+                 row_bytes, lane);
+    async_commit();                                            // (empty at the end: the count stays right)
+    if (!PLANTED(kNoAsyncWait)) async_wait<1>();               // this lane's copies of `tile` have landed...
+    __syncwarp();                                              // ...and every lane's
+    if (!tile.is_value) {                                      // lane t scores token chunk + t
+      if (tile.first == 0) {
 #pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) score[g] = lane < n ? 0.f : -INFINITY;
-    for (int s0 = 0; s0 < n; s0 += rows_per_stage) {           // lane t scores token c + t
-      const int rows = min(rows_per_stage, n - s0);
-      stage_kv_rows(p, key_cache, table, c + s0, rows, kv_head, stage, row_bytes, lane);
-      __syncwarp();
-      if (lane >= s0 && lane < s0 + rows) add_scores<KV>(stage + (lane - s0) * row_bytes, q_s, G, D, score);
-      __syncwarp();                                            // stage read before it is refilled
-    }
-#pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) {
-      if (g >= G) break;
-      const float new_max = fmaxf(run_max[g], warp_max(score[g]));
-      const float correction = expf(run_max[g] - new_max);     // 0 on the first chunk
-      s.probs[warp][g][lane] = lane < n ? expf(score[g] - new_max) : 0.f;
-      run_max[g] = new_max;
-      run_sum[g] *= correction;
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e) acc[g][e] *= correction;
-    }
-    for (int s0 = 0; s0 < n; s0 += rows_per_stage) {           // V rows: lane reads d = e * 32 + lane
-      const int rows = min(rows_per_stage, n - s0);
-      stage_kv_rows(p, value_cache, table, c + s0, rows, kv_head, stage, row_bytes, lane);
-      __syncwarp();                                            // also orders the probs writes above
-      for (int t = 0; t < rows; ++t) {
-        const KV* v = reinterpret_cast<const KV*>(stage + t * row_bytes);
-        float vd[kPerLane];
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) vd[e] = e * kWarpSize < D ? to_float(v[e * kWarpSize + lane]) : 0.f;
+        for (int g = 0; g < kMaxGroup; ++g) score[g] = lane < n ? 0.f : -INFINITY;
+      }
+      if (lane >= tile.first && lane < tile.first + rows)
+        add_scores<KV, kHeadDim>(stage[buf] + (lane - tile.first) * row_bytes, q_s, G, D, score);
+      if (tile.first + rows == n) {                            // the chunk's last K tile: its softmax
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
           if (g >= G) break;
-          const float prob = s.probs[warp][g][s0 + t];
-          run_sum[g] += prob;
+          const float new_max = fmaxf(run_max[g], warp_max(score[g]));
+          const float correction = expf(run_max[g] - new_max); // 0 on the first chunk
+          s.probs[warp][g][lane] = lane < n ? expf(score[g] - new_max) : 0.f;
+          run_max[g] = new_max;
+          run_sum[g] *= correction;
 #pragma unroll
-          for (int e = 0; e < kPerLane; ++e) acc[g][e] += prob * vd[e];
+          for (int e = 0; e < kLanesPerHead; ++e) acc[g][e] *= correction;
         }
       }
-      __syncwarp();                                            // stage and probs read before reuse
+    } else {                                                   // V rows: lane reads d = e * 32 + lane
+      for (int t = 0; t < rows; ++t) {
+        const KV* v = reinterpret_cast<const KV*>(stage[buf] + t * row_bytes);
+        float vd[kLanesPerHead];
+#pragma unroll
+        for (int e = 0; e < kLanesPerHead; ++e)
+          vd[e] = kHeadDim || e * kWarpSize < D ? to_float(v[e * kWarpSize + lane]) : 0.f;
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g >= G) break;
+          const float prob = s.probs[warp][g][tile.first + t];
+          run_sum[g] += prob;
+#pragma unroll
+          for (int e = 0; e < kLanesPerHead; ++e) acc[g][e] += prob * vd[e];
+        }
+      }
     }
+    __syncwarp();                                              // tile (and probs) read before they are refilled
+    tile = next;
   }
 
-  // merge the warps: rescale each to the block's max, then sum. A warp's stage is free now,
-  // so its partial output goes there.
+  // merge the warps: rescale each to the block's max, then sum. A warp's tiles are free now
+  // (every copy waited for, the last group empty), so its partial output goes there.
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) {
     if (g >= G) break;
@@ -242,8 +291,8 @@ __global__ void decode_kernel(Params p) {
       s.warp_sum[warp][g] = run_sum[g];
     }
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e)
-      if (e * kWarpSize < D) s.warp_area[warp].acc[g][e * kWarpSize + lane] = acc[g][e];
+    for (int e = 0; e < kLanesPerHead; ++e)
+      if (kHeadDim || e * kWarpSize < D) s.warp_area[warp].acc[g][e * kWarpSize + lane] = acc[g][e];
   }
   __syncthreads();
   for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
@@ -393,19 +442,39 @@ __global__ void reshape_and_cache_kernel(const Q* key, const Q* value, KV* key_c
 
 // ---- host: planning and launchers -----------------------------------------------------------
 
+// The decode kernel for a head_dim, and the name the emulator's launch log gives it.
+template <typename Q, typename KV>
+struct DecodeKernel {
+  void (*kernel)(Params);
+  const char* name;
+};
+
+// head_dim 64 and 128 in what a GPU serves (bf16 or fp16 queries and cache alike) get their own
+// kernels; every other case (float32 or mixed dtypes, head_dim 32 or 96) the generic one: each
+// instance adds about 2 s of nvcc time (sm_80 + sm_90).
+template <typename Q, typename KV>
+DecodeKernel<Q, KV> pick_decode(int head_dim) {
+  if constexpr (std::is_same_v<Q, KV> && sizeof(KV) == 2) {
+    if (head_dim == 64) return {decode_kernel<Q, KV, 64>, "decode_d64"};
+    if (head_dim == 128) return {decode_kernel<Q, KV, 128>, "decode_d128"};
+  }
+  return {decode_kernel<Q, KV, 0>, "decode"};
+}
+
 // The step's fixed launch sequence: decode over rows x max_parts (max_parts 0: no decode row),
 // reduce whenever a row may be split, prefill over the planned tiles.
 template <typename Q, typename KV>
 void launch_attention(const Params& p, int num_seqs, int num_prefill_items, cudaStream_t stream) {
-  auto* decode = decode_kernel<Q, KV>;      // named pointers: a template's comma would split the macro
-  auto* reduce = reduce_kernel<Q>;
+  const DecodeKernel<Q, KV> decode = pick_decode<Q, KV>(p.head_dim);
+  auto* reduce = reduce_kernel<Q>;          // named pointers: a template's comma would split the macro
   auto* prefill = prefill_kernel<Q, KV>;
 #ifdef PLANT_BUGS
-  if (PLANTED(kSharedOptIn)) cudaFuncSetAttribute(decode, cudaFuncAttributeMaxDynamicSharedMemorySize, 32 * 1024);
+  if (PLANTED(kSharedOptIn)) cudaFuncSetAttribute(decode.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 32 * 1024);
 #endif
   const dim3 block(kThreads);
   const unsigned decode_blocks = unsigned(num_seqs) * unsigned(p.max_parts);
-  if (decode_blocks) LAUNCH_KERNEL(decode, dim3(decode_blocks, p.num_kv_heads), block, stream, p);
+  if (decode_blocks)
+    LAUNCH_KERNEL_NAMED(decode.name, decode.kernel, dim3(decode_blocks, p.num_kv_heads), block, stream, p);
   if (num_seqs && p.max_parts > 1 && !PLANTED(kLastBlockMerges))
     LAUNCH_KERNEL(reduce, dim3(unsigned(num_seqs), p.num_heads), block, stream, p);
   if (num_prefill_items && PLANTED(kOldPrefillGrid))           // the tiles on gridDim.z, as before

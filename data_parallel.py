@@ -1,0 +1,190 @@
+"""
+Data parallel serving: several engine cores behind one server (vLLM's --data-parallel-size).
+
+A DataParallelClient holds N EngineClients (engine_client.py), each driving an engine core of its own
+(a process with its own KV pool and its own share of the host's threads), and a Router (router.py)
+that picks the core for each HTTP request: round_robin | least_loaded | cache_aware. It has the
+EngineClient's face (submit, abort, stats, metrics, alive, stop, kill), so serve.py drives one core or
+N the same way. The router's load contract: each core's reported running + waiting sequences replace
+its count on every update; finish() when a request's last prompt ends. A core that dies fails only
+its own requests (its EngineClient sends them error events) and leaves the router; the others keep
+serving, and /health says "degraded". Owns the request -> core map and the per-core /metrics lines;
+owns no HTTP (serve.py), no pipe (engine_client.py) and no routing policy (router.py).
+"""
+import dataclasses
+import functools
+import logging
+import os
+from multiprocessing.connection import Listener
+
+from engine import Engine, EngineConfig, EngineStats
+from engine_client import EngineClient, RemoteCore, Run, ServerMetrics
+from engine_core import CoreUpdate, Stop
+from openai_api import APIError
+from router import Router, RouterConfig
+
+log = logging.getLogger("nanoserve.serve")
+
+
+class DataParallelClient:
+    def __init__(self, cores: list[EngineClient], policy: str = "round_robin"):
+        self.cores = cores
+        self.info, self.tokenizer = cores[0].info, cores[0].tokenizer
+        limits = self.info.limits
+        # a tree never holds more than its core's pool can: the size bound stands in for eviction reports
+        self.router = Router(RouterConfig(policy, max_tree_tokens=limits.usable_blocks * limits.block_size),
+                             range(len(cores)))
+        self.metrics = ServerMetrics()       # one set for the server: every core's outputs count in it
+        self.owner: dict[str, tuple[int, Run]] = {}   # request id -> (core, its run), until it ends
+        for i, core in enumerate(cores):
+            core.metrics = self.metrics
+            core.on_update = functools.partial(self._core_update, i)
+            core.on_died = functools.partial(self._core_died, i)
+
+    @staticmethod
+    def in_processes(config: EngineConfig, size: int, policy: str, grammar_timeout: float = 10.0,
+                     local: int | None = None, address: tuple[str, int] | None = None, authkey: bytes = b""):
+        """serve.py: `local` core processes here (default all `size`), the host's threads split between them
+        (one each at least); the other size - local join from other machines (serve.py --headless) through
+        a listener at `address`, authenticated by `authkey`."""
+        local = size if local is None else local
+        threads = max(1, (config.num_threads or os.cpu_count()) // max(1, local))
+        starting = [EngineClient.launch(dataclasses.replace(config, num_threads=threads), grammar_timeout)
+                    for _ in range(local)]    # the engines build at once
+        cores = []
+        try:
+            for connect in starting:
+                cores.append(connect())
+            if size > local:
+                with Listener(address, authkey=authkey) as listener:
+                    log.info("waiting for %d remote engine cores (serve.py --headless) on %s:%d", size - local,
+                             *address)
+                    cores += [EngineClient.accept(listener) for _ in range(size - local)]
+        except BaseException:
+            for core in cores:
+                if isinstance(core.core, RemoteCore):
+                    core.conn.close()         # its loop reads EOF and ends
+            for connect in starting:
+                if connect.process.is_alive():
+                    connect.process.kill()
+                    connect.process.join(1)
+            raise
+        return DataParallelClient(cores, policy)
+
+    @staticmethod
+    def in_threads(engines: list[Engine], policy: str = "round_robin") -> "DataParallelClient":
+        """Tests: each core loop in a thread beside an Engine the test holds."""
+        return DataParallelClient([EngineClient.in_thread(e) for e in engines], policy)
+
+    # -- what serve.py reads
+    @property
+    def stats(self) -> EngineStats:
+        """The cores' stats summed (kv_usage over all blocks, hit rate: the mean of the live cores')."""
+        live = [c.stats for c in self.cores if c.alive()] or [c.stats for c in self.cores]
+        total = {f.name: sum(getattr(s, f.name) for s in live) for f in dataclasses.fields(EngineStats)}
+        total["kv_usage"] = 1 - total["num_free_blocks"] / max(1, total["num_blocks"])
+        total["prefix_cache_hit_rate"] /= len(live)
+        total["spec_decode_mean_acceptance_length"] /= len(live)
+        return EngineStats(**total)
+
+    @property
+    def num_pending_adds(self) -> int:
+        return sum(c.num_pending_adds for c in self.cores if c.alive())
+
+    @property
+    def dead_reason(self) -> str | None:
+        """None while any core serves; the server is dead only when every core is."""
+        return None if self.alive() else "; ".join(f"core {i}: {c.dead_reason}" for i, c in enumerate(self.cores))
+
+    def alive(self) -> bool:
+        return any(c.alive() for c in self.cores)
+
+    def dead_cores(self) -> dict[int, str]:
+        return {i: c.dead_reason or "not running" for i, c in enumerate(self.cores) if not c.alive()}
+
+    def num_waiting(self) -> int:
+        return sum(c.num_waiting() for c in self.cores if c.alive())
+
+    # -- lifecycle, on the event loop
+    def start(self) -> None:
+        for core in self.cores:
+            core.start()
+
+    def stop(self) -> None:
+        for core in self.cores:            # all told first, so they stop together, not one after another
+            core.stopping = True
+            core.outbox.put(Stop())
+        for core in self.cores:
+            core.stop()
+
+    def kill(self) -> None:
+        for core in self.cores:
+            core.kill()
+
+    # -- requests
+    def submit(self, run: Run) -> None:
+        """Route the run (all its prompts go to one core: the core adds them all or none) by its first prompt."""
+        if not self.alive() or not self.router.loads():   # no core left, or none left for this stage
+            raise APIError(503, f"engine is dead: {self.dead_reason or 'no core left to take requests'}",
+                           code="engine_dead")
+        i = self.router.route(run.prompts[0])
+        self.cores[i].submit(run)
+        for request_id in run.request_ids:
+            self.owner[request_id] = (i, run)
+
+    def abort(self, request_ids: list[str]) -> None:
+        by_core: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            if request_id in self.owner:
+                by_core.setdefault(self.owner[request_id][0], []).append(request_id)
+        for i, ids in by_core.items():
+            self.cores[i].abort(ids)
+            self._ended(ids)
+
+    # -- called by the cores' EngineClients, on the event loop, before each applies an update
+    def _core_update(self, i: int, update: CoreUpdate) -> None:
+        core = self.cores[i]
+        ended = [out.request_id for out in update.outputs if out.finished]
+        ended += [request_id for request_id, _ in update.failed]
+        for key, _ in update.rejected:
+            ended += core.adding[key].request_ids
+        self._ended(ended)
+        s = update.stats
+        self.router.update_load(i, s.num_running + s.num_waiting + s.num_swapped + s.num_unforked_samples)
+
+    def _core_died(self, i: int, reason: str) -> None:
+        self.router.remove_worker(i)
+        self._ended([rid for rid, (core, _) in self.owner.items() if core == i])
+        alive = sum(c.alive() for c in self.cores)
+        log.error("engine core %d died (%s): %d of %d cores still serve", i, reason, alive, len(self.cores))
+
+    def _ended(self, request_ids: list[str]) -> None:
+        """Forget these requests; a run whose last prompt ended leaves its core's load."""
+        for request_id in request_ids:
+            entry = self.owner.pop(request_id, None)
+            if entry is not None and not any(r in self.owner for r in entry[1].request_ids):
+                self.router.finish(entry[0])
+
+    # -- /metrics
+    def metrics_lines(self, labels: str) -> list[str]:
+        """Per-core gauges and the router's decisions, in Prometheus text."""
+        series = [("engine_core_alive", "gauge", "1 while the engine core serves.", lambda c: int(c.alive())),
+                  ("core_num_requests_running", "gauge", "Requests in the core's running batch.",
+                   lambda c: c.stats.num_running),
+                  ("core_num_requests_waiting", "gauge", "Requests waiting in the core.", lambda c: c.stats.num_waiting),
+                  ("core_kv_cache_usage_perc", "gauge", "Fraction of the core's KV blocks in use.",
+                   lambda c: c.stats.kv_usage),
+                  ("core_prefix_cache_hit_rate", "gauge", "The core's prefix cache hit rate.",
+                   lambda c: c.stats.prefix_cache_hit_rate)]
+        lines = []
+        for name, kind, help_text, value in series:
+            lines += [f"# HELP nanoserve:{name} {help_text}", f"# TYPE nanoserve:{name} {kind}"]
+            lines += [f'nanoserve:{name}{{{labels},core="{i}"}} {value(c)}' for i, c in enumerate(self.cores)]
+        lines += ["# HELP nanoserve:routing_decisions_total Requests routed, by policy, branch taken and core.",
+                  "# TYPE nanoserve:routing_decisions_total counter"]
+        lines += [f'nanoserve:routing_decisions_total{{{labels},policy="{p}",reason="{r}",core="{w}"}} {n}'
+                  for (p, r, w), n in sorted(self.router.decision_counts().items())]
+        lines += ["# HELP nanoserve:router_expected_hit_rate cache_aware: prompt tokens its trees matched on the "
+                  "chosen core / prompt tokens routed.", "# TYPE nanoserve:router_expected_hit_rate gauge",
+                  f"nanoserve:router_expected_hit_rate{{{labels}}} {self.router.expected_hit_rate()}"]
+        return lines
