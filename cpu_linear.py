@@ -259,7 +259,7 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None =
 # quantization="gguf" at a few rows always sums in float32 (batch-1 logits are the float32
 # engine's up to summation order); from GGUF_Q8_ROWS rows on it could take 8-bit activations where
 # they are faster at start-up (choose_gguf_path). They are off (GGUF_Q8_ACTIVATIONS): on SmolLM2
-# they cost 2.6% perplexity and 6% of greedy top-1 agreement (test_all.py), past issue 47's 1% and
+# they cost 2.6% perplexity and 6% of greedy top-1 agreement (test_all.py), past the 1% and
 # 95%; and on the Zen 1 they measured 0.85-1.1x the float32 sums' time, run to run.
 GGUF_Q8_ROWS = 16
 GGUF_Q8_ACTIVATIONS = False

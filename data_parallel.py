@@ -8,13 +8,18 @@ EngineClient's face (submit, abort, stats, metrics, alive, stop, kill), so serve
 N the same way. The router's load contract: each core's reported running + waiting sequences replace
 its count on every update; finish() when a request's last prompt ends. A core that dies fails only
 its own requests (its EngineClient sends them error events) and leaves the router; the others keep
-serving, and /health says "degraded". Owns the request -> core map and the per-core /metrics lines;
+serving, and /health says "degraded". run_headless is the other machine's side (serve.py --headless):
+cores that connect to this front end's listener, authenticated by NANOSERVE_DP_KEY (dp_key).
+Owns the request -> core map and the per-core /metrics lines;
 owns no HTTP (serve.py), no pipe (engine_client.py) and no routing policy (router.py).
 """
 import dataclasses
 import functools
 import logging
+import multiprocessing
 import os
+import signal
+import sys
 from multiprocessing.connection import Listener
 
 from engine import Engine, EngineConfig, EngineStats
@@ -188,3 +193,29 @@ class DataParallelClient:
                   "chosen core / prompt tokens routed.", "# TYPE nanoserve:router_expected_hit_rate gauge",
                   f"nanoserve:router_expected_hit_rate{{{labels}}} {self.router.expected_hit_rate()}"]
         return lines
+
+
+def dp_key() -> bytes:
+    key = os.environ.get("NANOSERVE_DP_KEY", "")
+    if not key:   # the cores' messages are pickles: an unauthenticated port would run anyone's code
+        raise ValueError("remote engine cores need NANOSERVE_DP_KEY (the same secret on every machine)")
+    return key.encode()
+
+
+def run_headless(config: EngineConfig, local: int, address: tuple[str, int], key: bytes,
+                 grammar_timeout: float) -> None:
+    """serve.py --headless: `local` engine cores for a front end on another machine, sharing this host's
+    threads; exits when they all end (the front end stopped, or hung up)."""
+    from engine_core import run_remote_core
+    config.num_threads = max(1, (config.num_threads or os.cpu_count()) // local)
+    context = multiprocessing.get_context("spawn")
+    cores = [context.Process(target=run_remote_core, args=(config, address, key, grammar_timeout),
+                             name=f"nanoserve-engine-core-{i}") for i in range(local)]
+    for core in cores:
+        core.start()
+    log.info("%d headless engine cores serving the front end at %s:%d", local, *address)
+    for sig in (signal.SIGINT, signal.SIGTERM):    # the cores end when the front end stops them
+        signal.signal(sig, lambda *_: [c.kill() for c in cores])
+    for core in cores:
+        core.join()
+    sys.exit(max(0, *(c.exitcode or 0 for c in cores)))

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from data_parallel import DataParallelClient
+from data_parallel import DataParallelClient, dp_key, run_headless
 from disaggregation import DisaggregatedClient, parse_disaggregation
 from engine import Engine, EngineConfig, InvalidRequest
 from engine_client import ClientGone, EngineClient, Failed, Run
@@ -525,7 +525,12 @@ def main(argv: list[str] | None = None) -> None:
         return parallel.run_worker()        # torchrun's other ranks: only rank 0 serves HTTP
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.headless:
-        return run_headless(args)
+        try:
+            key = dp_key()
+        except ValueError as exc:
+            sys.exit(f"serve.py: error: {exc}")
+        return run_headless(engine_config(args), args.data_parallel_size_local or 1,
+                            (args.data_parallel_address, args.data_parallel_rpc_port), key, args.grammar_compile_timeout)
     try:
         if args.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
@@ -570,38 +575,6 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def dp_key() -> bytes:
-    key = os.environ.get("NANOSERVE_DP_KEY", "")
-    if not key:   # the cores' messages are pickles: an unauthenticated port would run anyone's code
-        raise ValueError("remote engine cores need NANOSERVE_DP_KEY (the same secret on every machine)")
-    return key.encode()
-
-
-def run_headless(args: argparse.Namespace) -> None:
-    """serve.py --headless: engine cores for a front end on another machine; exits when they all end
-    (the front end stopped, or hung up)."""
-    import multiprocessing
-    from engine_core import run_remote_core
-    try:
-        key, local = dp_key(), args.data_parallel_size_local or 1
-    except ValueError as exc:
-        sys.exit(f"serve.py: error: {exc}")
-    config = engine_config(args)
-    config.num_threads = max(1, (config.num_threads or os.cpu_count()) // local)
-    address = (args.data_parallel_address, args.data_parallel_rpc_port)
-    context = multiprocessing.get_context("spawn")
-    cores = [context.Process(target=run_remote_core, args=(config, address, key, args.grammar_compile_timeout),
-                             name=f"nanoserve-engine-core-{i}") for i in range(local)]
-    for core in cores:
-        core.start()
-    log.info("%d headless engine cores serving the front end at %s:%d", local, *address)
-    for sig in (signal.SIGINT, signal.SIGTERM):    # the cores end when the front end stops them
-        signal.signal(sig, lambda *_: [c.kill() for c in cores])
-    for core in cores:
-        core.join()
-    sys.exit(max(0, *(c.exitcode or 0 for c in cores)))
 
 
 def check_fits_one_sequence(args: argparse.Namespace, client: EngineClient) -> None:

@@ -1664,7 +1664,7 @@ def test_quantization_gguf_keeps_only_blocks_and_gives_transformers_outputs(hf_s
 # at start-up), forced at every row count. Measured 2026-11-27 (Zen 1): top-1 agreement with
 # transformers' float32 greedy tokens 0.941 (241/256, teacher-forced, 8 parity prompts x 32 tokens;
 # 0.945 with lm_head in float32 sums), and perplexity on CORPUS 1.026x float32's (1.008 with
-# down_proj, 0.996 with gate_up left in float32 sums): both short of issue 47's 0.95 and 1%, since
+# down_proj, 0.996 with gate_up left in float32 sums): both short of the 0.95 and 1% a default needs, since
 # per-block int8 loses the small values beside the outliers of the normed hidden states and of
 # SwiGLU's output. The bounds below are the measured figures', so the test still catches a broken
 # kernel; on this CPU start-up never picks the path (slower: docs/quantization.md).

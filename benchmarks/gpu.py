@@ -32,7 +32,7 @@ SHAPES = {   # model.ModelConfig fields (Hugging Face's configs of these models)
 }
 BATCHES = (1, 8, 32, 64, 128)
 BLOCK_SIZE = 16
-KERNEL_CONTEXT = 2048        # the decode kernel's bandwidth target is set at this context (issue 41)
+KERNEL_CONTEXT = 2048        # the decode kernel's bandwidth target is set at this context
 L2_FLUSH_BYTES = 512 << 20   # KV the kernel-alone calls cycle through: far more than any L2 (H100: 50 MB)
 
 

@@ -202,7 +202,7 @@ def nanoserve_runs(sz, reqs, b1_prompt):
     if model_dtype(engines["default"]) != "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         engines["bfloat16"] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
                                           enable_prefix_caching=False, dtype="bfloat16")
-    if engines["default"].device.type == "cpu":   # the GGUF's own blocks (issue 47), float32 sums on the CPU
+    if engines["default"].device.type == "cpu":   # the GGUF's own blocks, float32 sums on the CPU
         engines["gguf"] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
                                       enable_prefix_caching=False, dtype="float32", quantization="gguf")
     for e in engines.values():
