@@ -5,8 +5,8 @@ section:
   throughput   the peers workload (bench_peers' requests) on an engine with and without
                batch_invariant, at the default dtype, taking turns step by step (and in bfloat16 too
                where oneDNN has a bf16 path); target: the mode keeps >= 0.9x of the default;
-  agreement    N prompts sharing a one-block prefix, greedy with logprobs, in bfloat16, run alone
-               (batch 1) and in five other configurations (in a batch with unrelated requests, after a
+  agreement    N prompts sharing a one-block prefix, greedy with logprobs, in bfloat16 (float32 in
+               --quick where bf16 is not native), run alone (batch 1) and in five other configurations (in a batch with unrelated requests, after a
                prefix-cache hit, in chunks of 64 and of 512 tokens, after a recompute preemption): how
                many outputs differ from alone in a token or a logprob's bits, with and without the flag.
 Engines share one set of weights per dtype (harness.make_engine); a shared model follows the mode of
@@ -44,11 +44,18 @@ def agreement_prompts(sz, seed):
     return prefix, [prefix + random_prompt(rng, 6, 49152) for _ in range(n)]
 
 
-def configurations(prefix, prompts, batch_invariant, crowd):
-    """{configuration: [(tokens, logprobs)] of `prompts`}, greedy with 2 logprobs, 4 tokens, bfloat16."""
+def agreement_dtype(sz):
+    """bfloat16, the serving dtype whose rounding makes batches disagree; --quick takes float32 where the CPU
+    has no native bf16 (F.linear in bf16 is several times slower there, and the smoke test only needs the path)."""
+    import cpu_linear
+    return "float32" if sz.name == "quick" and not cpu_linear.cpu_bf16_native()[0] else "bfloat16"
+
+
+def configurations(prefix, prompts, batch_invariant, crowd, dtype):
+    """{configuration: [(tokens, logprobs)] of `prompts`}, greedy with 2 logprobs, 4 tokens."""
     params = greedy(4)
     params.logprobs = 2
-    kw = dict(dtype="bfloat16", kv_cache_memory="256MiB", enable_prefix_caching=False, batch_invariant=batch_invariant)
+    kw = dict(dtype=dtype, kv_cache_memory="256MiB", enable_prefix_caching=False, batch_invariant=batch_invariant)
 
     def outputs(engine, ps, p=params):
         outs, _, _ = run_timed(engine, ps, [p] * len(ps), "agree")
@@ -64,7 +71,7 @@ def configurations(prefix, prompts, batch_invariant, crowd):
     runs["prefix cache hit"] = outputs(cached, prompts)
     for budget in (64, 512):
         runs[f"chunks of {budget}"] = outputs(make_engine(**{**kw, "max_num_batched_tokens": budget}), prompts)
-    small = make_engine(**{**kw, "kv_cache_memory": 8 * bytes_per_block(30, 16, 3, 64, torch.bfloat16),
+    small = make_engine(**{**kw, "kv_cache_memory": 8 * bytes_per_block(30, 16, 3, 64, getattr(torch, dtype)),
                            "max_num_batched_tokens": 64})
     runs["after recompute preemption"] = outputs(small, prompts)
     if small.scheduler.num_preemptions == 0:
@@ -80,16 +87,17 @@ def bench_invariance(sz, seed, results):
     prefix, prompts = agreement_prompts(sz, seed)
     batch = 16 if sz.name == "quick" else 64          # bf16 runs F.linear where the CPU has no bf16 path: slow
     crowd = [random_prompt(random.Random(seed + i), 5 + 3 * (i % 6), 49152) for i in range(batch - len(prompts))]
-    differ = {flag: configurations(prefix, prompts, flag, crowd) for flag in (True, False)}
+    dtype = agreement_dtype(sz)
+    differ = {flag: configurations(prefix, prompts, flag, crowd, dtype) for flag in (True, False)}
     section_header("Batch-invariant mode: its cost and what it buys", [
         f"throughput: the peers workload ({tp[0]['num_requests']} requests, greedy, prefix caching off), an engine "
         "with and one without batch_invariant taking turns step by step.",
         f"agreement: {len(prompts)} prompts of 30 random ids sharing a 24-token prefix, greedy, 4 tokens, 2 logprobs, "
-        "bfloat16; an output differs if a token or a logprob's bits differ from the prompt run alone (batch 1)."])
+        f"{dtype}; an output differs if a token or a logprob's bits differ from the prompt run alone (batch 1)."])
     print(md_table(["dtype", "default tok/s", "batch-invariant tok/s", "invariant / default"],
                    [[t["dtype"], t["default_tok_s"], t["invariant_tok_s"], t["invariant_over_default"]] for t in tp]))
     print()
     print(md_table(["configuration", f"differing of {len(prompts)}, batch-invariant", "differing, default"],
                    [[name, differ[True][name], differ[False][name]] for name in differ[True]]))
-    results["invariance"] = {"throughput": tp, "num_prompts": len(prompts),
+    results["invariance"] = {"throughput": tp, "num_prompts": len(prompts), "agreement_dtype": dtype,
                              "differing": {"batch_invariant": differ[True], "default": differ[False]}}
