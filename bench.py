@@ -340,11 +340,29 @@ def targets(results):
         best = p["vllm"].get(p["vllm"].get("best_dtype", ""), {})
         if "useful_tok_s" in best:
             notes[-1] += f" Twice vLLM's best here is {2 * best['useful_tok_s']:.0f} tok/s."
+    if p and r and "gguf" in p["nanoserve"] and "batch1_decode_tok_s" in p.get("llamacpp", {}) and "1" in r["decode"]:
+        notes.append(gguf_batch1_ceiling(r, p))
     section_header("Targets (measured in this run)", notes)
     print(md_table(["target", "measured", "needed", "result"],
                    [[n, m, need, ("met" if m >= need else "missed") if isinstance(m, float) else "not measured"]
                     for n, m, need in rows]))
     return [{"target": n, "measured": m, "needed": need, "met": isinstance(m, float) and m >= need} for n, m, need in rows]
+
+
+def gguf_batch1_ceiling(r, p):
+    """The fastest batch 1 quantization="gguf" could reach here, from this run's numbers: the decode step's time
+    outside its matmuls (roofline at batch 1; the default engine reads the same blocks at one row) plus every
+    tensor of the GGUF file read once at the read bandwidth measured here, against llama.cpp's batch 1."""
+    from gguf import GGUFReader
+    from weights import embedded_gguf_path
+    nbytes = sum(int(t.n_bytes) for t in GGUFReader(embedded_gguf_path()).tensors)
+    d = r["decode"]["1"]
+    other, read = d["step_s_median"] - d["matmul_floor_s"], nbytes / (r["bandwidth_gbs"] * 1e9)
+    best, lc = 1 / (other + read), p["llamacpp"]["batch1_decode_tok_s"]
+    return (f'Batch-1 ceiling of quantization="gguf" here: the decode step outside its matmuls ({other * 1e3:.1f} ms, '
+            f"roofline at batch 1) + the GGUF's {nbytes / 1e6:.0f} MB of tensors read once at {r['bandwidth_gbs']:.1f} GB/s "
+            f"({read * 1e3:.1f} ms) = {(other + read) * 1e3:.1f} ms a token: {best:.0f} tok/s, {best / lc:.2f}x llama.cpp's "
+            f"batch 1 ({lc:.0f} tok/s), with kernels that cost nothing but their reads.")
 
 
 # ----------------------------------------------------------------------------- command line
