@@ -36,9 +36,9 @@ class DataParallelClient:
         self.cores = cores
         self.info, self.tokenizer = cores[0].info, cores[0].tokenizer
         limits = self.info.limits
-        # a tree never holds more than its core's pool can: the size bound stands in for eviction reports
-        self.router = Router(RouterConfig(policy, max_tree_tokens=limits.usable_blocks * limits.block_size),
-                             range(len(cores)))
+        # a tree forgets the blocks its core reports evicted, and never holds more than the core's pool can
+        self.router = Router(RouterConfig(policy, max_tree_tokens=limits.usable_blocks * limits.block_size,
+                                          block_size=limits.block_size), range(len(cores)))
         self.metrics = ServerMetrics()       # one set for the server: every core's outputs count in it
         self.owner: dict[str, tuple[int, Run]] = {}   # request id -> (core, its run), until it ends
         for i, core in enumerate(cores):
@@ -132,7 +132,7 @@ class DataParallelClient:
         if not self.alive() or not self.router.loads():   # no core left, or none left for this stage
             raise APIError(503, f"engine is dead: {self.dead_reason or 'no core left to take requests'}",
                            code="engine_dead")
-        i = self.router.route(run.prompts[0])
+        i = self.router.route(run.prompts[0], run.cache_salt)
         self.cores[i].submit(run)
         for request_id in run.request_ids:
             self.owner[request_id] = (i, run)
@@ -156,6 +156,8 @@ class DataParallelClient:
         self._ended(ended)
         s = update.stats
         self.router.update_load(i, s.num_running + s.num_waiting + s.num_swapped + s.num_unforked_samples)
+        if update.evicted:
+            self.router.evicted_blocks(i, update.evicted)
 
     def _core_died(self, i: int, reason: str) -> None:
         self.router.remove_worker(i)
@@ -191,7 +193,10 @@ class DataParallelClient:
                   for (p, r, w), n in sorted(self.router.decision_counts().items())]
         lines += ["# HELP nanoserve:router_expected_hit_rate cache_aware: prompt tokens its trees matched on the "
                   "chosen core / prompt tokens routed.", "# TYPE nanoserve:router_expected_hit_rate gauge",
-                  f"nanoserve:router_expected_hit_rate{{{labels}}} {self.router.expected_hit_rate()}"]
+                  f"nanoserve:router_expected_hit_rate{{{labels}}} {self.router.expected_hit_rate()}",
+                  "# HELP nanoserve:router_forgotten_blocks_total cache_aware: blocks the cores evicted that cut a "
+                  "core's prefix tree.", "# TYPE nanoserve:router_forgotten_blocks_total counter",
+                  f"nanoserve:router_forgotten_blocks_total{{{labels}}} {self.router.forgotten_blocks}"]
         return lines
 
 

@@ -93,6 +93,9 @@ class CoreUpdate:
     wanted: list[tuple[str, list[int], int]] = field(default_factory=list)
     sent: list[tuple[str, int, float]] = field(default_factory=list)
     received: list[tuple[str, int, float]] = field(default_factory=list)
+    # block hashes the prefix cache evicted since the last update (kv_cache.BlockManager.take_evicted):
+    # a cache_aware router forgets them; at most the pool's blocks, 32 bytes each
+    evicted: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -176,6 +179,7 @@ class EngineCore:
 
     def send(self, update: CoreUpdate) -> None:
         update.stats = self.engine.stats()
+        update.evicted = self.engine.blocks.take_evicted()
         self.conn.send(update)
 
     def take_commands(self, update: CoreUpdate, wait: float | None) -> int | None:

@@ -6047,6 +6047,34 @@ def test_reported_evictions_and_the_size_bound_make_the_router_forget():
     assert bounded.tree_tokens()["w"] <= 200
 
 
+@pytest.mark.unit
+def test_blocks_a_kv_cache_evicts_cut_the_router_tree_from_their_first_token():
+    # What a core reports comes from a real BlockManager (6 blocks of 16): a tenant's 72-token prompt
+    # (4 full blocks) is computed and freed, then an 80-token prompt takes the 2 free blocks and evicts
+    # 3 cached ones, least recently used first: free() releases tail first, so blocks 3, 2, 1 go. The
+    # router's tree keeps the first block's 16 tokens, and the tenant's next question (64 of 72 tokens
+    # shared: a prefix match without the report) goes to the least loaded worker.
+    router = Router(RouterConfig("cache_aware", block_size=16), [0, 1])
+    prompt = tenant_prompt(3, 0)
+    assert router.route(prompt, "salt") == 0
+    blocks = BlockManager(6, 16)
+    seq = Sequence(0, list(prompt), len(prompt), 8, 0, 0.0, request=SimpleNamespace(cache_salt="salt"))
+    computed(blocks, seq)
+    blocks.free(seq)
+    other = fake_seq(1, 80)
+    computed(blocks, other)
+    evicted = blocks.take_evicted()
+    assert len(evicted) == 3 and blocks.take_evicted() == []
+    router.evicted_blocks(0, [kv_cache.block_hash(None, prompt[:16], None)])   # another salt's chain: unknown
+    assert router.trees[0].match(prompt) == 72
+    router.evicted_blocks(0, evicted)
+    assert router.trees[0].match(tenant_prompt(3, 1)) == 16 and router.forgotten_blocks == 3
+    assert router.route(tenant_prompt(3, 1), "salt") == 1
+    assert router.decision_counts()[("cache_aware", "least_loaded", 1)] == 1
+    blocks.free(other)
+    blocks.check_invariants([seq, other])
+
+
 def test_a_worker_leaving_drops_its_tree_and_its_tenants_reroute():
     router = Router(RouterConfig("cache_aware"), ["a", "b"])
     router.update_load("a", 1)
@@ -6100,8 +6128,8 @@ def test_concurrent_routing_from_threads_keeps_the_counts_consistent():
 def routed_cores(client) -> list:
     """Wrap the client's router so a test sees each decision, in order."""
     decisions, route = [], client.router.route
-    def recording(tokens):
-        decisions.append(route(tokens))
+    def recording(tokens, *salt):
+        decisions.append(route(tokens, *salt))
         return decisions[-1]
     client.router.route = recording
     return decisions
@@ -6169,6 +6197,30 @@ def test_data_parallel_abort_reaches_the_core_that_runs_the_request(tiny):
     asyncio.run(asyncio.wait_for(scenario(), 120))
     assert engines[0].num_generation_tokens == 1000 and 0 < engines[1].num_generation_tokens < 1000
     assert client.metrics.requests == {"finished": 1, "aborted": 1}
+
+
+def test_a_core_that_evicts_a_tenants_prefix_stops_getting_it_by_match(tiny):
+    # Core 0 has 6 KV blocks of 16 tokens (its tree's bound: 96 tokens, never reached here); requests
+    # come one at a time, so loads tie at 0 and a new prefix goes to the smaller tree. Each prompt is
+    # 48 tokens (a tenant's 40, then the question's 8) and generates 30: 5 blocks, 4 full (cached).
+    # Tenant A -> core 0; B -> core 1; C -> core 0 (trees tie), which takes its 2 free blocks and
+    # evicts 3 cached ones, least recently used first: A's block of generated tokens, then its prompt
+    # blocks 2 and 1. Core 0 reports them; its tree keeps A's first 16 tokens, so A's next question (40
+    # of 48 tokens shared) no longer matches there and goes to the smaller tree: core 1 (without the
+    # report, a prefix match on core 0).
+    engines = [tiny_llm(tiny, kv_cache_memory=6 * TINY_BLOCK_BYTES).engine, tiny_llm(tiny).engine]
+    client = DataParallelClient.in_threads(engines, "cache_aware")
+    decisions = routed_cores(client)
+    with TestClient(build_app(client, "tiny")) as http:
+        for tenant, q in [(0, 0), (1, 0), (2, 0), (0, 1)]:
+            http.post("/v1/completions", json={"prompt": tenant_prompt(tenant, q, system_len=40), "max_tokens": 30,
+                                               "temperature": 0, "ignore_eos": True}).raise_for_status()
+        metrics = http.get("/metrics").text
+    assert decisions == [0, 1, 0, 1]
+    assert engines[0].blocks.num_evictions == 3 and client.router.forgotten_blocks == 2
+    assert client.router.trees[0].match(tenant_prompt(0, 2, system_len=40)) == 16
+    assert client.router.decision_counts()[("cache_aware", "least_loaded", 1)] == 2   # B, then A's return
+    assert 'nanoserve:router_forgotten_blocks_total{model_name="tiny"} 2' in metrics
 
 
 @pytest.mark.slow
