@@ -208,17 +208,19 @@ def dp_key() -> bytes:
 
 
 def run_headless(config: EngineConfig, local: int, address: tuple[str, int], key: bytes,
-                 grammar_timeout: float) -> None:
+                 grammar_timeout: float, role: str = "both") -> None:
     """serve.py --headless: `local` engine cores for a front end on another machine, sharing this host's
-    threads; exits when they all end (the front end stopped, or hung up)."""
+    threads; exits when they all end (the front end stopped, or hung up). role: both (data-parallel
+    replicas) or prefill | decode (cores of a disaggregated front end: disaggregation.py)."""
     from engine_core import run_remote_core
     config.num_threads = max(1, (config.num_threads or os.cpu_count()) // local)
     context = multiprocessing.get_context("spawn")
-    cores = [context.Process(target=run_remote_core, args=(config, address, key, grammar_timeout),
+    cores = [context.Process(target=run_remote_core, args=(config, address, key, grammar_timeout, 120.0, role),
                              name=f"nanoserve-engine-core-{i}") for i in range(local)]
     for core in cores:
         core.start()
-    log.info("%d headless engine cores serving the front end at %s:%d", local, *address)
+    log.info("%d headless %sengine cores serving the front end at %s:%d", local,
+             "" if role == "both" else role + " ", *address)
     for sig in (signal.SIGINT, signal.SIGTERM):    # the cores end when the front end stops them
         signal.signal(sig, lambda *_: [c.kill() for c in cores])
     for core in cores:

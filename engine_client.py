@@ -273,10 +273,15 @@ class EngineClient:
         """A remote engine core (serve.py --headless on another machine) connects to the front end's
         listener; the same messages then travel over that socket instead of a pipe."""
         conn = listener.accept()
+        return EngineClient.remote(conn, listener.last_accepted)
+
+    @staticmethod
+    def remote(conn, address) -> "EngineClient":
+        """The client of a remote core connected from `address`, once its engine is built."""
         info = conn.recv()
         if isinstance(info, Exception):
             raise info
-        return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, RemoteCore(listener.last_accepted))
+        return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, RemoteCore(address))
 
     @staticmethod
     def in_thread(engine: Engine, transfer=None, role: str = "both",

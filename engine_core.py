@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 
 from engine import Engine, EngineConfig, EngineStats, PromptLimits, RequestOutput, SamplingParams
 from errors import EngineError, InvalidRequest
-from kv_transfer import KVTransfer, TransferGroup
+from kv_transfer import KVTransfer, TransferGroup, join_as
 import handoff
 from handoff import Handoff
 
@@ -102,6 +102,13 @@ class CoreUpdate:
 class CoreDied:
     """Core -> front end, last: why the core is ending on its own (a crash of the loop itself)."""
     reason: str
+
+
+@dataclass
+class JoinCore:
+    """Remote core -> front end, first on its connection (disaggregation): the transfer-group rank it took."""
+    rank: int
+    role: str
 
 
 @dataclass
@@ -330,14 +337,18 @@ def run_core_process(config: EngineConfig, conn: Connection, grammar_timeout: fl
         EngineCore(engine, conn, grammar_timeout, transfer, role).run()
     finally:
         engine.shutdown()           # tensor-parallel workers stop with the core
+        if transfer is not None:
+            transfer.close()
 
 
 def run_remote_core(config: EngineConfig, address: tuple[str, int], authkey: bytes, grammar_timeout: float = 10.0,
-                    wait_s: float = 120.0) -> None:
+                    wait_s: float = 120.0, role: str = "both") -> None:
     """serve.py --headless: one engine core on this machine serving a front end on another. It connects
     to the front end's listener (authenticated: the messages are pickles), retrying while the front end
-    starts, then runs exactly as a local core does over its pipe."""
+    starts, then runs exactly as a local core does over its pipe. A prefill or decode core first takes
+    its rank in the KV-transfer group from the front end's TCPStore (the next port) and says which."""
     from multiprocessing.connection import Client
+    group = None if role == "both" else join_as(role, address[0], address[1] + 1, wait_s)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -347,4 +358,6 @@ def run_remote_core(config: EngineConfig, address: tuple[str, int], authkey: byt
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no front end listening at {address[0]}:{address[1]} after {wait_s:g} s")
             time.sleep(0.5)
-    run_core_process(config, conn, grammar_timeout)
+    if group is not None:
+        conn.send(JoinCore(group.rank, role))
+    run_core_process(config, conn, grammar_timeout, group, role)

@@ -6370,6 +6370,67 @@ def test_disaggregated_1_1_gives_one_engines_outputs_and_moves_each_prompt_block
     assert f'nanoserve:kv_transfer_bytes_total{{model_name="tiny"}} {client.kv_bytes}' in metrics
 
 
+@pytest.mark.slow
+def test_headless_prefill_and_decode_cores_join_a_disaggregated_front_end(tiny):
+    """Three machines' commands on one: the front end starts no core (--disaggregation 1:1
+    --disaggregation-local 0:0); serve.py --headless --disaggregation-mode prefill, and one with decode,
+    take their KV-transfer ranks from the front end's TCPStore (rpc port + 1) and connect to its listener
+    (NANOSERVE_DP_KEY). Greedy texts equal transformers'; each prompt's one block moved once, over gloo
+    between the two headless processes; SIGTERM to the front end ends both cores and their group."""
+    port, log = free_port(), tempfile.TemporaryFile()
+    rpc = next(p for p in iter(free_port, None) if port_is_free(p + 1))
+    common = ["--model", str(tiny[0]), "--kv-cache-memory", "4MiB", "--device", "cpu", "--dtype", "float32",
+              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
+    env = {**os.environ, "NANOSERVE_DP_KEY": "test-secret"}
+    start = lambda *args: subprocess.Popen([sys.executable, "serve.py", *args, *common], cwd=HERE, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+    front = start("--port", str(port), "--served-model-name", "tiny", "--disaggregation", "1:1",
+                  "--disaggregation-local", "0:0")
+    cores = [start("--headless", "--disaggregation-mode", mode) for mode in ("decode", "prefill")]
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(front, url, log)
+        pids = process_tree(front.pid) | process_tree(cores[0].pid) | process_tree(cores[1].pid)
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json(), TINY_PROMPTS[:3]))
+        assert [a["choices"][0]["text"] for a in answers] == tiny_texts(tiny, TINY_PROMPTS[:3], 4)
+        metrics = httpx.get(url + "/metrics").text
+        assert f'nanoserve:kv_transfer_bytes_total{{model_name="tiny"}} {3 * TINY_BLOCK_BYTES}' in metrics, metrics
+    finally:
+        code = stop_and_check_no_orphans(front, pids, log)
+        exits = []
+        for core in cores:
+            try:
+                exits.append(core.wait(timeout=30))
+            except subprocess.TimeoutExpired:
+                os.killpg(core.pid, signal.SIGKILL)
+                exits.append("hung")
+    assert code == 0 and exits == [0, 0], server_log(log)
+
+
+@pytest.mark.unit
+def test_remote_disaggregation_flags_are_checked_before_any_core_starts(monkeypatch):
+    monkeypatch.delenv("NANOSERVE_DP_KEY", raising=False)
+    for argv, message in [(["--disaggregation-mode", "decode"], "--disaggregation-mode is for --headless"),
+                          (["--disaggregation", "1:1", "--disaggregation-local", "2:0"], "exceeds --disaggregation 1:1"),
+                          (["--disaggregation", "1:1", "--disaggregation-local", "0:-1"], "P and D >= 0"),
+                          (["--disaggregation", "1:1", "--disaggregation-local", "0:1"], "NANOSERVE_DP_KEY"),
+                          (["--headless", "--disaggregation-mode", "prefill"], "NANOSERVE_DP_KEY")]:
+        with pytest.raises(SystemExit) as e:
+            serve.main(argv)
+        assert message in str(e.value), (argv, e.value)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def test_a_prefill_core_dying_mid_transfer_fails_the_stream_and_frees_both_sides(tiny):
     # The decode core has allocated the prompt's blocks and posted its receives; the prefill core holds
     # them and (held back here) has not sent yet, when it stops. The stream ends with an error event;
