@@ -23,8 +23,9 @@ import sys
 from multiprocessing.connection import Listener
 
 from engine import Engine, EngineConfig, EngineStats
-from engine_client import EngineClient, RemoteCore, Run, ServerMetrics
-from engine_core import CoreUpdate, Stop
+from engine_client import EngineClient, Run, ServerMetrics
+from engine_core import CoreUpdate, JoinCore, Stop
+from kv_transfer import host_store, open_ranks
 from openai_api import APIError
 from router import Router, RouterConfig
 
@@ -56,25 +57,26 @@ class DataParallelClient:
         threads = max(1, (config.num_threads or os.cpu_count()) // max(1, local))
         starting = [EngineClient.launch(dataclasses.replace(config, num_threads=threads), grammar_timeout)
                     for _ in range(local)]    # the engines build at once
-        cores = []
+        cores, joined, store = [], {}, None
         try:
             for connect in starting:
                 cores.append(connect())
-            if size > local:
-                with Listener(address, authkey=authkey) as listener:
-                    log.info("waiting for %d remote engine cores (serve.py --headless) on %s:%d", size - local,
-                             *address)
-                    cores += [EngineClient.accept(listener) for _ in range(size - local)]
+            if size > local:              # remote cores take their ranks (core indices) from a TCPStore
+                store = host_store(size, address[0], address[1] + 1)
+                open_ranks(store, size, {"both": list(range(local, size))})
+                joined = accept_cores(address, authkey, {"both": list(range(local, size))})
+                cores += [EngineClient.remote(*joined[rank]) for rank in range(local, size)]
         except BaseException:
-            for core in cores:
-                if isinstance(core.core, RemoteCore):
-                    core.conn.close()         # its loop reads EOF and ends
+            for conn, _ in joined.values():
+                conn.close()              # a remote core reads EOF and ends
             for connect in starting:
                 if connect.process.is_alive():
                     connect.process.kill()
                     connect.process.join(1)
             raise
-        return DataParallelClient(cores, policy)
+        client = DataParallelClient(cores, policy)
+        client.store = store              # kept while the cores serve
+        return client
 
     @staticmethod
     def in_threads(engines: list[Engine], policy: str = "round_robin") -> "DataParallelClient":
@@ -198,6 +200,29 @@ class DataParallelClient:
                   "core's prefix tree.", "# TYPE nanoserve:router_forgotten_blocks_total counter",
                   f"nanoserve:router_forgotten_blocks_total{{{labels}}} {self.router.forgotten_blocks}"]
         return lines
+
+
+def accept_cores(address: tuple[str, int], authkey: bytes, remote: dict[str, list[int]]) -> dict:
+    """The front end's side of a remote join: each core took an open rank of its role from the front end's
+    TCPStore (kv_transfer.join_as), connects to the listener at `address` (authenticated: the messages
+    are pickles) and says which (JoinCore). Returns {rank: (connection, peer address)}; every rank once."""
+    joined = {}
+    try:
+        with Listener(address, authkey=authkey) as listener:
+            log.info("waiting for remote engine cores (serve.py --headless) on %s:%d: %s", *address,
+                     {role: len(ranks) for role, ranks in remote.items() if ranks})
+            while len(joined) < sum(map(len, remote.values())):
+                conn = listener.accept()
+                join = conn.recv()
+                if not isinstance(join, JoinCore) or join.rank not in remote.get(join.role, ()) or join.rank in joined:
+                    conn.close()
+                    raise RuntimeError(f"a core joined that takes no open rank: {join!r:.200}")
+                joined[join.rank] = (conn, listener.last_accepted)
+    except BaseException:
+        for conn, _ in joined.values():
+            conn.close()                      # the remote core reads EOF and ends
+        raise
+    return joined
 
 
 def dp_key() -> bytes:

@@ -16,19 +16,15 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
-import logging
 import os
-from multiprocessing.connection import Listener
 
-from data_parallel import DataParallelClient, dp_key
+from data_parallel import DataParallelClient, accept_cores, dp_key
 from engine import Engine, EngineConfig
 from engine_client import EngineClient, Failed
-from engine_core import CoreUpdate, ImportRequest, JoinCore, SendBlocks
+from engine_core import CoreUpdate, ImportRequest, SendBlocks
 from kv_transfer import KVTransfer, TransferGroup, host_store, open_ranks
 from openai_api import APIError
 from router import Router, RouterConfig
-
-log = logging.getLogger("nanoserve.serve")
 
 
 def parse_disaggregation(value: str, least: int = 1) -> tuple[int, int]:
@@ -90,16 +86,7 @@ class DisaggregatedClient(DataParallelClient):
         joined = {}                         # rank -> (connection, address) of a remote core
         try:
             if num_remote:
-                with Listener(address, authkey=authkey) as listener:
-                    log.info("waiting for %s remote engine cores (serve.py --headless) on %s:%d",
-                             {r: len(v) for r, v in remote.items() if v}, *address)
-                    while len(joined) < num_remote:
-                        conn = listener.accept()
-                        join = conn.recv()
-                        if not isinstance(join, JoinCore) or join.rank not in remote[join.role] or join.rank in joined:
-                            conn.close()
-                            raise RuntimeError(f"a core joined that is no open prefill or decode rank: {join!r:.200}")
-                        joined[join.rank] = (conn, listener.last_accepted)
+                joined = accept_cores(address, authkey, remote)
             cores = [starting[rank]() if rank in starting else EngineClient.remote(*joined[rank])
                      for rank in range(size)]
         except BaseException:

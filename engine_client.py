@@ -269,15 +269,10 @@ class EngineClient:
         return connect
 
     @staticmethod
-    def accept(listener) -> "EngineClient":
-        """A remote engine core (serve.py --headless on another machine) connects to the front end's
-        listener; the same messages then travel over that socket instead of a pipe."""
-        conn = listener.accept()
-        return EngineClient.remote(conn, listener.last_accepted)
-
-    @staticmethod
     def remote(conn, address) -> "EngineClient":
-        """The client of a remote core connected from `address`, once its engine is built."""
+        """A remote engine core (serve.py --headless on another machine) connected from `address` to the
+        front end's listener (data_parallel.accept_cores); the same messages then travel over that
+        socket instead of a pipe. Returns once its engine is built."""
         info = conn.recv()
         if isinstance(info, Exception):
             raise info

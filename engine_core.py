@@ -106,7 +106,7 @@ class CoreDied:
 
 @dataclass
 class JoinCore:
-    """Remote core -> front end, first on its connection (disaggregation): the transfer-group rank it took."""
+    """Remote core -> front end, first on its connection: the rank it took (kv_transfer.join_as)."""
     rank: int
     role: str
 
@@ -345,10 +345,11 @@ def run_remote_core(config: EngineConfig, address: tuple[str, int], authkey: byt
                     wait_s: float = 120.0, role: str = "both") -> None:
     """serve.py --headless: one engine core on this machine serving a front end on another. It connects
     to the front end's listener (authenticated: the messages are pickles), retrying while the front end
-    starts, then runs exactly as a local core does over its pipe. A prefill or decode core first takes
-    its rank in the KV-transfer group from the front end's TCPStore (the next port) and says which."""
+    starts, then runs exactly as a local core does over its pipe. First it takes its rank (its core index;
+    for a prefill or decode core, its rank in the KV-transfer group too) from the front end's TCPStore
+    at the next port, and says which on the connection."""
     from multiprocessing.connection import Client
-    group = None if role == "both" else join_as(role, address[0], address[1] + 1, wait_s)
+    group = join_as(role, address[0], address[1] + 1, wait_s)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -358,6 +359,5 @@ def run_remote_core(config: EngineConfig, address: tuple[str, int], authkey: byt
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no front end listening at {address[0]}:{address[1]} after {wait_s:g} s")
             time.sleep(0.5)
-    if group is not None:
-        conn.send(JoinCore(group.rank, role))
-    run_core_process(config, conn, grammar_timeout, group, role)
+    conn.send(JoinCore(group.rank, role))
+    run_core_process(config, conn, grammar_timeout, None if role == "both" else group, role)
