@@ -9,7 +9,8 @@ N the same way. The router's load contract: each core's reported running + waiti
 its count on every update; finish() when a request's last prompt ends. A core that dies fails only
 its own requests (its EngineClient sends them error events) and leaves the router; the others keep
 serving, and /health says "degraded". run_headless is the other machine's side (serve.py --headless):
-cores that connect to this front end's listener, authenticated by NANOSERVE_DP_KEY (dp_key).
+cores that take their ranks from this front end's TCPStore and connect to its listener (accept_cores),
+authenticated by NANOSERVE_DP_KEY (dp_key); disaggregation.py's remote cores join the same way.
 Owns the request -> core map and the per-core /metrics lines;
 owns no HTTP (serve.py), no pipe (engine_client.py) and no routing policy (router.py).
 """
