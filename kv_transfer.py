@@ -137,11 +137,12 @@ def host_store(world_size: int, host: str = "127.0.0.1", port: int = 0) -> dist.
 
 
 def open_ranks(store: dist.TCPStore, world_size: int, remote: dict[str, list[int]]) -> None:
-    """The front end: publish the group's size and, per role, the ranks left for cores joining from
-    other machines (serve.py --headless --disaggregation-mode ROLE)."""
+    """The front end: publish the group's size and, per role (both: a data-parallel replica; prefill,
+    decode), the ranks left for cores joining from other machines; none for a role not named, so a core
+    of the wrong kind is refused at once."""
     store.set("nanoserve/world_size", str(world_size))
-    for role, ranks in remote.items():
-        store.set(f"nanoserve/open_ranks/{role}", ",".join(map(str, ranks)))
+    for role in ("both", "prefill", "decode"):
+        store.set(f"nanoserve/open_ranks/{role}", ",".join(map(str, remote.get(role, ()))))
 
 
 def join_as(role: str, host: str, port: int, timeout_s: float = 120.0) -> TransferGroup:

@@ -6410,6 +6410,24 @@ def test_headless_prefill_and_decode_cores_join_a_disaggregated_front_end(tiny):
 
 
 @pytest.mark.unit
+def test_remote_cores_take_the_open_ranks_of_their_role_from_the_front_ends_store():
+    # --disaggregation 2:2 --disaggregation-local 1:1: the front end starts ranks 0 (prefill) and 2
+    # (decode); a remote decode core takes 3, a prefill core 1; a second decode core, or a data-parallel
+    # one, finds no open rank and is refused at once (not after the store's timeout)
+    from kv_transfer import host_store, join_as, open_ranks
+    store = host_store(4)
+    open_ranks(store, 4, {"prefill": [1], "decode": [3]})
+    decode = join_as("decode", "127.0.0.1", store.port, 5)
+    assert (decode.rank, decode.world_size, decode.port) == (3, 4, store.port)
+    assert join_as("prefill", "127.0.0.1", store.port, 5).rank == 1
+    start = time.monotonic()
+    for role, message in [("decode", "expects 1 remote decode cores, and 2 joined"), ("both", "expects 0 remote both")]:
+        with pytest.raises(RuntimeError, match=message):
+            join_as(role, "127.0.0.1", store.port, 5)
+    assert time.monotonic() - start < 2
+
+
+@pytest.mark.unit
 def test_remote_disaggregation_flags_are_checked_before_any_core_starts(monkeypatch):
     monkeypatch.delenv("NANOSERVE_DP_KEY", raising=False)
     for argv, message in [(["--disaggregation-mode", "decode"], "--disaggregation-mode is for --headless"),
