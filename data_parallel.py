@@ -43,6 +43,7 @@ class DataParallelClient:
                                           block_size=limits.block_size), range(len(cores)))
         self.metrics = ServerMetrics()       # one set for the server: every core's outputs count in it
         self.owner: dict[str, tuple[int, Run]] = {}   # request id -> (core, its run), until it ends
+        self.store = None                    # remote cores' rendezvous (kv_transfer.open_ranks), while they serve
         for i, core in enumerate(cores):
             core.metrics = self.metrics
             core.on_update = functools.partial(self._core_update, i)
@@ -76,7 +77,7 @@ class DataParallelClient:
                     connect.process.join(1)
             raise
         client = DataParallelClient(cores, policy)
-        client.store = store              # kept while the cores serve
+        client.store = store
         return client
 
     @staticmethod

@@ -9,8 +9,9 @@ as this front end drives it over the cores' pipes:
   its own prefix-cache hits skipped)  ->  CoreUpdate.wanted  ->  prefill core: SendBlocks  ->  the blocks
   go rank to rank (gloo)  ->  the decode core runs the request; the prefill core frees its blocks.
 A core that dies fails only the requests it held or was moving (error events); the other side of a
-transfer frees its blocks. Cores may run on other machines (serve.py --headless --disaggregation-mode). Owns which core takes each stage, the requests in transit and the transfer
-metrics; owns no transport (kv_transfer.py), no block (engine.py) and no HTTP (serve.py).
+transfer frees its blocks. Cores may run on other machines (serve.py --headless --disaggregation-mode).
+Owns which core takes each stage, the requests in transit and the transfer metrics; owns no transport
+(kv_transfer.py), no block (engine.py) and no HTTP (serve.py).
 """
 import asyncio
 import concurrent.futures
