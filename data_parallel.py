@@ -9,7 +9,8 @@ N the same way. The router's load contract: each core's reported running + waiti
 its count on every update; finish() when a request's last prompt ends. A core that dies fails only
 its own requests (its EngineClient sends them error events) and leaves the router; the others keep
 serving, and /health says "degraded". run_headless is the other machine's side (serve.py --headless):
-cores that connect to this front end's listener, authenticated by NANOSERVE_DP_KEY (dp_key).
+cores that take their ranks from this front end's TCPStore and connect to its listener (accept_cores),
+authenticated by NANOSERVE_DP_KEY (dp_key); disaggregation.py's remote cores join the same way.
 Owns the request -> core map and the per-core /metrics lines;
 owns no HTTP (serve.py), no pipe (engine_client.py) and no routing policy (router.py).
 """
@@ -23,8 +24,9 @@ import sys
 from multiprocessing.connection import Listener
 
 from engine import Engine, EngineConfig, EngineStats
-from engine_client import EngineClient, RemoteCore, Run, ServerMetrics
-from engine_core import CoreUpdate, Stop
+from engine_client import EngineClient, Run, ServerMetrics
+from engine_core import CoreUpdate, JoinCore, Stop
+from kv_transfer import host_store, open_ranks
 from openai_api import APIError
 from router import Router, RouterConfig
 
@@ -36,11 +38,12 @@ class DataParallelClient:
         self.cores = cores
         self.info, self.tokenizer = cores[0].info, cores[0].tokenizer
         limits = self.info.limits
-        # a tree never holds more than its core's pool can: the size bound stands in for eviction reports
-        self.router = Router(RouterConfig(policy, max_tree_tokens=limits.usable_blocks * limits.block_size),
-                             range(len(cores)))
+        # a tree forgets the blocks its core reports evicted, and never holds more than the core's pool can
+        self.router = Router(RouterConfig(policy, max_tree_tokens=limits.usable_blocks * limits.block_size,
+                                          block_size=limits.block_size), range(len(cores)))
         self.metrics = ServerMetrics()       # one set for the server: every core's outputs count in it
         self.owner: dict[str, tuple[int, Run]] = {}   # request id -> (core, its run), until it ends
+        self.store = None                    # remote cores' rendezvous (kv_transfer.open_ranks), while they serve
         for i, core in enumerate(cores):
             core.metrics = self.metrics
             core.on_update = functools.partial(self._core_update, i)
@@ -56,25 +59,26 @@ class DataParallelClient:
         threads = max(1, (config.num_threads or os.cpu_count()) // max(1, local))
         starting = [EngineClient.launch(dataclasses.replace(config, num_threads=threads), grammar_timeout)
                     for _ in range(local)]    # the engines build at once
-        cores = []
+        cores, joined, store = [], {}, None
         try:
             for connect in starting:
                 cores.append(connect())
-            if size > local:
-                with Listener(address, authkey=authkey) as listener:
-                    log.info("waiting for %d remote engine cores (serve.py --headless) on %s:%d", size - local,
-                             *address)
-                    cores += [EngineClient.accept(listener) for _ in range(size - local)]
+            if size > local:              # remote cores take their ranks (core indices) from a TCPStore
+                store = host_store(size, address[0], address[1] + 1)
+                open_ranks(store, size, {"both": list(range(local, size))})
+                joined = accept_cores(address, authkey, {"both": list(range(local, size))})
+                cores += [EngineClient.remote(*joined[rank]) for rank in range(local, size)]
         except BaseException:
-            for core in cores:
-                if isinstance(core.core, RemoteCore):
-                    core.conn.close()         # its loop reads EOF and ends
+            for conn, _ in joined.values():
+                conn.close()              # a remote core reads EOF and ends
             for connect in starting:
                 if connect.process.is_alive():
                     connect.process.kill()
                     connect.process.join(1)
             raise
-        return DataParallelClient(cores, policy)
+        client = DataParallelClient(cores, policy)
+        client.store = store
+        return client
 
     @staticmethod
     def in_threads(engines: list[Engine], policy: str = "round_robin") -> "DataParallelClient":
@@ -132,7 +136,7 @@ class DataParallelClient:
         if not self.alive() or not self.router.loads():   # no core left, or none left for this stage
             raise APIError(503, f"engine is dead: {self.dead_reason or 'no core left to take requests'}",
                            code="engine_dead")
-        i = self.router.route(run.prompts[0])
+        i = self.router.route(run.prompts[0], run.cache_salt)
         self.cores[i].submit(run)
         for request_id in run.request_ids:
             self.owner[request_id] = (i, run)
@@ -156,6 +160,8 @@ class DataParallelClient:
         self._ended(ended)
         s = update.stats
         self.router.update_load(i, s.num_running + s.num_waiting + s.num_swapped + s.num_unforked_samples)
+        if update.evicted:
+            self.router.evicted_blocks(i, update.evicted)
 
     def _core_died(self, i: int, reason: str) -> None:
         self.router.remove_worker(i)
@@ -191,8 +197,34 @@ class DataParallelClient:
                   for (p, r, w), n in sorted(self.router.decision_counts().items())]
         lines += ["# HELP nanoserve:router_expected_hit_rate cache_aware: prompt tokens its trees matched on the "
                   "chosen core / prompt tokens routed.", "# TYPE nanoserve:router_expected_hit_rate gauge",
-                  f"nanoserve:router_expected_hit_rate{{{labels}}} {self.router.expected_hit_rate()}"]
+                  f"nanoserve:router_expected_hit_rate{{{labels}}} {self.router.expected_hit_rate()}",
+                  "# HELP nanoserve:router_forgotten_blocks_total cache_aware: blocks the cores evicted that cut a "
+                  "core's prefix tree.", "# TYPE nanoserve:router_forgotten_blocks_total counter",
+                  f"nanoserve:router_forgotten_blocks_total{{{labels}}} {self.router.forgotten_blocks}"]
         return lines
+
+
+def accept_cores(address: tuple[str, int], authkey: bytes, remote: dict[str, list[int]]) -> dict:
+    """The front end's side of a remote join: each core took an open rank of its role from the front end's
+    TCPStore (kv_transfer.join_as), connects to the listener at `address` (authenticated: the messages
+    are pickles) and says which (JoinCore). Returns {rank: (connection, peer address)}; every rank once."""
+    joined = {}
+    try:
+        with Listener(address, authkey=authkey) as listener:
+            log.info("waiting for remote engine cores (serve.py --headless) on %s:%d: %s", *address,
+                     {role: len(ranks) for role, ranks in remote.items() if ranks})
+            while len(joined) < sum(map(len, remote.values())):
+                conn = listener.accept()
+                join = conn.recv()
+                if not isinstance(join, JoinCore) or join.rank not in remote.get(join.role, ()) or join.rank in joined:
+                    conn.close()
+                    raise RuntimeError(f"a core joined that takes no open rank: {join!r:.200}")
+                joined[join.rank] = (conn, listener.last_accepted)
+    except BaseException:
+        for conn, _ in joined.values():
+            conn.close()                      # the remote core reads EOF and ends
+        raise
+    return joined
 
 
 def dp_key() -> bytes:
@@ -203,17 +235,19 @@ def dp_key() -> bytes:
 
 
 def run_headless(config: EngineConfig, local: int, address: tuple[str, int], key: bytes,
-                 grammar_timeout: float) -> None:
+                 grammar_timeout: float, role: str = "both") -> None:
     """serve.py --headless: `local` engine cores for a front end on another machine, sharing this host's
-    threads; exits when they all end (the front end stopped, or hung up)."""
+    threads; exits when they all end (the front end stopped, or hung up). role: both (data-parallel
+    replicas) or prefill | decode (cores of a disaggregated front end: disaggregation.py)."""
     from engine_core import run_remote_core
     config.num_threads = max(1, (config.num_threads or os.cpu_count()) // local)
     context = multiprocessing.get_context("spawn")
-    cores = [context.Process(target=run_remote_core, args=(config, address, key, grammar_timeout),
+    cores = [context.Process(target=run_remote_core, args=(config, address, key, grammar_timeout, 120.0, role),
                              name=f"nanoserve-engine-core-{i}") for i in range(local)]
     for core in cores:
         core.start()
-    log.info("%d headless engine cores serving the front end at %s:%d", local, *address)
+    log.info("%d headless %sengine cores serving the front end at %s:%d", local,
+             "" if role == "both" else role + " ", *address)
     for sig in (signal.SIGINT, signal.SIGTERM):    # the cores end when the front end stops them
         signal.signal(sig, lambda *_: [c.kill() for c in cores])
     for core in cores:

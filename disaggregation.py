@@ -9,8 +9,9 @@ as this front end drives it over the cores' pipes:
   its own prefix-cache hits skipped)  ->  CoreUpdate.wanted  ->  prefill core: SendBlocks  ->  the blocks
   go rank to rank (gloo)  ->  the decode core runs the request; the prefill core frees its blocks.
 A core that dies fails only the requests it held or was moving (error events); the other side of a
-transfer frees its blocks. Owns which core takes each stage, the requests in transit and the transfer
-metrics; owns no transport (kv_transfer.py), no block (engine.py) and no HTTP (serve.py).
+transfer frees its blocks. Cores may run on other machines (serve.py --headless --disaggregation-mode).
+Owns which core takes each stage, the requests in transit and the transfer metrics; owns no transport
+(kv_transfer.py), no block (engine.py) and no HTTP (serve.py).
 """
 import asyncio
 import concurrent.futures
@@ -18,23 +19,23 @@ import dataclasses
 import itertools
 import os
 
-from data_parallel import DataParallelClient
+from data_parallel import DataParallelClient, accept_cores, dp_key
 from engine import Engine, EngineConfig
 from engine_client import EngineClient, Failed
 from engine_core import CoreUpdate, ImportRequest, SendBlocks
-from kv_transfer import KVTransfer, TransferGroup, host_store
+from kv_transfer import KVTransfer, TransferGroup, host_store, open_ranks
 from openai_api import APIError
 from router import Router, RouterConfig
 
 
-def parse_disaggregation(value: str) -> tuple[int, int]:
-    """'P:D' -> (P, D), each >= 1."""
+def parse_disaggregation(value: str, least: int = 1) -> tuple[int, int]:
+    """'P:D' -> (P, D), each >= least (--disaggregation: 1; --disaggregation-local: 0)."""
     try:
         p, d = (int(x) for x in value.split(":"))
     except ValueError:
         raise ValueError(f"--disaggregation must be P:D (prefill cores : decode cores), e.g. 1:1; got {value!r}")
-    if p < 1 or d < 1:
-        raise ValueError(f"--disaggregation needs at least one prefill and one decode core; got {value!r}")
+    if p < least or d < least:
+        raise ValueError(f"--disaggregation needs P and D >= {least} (prefill and decode cores); got {value!r}")
     return p, d
 
 
@@ -52,17 +53,47 @@ class DisaggregatedClient(DataParallelClient):
         self.kv_seconds = 0.0
 
     @staticmethod
-    def in_processes(config: EngineConfig, num_prefill: int, num_decode: int, grammar_timeout: float = 10.0):
+    def from_flags(config: EngineConfig, flag: str, local_flag: str | None, address: tuple[str, int],
+                   grammar_timeout: float) -> "DisaggregatedClient":
+        """serve.py's --disaggregation P:D [--disaggregation-local P:D]; remote cores need NANOSERVE_DP_KEY."""
+        p, d = parse_disaggregation(flag)
+        local = parse_disaggregation(local_flag, 0) if local_flag else (p, d)
+        if local[0] > p or local[1] > d:
+            raise ValueError(f"--disaggregation-local {local_flag} exceeds --disaggregation {flag}")
+        return DisaggregatedClient.in_processes(config, p, d, grammar_timeout, local, address,
+                                                dp_key() if local != (p, d) else b"")
+
+    @staticmethod
+    def in_processes(config: EngineConfig, num_prefill: int, num_decode: int, grammar_timeout: float = 10.0,
+                     local: tuple[int, int] | None = None, address: tuple[str, int] | None = None,
+                     authkey: bytes = b""):
+        """serve.py: local = (prefill, decode) cores started here (default all), ranks 0.. and P.. of each
+        role; the others join from other machines (serve.py --headless --disaggregation-mode ROLE): they
+        take the open ranks from the group's TCPStore at address's host and port + 1, then connect to the
+        listener at `address`, authenticated by `authkey`."""
         size = num_prefill + num_decode
-        store = host_store(size)
-        threads = max(1, (config.num_threads or os.cpu_count()) // size)
-        starting = [EngineClient.launch(dataclasses.replace(config, num_threads=threads), grammar_timeout,
-                                        TransferGroup("127.0.0.1", store.port, rank, size),
-                                        "prefill" if rank < num_prefill else "decode") for rank in range(size)]
+        local_p, local_d = local or (num_prefill, num_decode)
+        ranks = list(range(local_p)) + list(range(num_prefill, num_prefill + local_d))
+        remote = {"prefill": list(range(local_p, num_prefill)), "decode": list(range(num_prefill + local_d, size))}
+        num_remote = size - len(ranks)
+        host = address[0] if num_remote else "127.0.0.1"
+        store = host_store(size, host, address[1] + 1 if num_remote else 0)
+        open_ranks(store, size, remote)
+        threads = max(1, (config.num_threads or os.cpu_count()) // max(1, len(ranks)))
+        role = lambda rank: "prefill" if rank < num_prefill else "decode"
+        starting = {rank: EngineClient.launch(dataclasses.replace(config, num_threads=threads), grammar_timeout,
+                                              TransferGroup(host, store.port, rank, size), role(rank))
+                    for rank in ranks}
+        joined = {}                         # rank -> (connection, address) of a remote core
         try:
-            cores = [connect() for connect in starting]
+            if num_remote:
+                joined = accept_cores(address, authkey, remote)
+            cores = [starting[rank]() if rank in starting else EngineClient.remote(*joined[rank])
+                     for rank in range(size)]
         except BaseException:
-            for connect in starting:
+            for conn, _ in joined.values():
+                conn.close()                # the remote core reads EOF and ends
+            for connect in starting.values():
                 if connect.process.is_alive():
                     connect.process.kill()
                     connect.process.join(1)

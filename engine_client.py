@@ -269,14 +269,14 @@ class EngineClient:
         return connect
 
     @staticmethod
-    def accept(listener) -> "EngineClient":
-        """A remote engine core (serve.py --headless on another machine) connects to the front end's
-        listener; the same messages then travel over that socket instead of a pipe."""
-        conn = listener.accept()
+    def remote(conn, address) -> "EngineClient":
+        """A remote engine core (serve.py --headless on another machine) connected from `address` to the
+        front end's listener (data_parallel.accept_cores); the same messages then travel over that
+        socket instead of a pipe. Returns once its engine is built."""
         info = conn.recv()
         if isinstance(info, Exception):
             raise info
-        return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, RemoteCore(listener.last_accepted))
+        return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, RemoteCore(address))
 
     @staticmethod
     def in_thread(engine: Engine, transfer=None, role: str = "both",

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 
 from engine import Engine, EngineConfig, EngineStats, PromptLimits, RequestOutput, SamplingParams
 from errors import EngineError, InvalidRequest
-from kv_transfer import KVTransfer, TransferGroup
+from kv_transfer import KVTransfer, TransferGroup, join_as
 import handoff
 from handoff import Handoff
 
@@ -93,12 +93,22 @@ class CoreUpdate:
     wanted: list[tuple[str, list[int], int]] = field(default_factory=list)
     sent: list[tuple[str, int, float]] = field(default_factory=list)
     received: list[tuple[str, int, float]] = field(default_factory=list)
+    # block hashes the prefix cache evicted since the last update (kv_cache.BlockManager.take_evicted):
+    # a cache_aware router forgets them; at most the pool's blocks, 32 bytes each
+    evicted: list[bytes] = field(default_factory=list)
 
 
 @dataclass
 class CoreDied:
     """Core -> front end, last: why the core is ending on its own (a crash of the loop itself)."""
     reason: str
+
+
+@dataclass
+class JoinCore:
+    """Remote core -> front end, first on its connection: the rank it took (kv_transfer.join_as)."""
+    rank: int
+    role: str
 
 
 @dataclass
@@ -176,6 +186,7 @@ class EngineCore:
 
     def send(self, update: CoreUpdate) -> None:
         update.stats = self.engine.stats()
+        update.evicted = self.engine.blocks.take_evicted()
         self.conn.send(update)
 
     def take_commands(self, update: CoreUpdate, wait: float | None) -> int | None:
@@ -326,14 +337,19 @@ def run_core_process(config: EngineConfig, conn: Connection, grammar_timeout: fl
         EngineCore(engine, conn, grammar_timeout, transfer, role).run()
     finally:
         engine.shutdown()           # tensor-parallel workers stop with the core
+        if transfer is not None:
+            transfer.close()
 
 
 def run_remote_core(config: EngineConfig, address: tuple[str, int], authkey: bytes, grammar_timeout: float = 10.0,
-                    wait_s: float = 120.0) -> None:
+                    wait_s: float = 120.0, role: str = "both") -> None:
     """serve.py --headless: one engine core on this machine serving a front end on another. It connects
     to the front end's listener (authenticated: the messages are pickles), retrying while the front end
-    starts, then runs exactly as a local core does over its pipe."""
+    starts, then runs exactly as a local core does over its pipe. First it takes its rank (its core index;
+    for a prefill or decode core, its rank in the KV-transfer group too) from the front end's TCPStore
+    at the next port, and says which on the connection."""
     from multiprocessing.connection import Client
+    group = join_as(role, address[0], address[1] + 1, wait_s)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -343,4 +359,5 @@ def run_remote_core(config: EngineConfig, address: tuple[str, int], authkey: byt
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no front end listening at {address[0]}:{address[1]} after {wait_s:g} s")
             time.sleep(0.5)
-    run_core_process(config, conn, grammar_timeout)
+    conn.send(JoinCore(group.rank, role))
+    run_core_process(config, conn, grammar_timeout, None if role == "both" else group, role)

@@ -188,6 +188,9 @@ class BlockManager:
         self.free_host_blocks = deque(range(num_host_blocks))
         self.prefix_queries = self.prefix_hits = 0    # tokens asked for / served from the cache
         self.num_evictions = 0                        # cached blocks reclaimed for new data
+        # hashes of the cached blocks reclaimed since take_evicted() last ran: an engine core reports them
+        # so a data-parallel router forgets them (router.py); bounded, since nothing may ever read them
+        self.evicted_hashes = deque(maxlen=num_blocks)
 
     # ------------------------------------------------------------------ allocation
     def num_free_blocks(self) -> int:
@@ -206,6 +209,7 @@ class BlockManager:
         else:                                         # reclaim the least recently used cached block
             block, _ = self.evictable.popitem(last=False)
             self.num_evictions += 1
+            self.evicted_hashes.append(self.cached_hash[block])
             del self.hash_to_block[self.cached_hash[block]]
             self.cached_hash[block] = self.cached_content[block] = self.registration_id[block] = None
         self.ref_counts[block] = 1
@@ -338,6 +342,12 @@ class BlockManager:
                 self.cached_content[block] = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), salt)
                 self.registration_id[block] = next(self.registrations)
             parent = self.registration_id[block]
+
+    def take_evicted(self) -> list[bytes]:
+        """The hashes of the cached blocks evicted since the last call (oldest first), and forget them."""
+        hashes = list(self.evicted_hashes)
+        self.evicted_hashes.clear()
+        return hashes
 
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

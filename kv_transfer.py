@@ -4,7 +4,9 @@ prefill core to a decode core, block by block, with torch.distributed point-to-p
 
 Every engine core of a disaggregated server is a rank of one gloo group: prefill cores 0..P-1, decode
 cores P..P+D-1. The front end (disaggregation.py) hosts the group's TCPStore, so the cores need only its
-address and their rank, whichever machine they run on. A transfer is one tag: the prefill core posts one
+address and their rank, whichever machine they run on: the front end gives local cores theirs, and a core
+that joins from another machine takes the next rank the front end left open for its role, from an atomic
+counter in that store (join_as: torch.distributed's rendezvous, no home-made one). A transfer is one tag: the prefill core posts one
 send per block, the decode core one receive per block into a staging buffer of the same shape, and copies
 it into the block it allocated once it has arrived. Sends and receives are asynchronous: the core loop
 polls them between steps (a small thread per transfer waits on gloo), so a transfer never stalls the
@@ -120,6 +122,10 @@ class KVTransfer:
             if request_id in table:
                 self.abandoned.append(table.pop(request_id))
 
+    def close(self) -> None:
+        """The core ends: leave the group (its peers' pending operations on this rank fail at once)."""
+        self.group.shutdown()
+
     def busy(self) -> bool:
         self.abandoned = [t for t in self.abandoned if not t.finished]
         return bool(self.sending or self.receiving)
@@ -128,3 +134,24 @@ class KVTransfer:
 def host_store(world_size: int, host: str = "127.0.0.1", port: int = 0) -> dist.TCPStore:
     """The front end's store: the cores (world_size of them) meet through it. port 0: a free one."""
     return dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+
+
+def open_ranks(store: dist.TCPStore, world_size: int, remote: dict[str, list[int]]) -> None:
+    """The front end: publish the group's size and, per role (both: a data-parallel replica; prefill,
+    decode), the ranks left for cores joining from other machines; none for a role not named, so a core
+    of the wrong kind is refused at once."""
+    store.set("nanoserve/world_size", str(world_size))
+    for role in ("both", "prefill", "decode"):
+        store.set(f"nanoserve/open_ranks/{role}", ",".join(map(str, remote.get(role, ()))))
+
+
+def join_as(role: str, host: str, port: int, timeout_s: float = 120.0) -> TransferGroup:
+    """A core on another machine: wait for the front end's store, take the next open rank of `role`."""
+    store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))   # retries till up
+    world_size = int(store.get("nanoserve/world_size"))
+    ranks = [int(r) for r in store.get(f"nanoserve/open_ranks/{role}").decode().split(",") if r]
+    i = store.add(f"nanoserve/joined/{role}", 1) - 1
+    if i >= len(ranks):
+        raise RuntimeError(f"the front end at {host}:{port} expects {len(ranks)} remote {role} cores, and "
+                           f"{i + 1} joined (see its --disaggregation-local)")
+    return TransferGroup(host, port, ranks[i], world_size)

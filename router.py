@@ -7,6 +7,9 @@ worker's prefix cache probably holds). A request goes to the worker with the lon
 match is long enough, else to the least loaded one; a balance guard overrides the match when loads
 drift too far apart. A tree forgets what its worker reports evicted, and keeps at most
 max_tree_tokens (least recently routed leaves go first), so it never outgrows the cache it mirrors.
+A worker reports an evicted block by the KV cache's own key (kv_cache.block_hash: a sha256 chain over
+full blocks, salted); a BlockIndex, filled from the prompts routed, maps that key back to the prefix
+the tree holds.
 
 Load contract: load[w] = requests routed to w and not yet finished. route() adds one, finish() takes
 one away; update_load(w, n) replaces it with what the worker itself reports (its running + waiting).
@@ -16,11 +19,12 @@ public method holds one lock.
 """
 import itertools
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from errors import need
+from kv_cache import block_hash
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
@@ -33,6 +37,7 @@ class RouterConfig:
     balance_rel: float = 2.0            # loads are imbalanced when max > balance_rel * min + balance_abs;
     balance_abs: int = 16               # then the least loaded worker wins whatever the match
     max_tree_tokens: int = 1 << 20      # per worker; about its KV pool's tokens
+    block_size: int = 0                 # the workers' KV block size: > 0 lets evicted_blocks() map reports
 
     def validate(self):
         for name, ok, allowed in [
@@ -41,7 +46,8 @@ class RouterConfig:
                 ("min_match_tokens", self.min_match_tokens >= 1, ">= 1"),
                 ("balance_rel", self.balance_rel >= 1, ">= 1"),
                 ("balance_abs", self.balance_abs >= 0, ">= 0"),
-                ("max_tree_tokens", self.max_tree_tokens >= 1, ">= 1")]:
+                ("max_tree_tokens", self.max_tree_tokens >= 1, ">= 1"),
+                ("block_size", self.block_size >= 0, ">= 0")]:
             need(ok, name, allowed, getattr(self, name))
 
 
@@ -158,6 +164,34 @@ class PrefixTree:
         return middle
 
 
+# ------------------------------------------------------------------ evicted block -> tree entry
+class BlockIndex:
+    """Block hash -> the routed prompt and the block's number in it: how a block a worker evicted (named
+    by the KV cache's hash chain) finds its path in the trees. The same hash means the same prefix on
+    every worker, so one index serves them all. Least recently routed entries go first past capacity."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.where: OrderedDict[bytes, tuple[tuple, int]] = OrderedDict()
+
+    def add(self, token_ids: Sequence[int], cache_salt: str | None, capacity: int):
+        tokens, parent, bs = tuple(token_ids), None, self.block_size
+        for k in range(len(tokens) // bs):                # full blocks only: the cache keys no other
+            parent = block_hash(parent, tokens[k * bs:(k + 1) * bs], cache_salt)
+            self.where[parent] = (tokens, k)
+            self.where.move_to_end(parent)
+        while len(self.where) > capacity:
+            self.where.popitem(last=False)
+
+    def first_lost(self, h: bytes) -> tuple | None:
+        """The prefix that ends at the evicted block's first token (what the tree must forget from);
+        None for a block no routed prompt holds (generated tokens', or one the index dropped)."""
+        if (entry := self.where.get(h)) is None:
+            return None
+        tokens, k = entry
+        return tokens[:k * self.block_size + 1]
+
+
 # ------------------------------------------------------------------ the router
 class Router:
     def __init__(self, config: RouterConfig | None = None, workers: Sequence[Hashable] = ()):
@@ -171,6 +205,8 @@ class Router:
         self.left: set = set()                    # workers that left: their late reports are ignored
         self.decisions = Counter()                # (policy, reason, worker) -> requests
         self.routed_tokens = self.matched_tokens = 0
+        self.index = BlockIndex(self.config.block_size) if self.config.block_size else None
+        self.forgotten_blocks = 0                 # evicted blocks that cut a tree
         for w in workers:
             self.add_worker(w)
 
@@ -215,9 +251,23 @@ class Router:
             if self._known(worker):
                 self.trees[worker].forget(token_ids)
 
+    def evicted_blocks(self, worker: Hashable, hashes: Sequence[bytes]):
+        """The worker's prefix cache evicted these blocks (kv_cache.block_hash keys): its tree forgets
+        each one's tokens and all after them. Needs config.block_size; unknown hashes are ignored."""
+        with self.lock:
+            if self.index is None or not self._known(worker):
+                return
+            tree = self.trees[worker]
+            for h in hashes:
+                lost = self.index.first_lost(h)
+                if lost is not None and tree.match(lost) == len(lost):
+                    tree.forget(lost)
+                    self.forgotten_blocks += 1
+
     # ---------------------------------------------------------------- the decision
-    def route(self, token_ids: Sequence[int]) -> Hashable:
-        """The worker for a request with this prompt. Counts it in the worker's load (see finish)."""
+    def route(self, token_ids: Sequence[int], cache_salt: str | None = None) -> Hashable:
+        """The worker for a request with this prompt. Counts it in the worker's load (see finish).
+        cache_salt: the request's, so the index computes the same block hashes as the worker's cache."""
         with self.lock:
             need(bool(self.workers), "workers", "at least one", 0)
             policy = self.config.policy
@@ -228,7 +278,7 @@ class Router:
             elif policy == "least_loaded":
                 worker, reason = self._least_loaded(), "least_loaded"
             else:
-                worker, reason = self._cache_aware(token_ids)
+                worker, reason = self._cache_aware(token_ids, cache_salt)
             self.load[worker] += 1
             self.decisions[(policy, reason, worker)] += 1
             return worker
@@ -236,7 +286,7 @@ class Router:
     def _least_loaded(self, among=None) -> Hashable:
         return min(among or self.workers, key=self.load.__getitem__)   # ties: the earliest to join
 
-    def _cache_aware(self, token_ids) -> tuple[Hashable, str]:
+    def _cache_aware(self, token_ids, cache_salt) -> tuple[Hashable, str]:
         cfg = self.config
         matched = {w: self.trees[w].match(token_ids) for w in self.workers}
         best = max(matched.values())
@@ -253,6 +303,8 @@ class Router:
         tree = self.trees[worker]
         tree.insert(token_ids)
         tree.shrink(cfg.max_tree_tokens)
+        if self.index is not None:
+            self.index.add(token_ids, cache_salt, len(self.workers) * cfg.max_tree_tokens // cfg.block_size)
         self.routed_tokens += len(token_ids)
         self.matched_tokens += matched[worker]
         return worker, reason

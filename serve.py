@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from data_parallel import DataParallelClient, dp_key, run_headless
-from disaggregation import DisaggregatedClient, parse_disaggregation
+from disaggregation import DisaggregatedClient
 from engine import Engine, EngineConfig, InvalidRequest
 from engine_client import ClientGone, EngineClient, Failed, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
@@ -373,6 +373,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--data-parallel-address:--data-parallel-rpc-port; no HTTP")
     p.add_argument("--disaggregation", metavar="P:D", default=None,
                    help="P prefill cores and D decode cores; each request's KV moves from one to the other")
+    p.add_argument("--disaggregation-local", metavar="P:D", help="with --disaggregation: the cores started here "
+                   "(default all); the others join: serve.py --headless --disaggregation-mode on other machines")
+    p.add_argument("--disaggregation-mode", choices=["prefill", "decode"],
+                   help="with --headless: run prefill or decode cores for a disaggregated front end (SGLang's name)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
@@ -530,8 +534,11 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as exc:
             sys.exit(f"serve.py: error: {exc}")
         return run_headless(engine_config(args), args.data_parallel_size_local or 1,
-                            (args.data_parallel_address, args.data_parallel_rpc_port), key, args.grammar_compile_timeout)
+                            (args.data_parallel_address, args.data_parallel_rpc_port), key, args.grammar_compile_timeout,
+                            args.disaggregation_mode or "both")
     try:
+        if args.disaggregation_mode is not None:
+            raise ValueError("--disaggregation-mode is for --headless cores; the front end takes --disaggregation")
         if args.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
         if args.data_parallel_size > 1 and (args.tensor_parallel_size or 1) > 1:
@@ -540,8 +547,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.data_parallel_size > 1 or (args.tensor_parallel_size or 1) > 1 or args.speculative_config:
                 raise ValueError("--disaggregation does not combine with --data-parallel-size, "
                                  "--tensor-parallel-size or --speculative-config yet")
-            client = DisaggregatedClient.in_processes(engine_config(args), *parse_disaggregation(args.disaggregation),
-                                                      grammar_timeout=args.grammar_compile_timeout)
+            client = DisaggregatedClient.from_flags(engine_config(args), args.disaggregation, args.disaggregation_local, (
+                args.data_parallel_address, args.data_parallel_rpc_port), args.grammar_compile_timeout)
         elif args.data_parallel_size > 1:
             local = args.data_parallel_size if args.data_parallel_size_local is None else args.data_parallel_size_local
             if not 0 <= local <= args.data_parallel_size:

@@ -6047,6 +6047,34 @@ def test_reported_evictions_and_the_size_bound_make_the_router_forget():
     assert bounded.tree_tokens()["w"] <= 200
 
 
+@pytest.mark.unit
+def test_blocks_a_kv_cache_evicts_cut_the_router_tree_from_their_first_token():
+    # What a core reports comes from a real BlockManager (6 blocks of 16): a tenant's 72-token prompt
+    # (4 full blocks) is computed and freed, then an 80-token prompt takes the 2 free blocks and evicts
+    # 3 cached ones, least recently used first: free() releases tail first, so blocks 3, 2, 1 go. The
+    # router's tree keeps the first block's 16 tokens, and the tenant's next question (64 of 72 tokens
+    # shared: a prefix match without the report) goes to the least loaded worker.
+    router = Router(RouterConfig("cache_aware", block_size=16), [0, 1])
+    prompt = tenant_prompt(3, 0)
+    assert router.route(prompt, "salt") == 0
+    blocks = BlockManager(6, 16)
+    seq = Sequence(0, list(prompt), len(prompt), 8, 0, 0.0, request=SimpleNamespace(cache_salt="salt"))
+    computed(blocks, seq)
+    blocks.free(seq)
+    other = fake_seq(1, 80)
+    computed(blocks, other)
+    evicted = blocks.take_evicted()
+    assert len(evicted) == 3 and blocks.take_evicted() == []
+    router.evicted_blocks(0, [kv_cache.block_hash(None, prompt[:16], None)])   # another salt's chain: unknown
+    assert router.trees[0].match(prompt) == 72
+    router.evicted_blocks(0, evicted)
+    assert router.trees[0].match(tenant_prompt(3, 1)) == 16 and router.forgotten_blocks == 3
+    assert router.route(tenant_prompt(3, 1), "salt") == 1
+    assert router.decision_counts()[("cache_aware", "least_loaded", 1)] == 1
+    blocks.free(other)
+    blocks.check_invariants([seq, other])
+
+
 def test_a_worker_leaving_drops_its_tree_and_its_tenants_reroute():
     router = Router(RouterConfig("cache_aware"), ["a", "b"])
     router.update_load("a", 1)
@@ -6100,8 +6128,8 @@ def test_concurrent_routing_from_threads_keeps_the_counts_consistent():
 def routed_cores(client) -> list:
     """Wrap the client's router so a test sees each decision, in order."""
     decisions, route = [], client.router.route
-    def recording(tokens):
-        decisions.append(route(tokens))
+    def recording(tokens, *salt):
+        decisions.append(route(tokens, *salt))
         return decisions[-1]
     client.router.route = recording
     return decisions
@@ -6169,6 +6197,30 @@ def test_data_parallel_abort_reaches_the_core_that_runs_the_request(tiny):
     asyncio.run(asyncio.wait_for(scenario(), 120))
     assert engines[0].num_generation_tokens == 1000 and 0 < engines[1].num_generation_tokens < 1000
     assert client.metrics.requests == {"finished": 1, "aborted": 1}
+
+
+def test_a_core_that_evicts_a_tenants_prefix_stops_getting_it_by_match(tiny):
+    # Core 0 has 6 KV blocks of 16 tokens (its tree's bound: 96 tokens, never reached here); requests
+    # come one at a time, so loads tie at 0 and a new prefix goes to the smaller tree. Each prompt is
+    # 48 tokens (a tenant's 40, then the question's 8) and generates 30: 5 blocks, 4 full (cached).
+    # Tenant A -> core 0; B -> core 1; C -> core 0 (trees tie), which takes its 2 free blocks and
+    # evicts 3 cached ones, least recently used first: A's block of generated tokens, then its prompt
+    # blocks 2 and 1. Core 0 reports them; its tree keeps A's first 16 tokens, so A's next question (40
+    # of 48 tokens shared) no longer matches there and goes to the smaller tree: core 1 (without the
+    # report, a prefix match on core 0).
+    engines = [tiny_llm(tiny, kv_cache_memory=6 * TINY_BLOCK_BYTES).engine, tiny_llm(tiny).engine]
+    client = DataParallelClient.in_threads(engines, "cache_aware")
+    decisions = routed_cores(client)
+    with TestClient(build_app(client, "tiny")) as http:
+        for tenant, q in [(0, 0), (1, 0), (2, 0), (0, 1)]:
+            http.post("/v1/completions", json={"prompt": tenant_prompt(tenant, q, system_len=40), "max_tokens": 30,
+                                               "temperature": 0, "ignore_eos": True}).raise_for_status()
+        metrics = http.get("/metrics").text
+    assert decisions == [0, 1, 0, 1]
+    assert engines[0].blocks.num_evictions == 3 and client.router.forgotten_blocks == 2
+    assert client.router.trees[0].match(tenant_prompt(0, 2, system_len=40)) == 16
+    assert client.router.decision_counts()[("cache_aware", "least_loaded", 1)] == 2   # B, then A's return
+    assert 'nanoserve:router_forgotten_blocks_total{model_name="tiny"} 2' in metrics
 
 
 @pytest.mark.slow
@@ -6316,6 +6368,85 @@ def test_disaggregated_1_1_gives_one_engines_outputs_and_moves_each_prompt_block
     assert moved == sent_blocks * TINY_BLOCK_BYTES
     assert client.kv_bytes - before == (3 - 2) * TINY_BLOCK_BYTES     # 41 tokens: 3 blocks, 2 already held
     assert f'nanoserve:kv_transfer_bytes_total{{model_name="tiny"}} {client.kv_bytes}' in metrics
+
+
+@pytest.mark.slow
+def test_headless_prefill_and_decode_cores_join_a_disaggregated_front_end(tiny):
+    """Three machines' commands on one: the front end starts no core (--disaggregation 1:1
+    --disaggregation-local 0:0); serve.py --headless --disaggregation-mode prefill, and one with decode,
+    take their KV-transfer ranks from the front end's TCPStore (rpc port + 1) and connect to its listener
+    (NANOSERVE_DP_KEY). Greedy texts equal transformers'; each prompt's one block moved once, over gloo
+    between the two headless processes; SIGTERM to the front end ends both cores and their group."""
+    port, log = free_port(), tempfile.TemporaryFile()
+    rpc = next(p for p in iter(free_port, None) if port_is_free(p + 1))
+    common = ["--model", str(tiny[0]), "--kv-cache-memory", "4MiB", "--device", "cpu", "--dtype", "float32",
+              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
+    env = {**os.environ, "NANOSERVE_DP_KEY": "test-secret"}
+    start = lambda *args: subprocess.Popen([sys.executable, "serve.py", *args, *common], cwd=HERE, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+    front = start("--port", str(port), "--served-model-name", "tiny", "--disaggregation", "1:1",
+                  "--disaggregation-local", "0:0")
+    cores = [start("--headless", "--disaggregation-mode", mode) for mode in ("decode", "prefill")]
+    url, pids = f"http://127.0.0.1:{port}", {}
+    try:
+        wait_healthy(front, url, log)
+        pids = process_tree(front.pid) | process_tree(cores[0].pid) | process_tree(cores[1].pid)
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json(), TINY_PROMPTS[:3]))
+        assert [a["choices"][0]["text"] for a in answers] == tiny_texts(tiny, TINY_PROMPTS[:3], 4)
+        metrics = httpx.get(url + "/metrics").text
+        assert f'nanoserve:kv_transfer_bytes_total{{model_name="tiny"}} {3 * TINY_BLOCK_BYTES}' in metrics, metrics
+    finally:
+        code = stop_and_check_no_orphans(front, pids, log)
+        exits = []
+        for core in cores:
+            try:
+                exits.append(core.wait(timeout=30))
+            except subprocess.TimeoutExpired:
+                os.killpg(core.pid, signal.SIGKILL)
+                exits.append("hung")
+    assert code == 0 and exits == [0, 0], server_log(log)
+
+
+@pytest.mark.unit
+def test_remote_cores_take_the_open_ranks_of_their_role_from_the_front_ends_store():
+    # --disaggregation 2:2 --disaggregation-local 1:1: the front end starts ranks 0 (prefill) and 2
+    # (decode); a remote decode core takes 3, a prefill core 1; a second decode core, or a data-parallel
+    # one, finds no open rank and is refused at once (not after the store's timeout)
+    from kv_transfer import host_store, join_as, open_ranks
+    store = host_store(4)
+    open_ranks(store, 4, {"prefill": [1], "decode": [3]})
+    decode = join_as("decode", "127.0.0.1", store.port, 5)
+    assert (decode.rank, decode.world_size, decode.port) == (3, 4, store.port)
+    assert join_as("prefill", "127.0.0.1", store.port, 5).rank == 1
+    start = time.monotonic()
+    for role, message in [("decode", "expects 1 remote decode cores, and 2 joined"), ("both", "expects 0 remote both")]:
+        with pytest.raises(RuntimeError, match=message):
+            join_as(role, "127.0.0.1", store.port, 5)
+    assert time.monotonic() - start < 2
+
+
+@pytest.mark.unit
+def test_remote_disaggregation_flags_are_checked_before_any_core_starts(monkeypatch):
+    monkeypatch.delenv("NANOSERVE_DP_KEY", raising=False)
+    for argv, message in [(["--disaggregation-mode", "decode"], "--disaggregation-mode is for --headless"),
+                          (["--disaggregation", "1:1", "--disaggregation-local", "2:0"], "exceeds --disaggregation 1:1"),
+                          (["--disaggregation", "1:1", "--disaggregation-local", "0:-1"], "P and D >= 0"),
+                          (["--disaggregation", "1:1", "--disaggregation-local", "0:1"], "NANOSERVE_DP_KEY"),
+                          (["--headless", "--disaggregation-mode", "prefill"], "NANOSERVE_DP_KEY")]:
+        with pytest.raises(SystemExit) as e:
+            serve.main(argv)
+        assert message in str(e.value), (argv, e.value)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def test_a_prefill_core_dying_mid_transfer_fails_the_stream_and_frees_both_sides(tiny):

@@ -95,7 +95,8 @@ def run_routing(model_dir: str, shape: Shape, policy: str, seed: int) -> dict:
     computed = sum(c.stats.prompt_tokens_total for c in client.cores)
     sent = sum(map(len, prompts))
     return {"policy": policy, "hit_rate": 1 - computed / sent, "out_tok_s": len(prompts) * shape.out_len / wall,
-            "wall_s": wall, "per_core_requests": [n for _, n in sorted(per_core(client).items())]}
+            "wall_s": wall, "per_core_requests": [n for _, n in sorted(per_core(client).items())],
+            "forgotten_blocks": client.router.forgotten_blocks}
 
 
 def per_core(client) -> dict:
@@ -157,10 +158,10 @@ def print_routing(shape: Shape, routing: list[dict], ratios: dict) -> None:
         f"{shape.question_len} tokens, shuffled, queued at once, {shape.out_len} output tokens each; each core's KV pool "
         f"holds {shape.kv_tokens} tokens.",
         "hit rate = 1 - prompt tokens computed / prompt tokens sent (both cores; a preempted request's recompute "
-        "counts as computed)."])
-    print(md_table(["policy", "hit rate", "out tok/s", "wall s", "requests per core"],
-                   [[r["policy"], r["hit_rate"], r["out_tok_s"], r["wall_s"], str(r["per_core_requests"])]
-                    for r in routing]))
+        "counts as computed). Evicted blocks forgotten: blocks the cores reported evicted that cut cache_aware's trees."])
+    print(md_table(["policy", "hit rate", "out tok/s", "wall s", "requests per core", "evicted blocks forgotten"],
+                   [[r["policy"], r["hit_rate"], r["out_tok_s"], r["wall_s"], str(r["per_core_requests"]),
+                     r["forgotten_blocks"]] for r in routing]))
     print(f"\ncache_aware / round_robin: hit rate **{ratios['hit_rate']:.2f}x** (target >= 2), throughput "
           f"**{ratios['throughput']:.2f}x** (target >= 1.3)")
 
