@@ -2,7 +2,8 @@
 Linear layers on the CPU: which kernel multiplies x by a weight, and the weight copies it reads.
 
 Owns the choice between csrc/linear_cpu.cpp's kernels (a GEMM on weight panels, a small-M
-kernel that streams the weight once, the GGUF's Q4_1/Q4_0/Q8_0 blocks at a few rows) and oneDNN on a
+kernel that streams the weight once, the GGUF's Q4_1/Q4_0/Q8_0 blocks at a few rows, int8 weights
+against 8-bit activations for quantization="int8") and oneDNN on a
 prepacked weight, made once per weight (`pack_weight`); `linear()` is F.linear with that choice,
 and `Linear` is nn.Linear that keeps its packed copy. Also what this CPU multiplies natively
 (`cpu_bf16_native`, read by model.resolve_dtype). Every choice below was measured; the numbers
@@ -317,6 +318,40 @@ def gguf_linear_q8(x2: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | No
     return out
 
 
+@dataclass
+class Int8Weight:
+    """quantization="int8" (dynamic W8A8): a weight [N, K] as int8 with one scale per output
+    channel, w[n, k] ~ scales[n] * q[n, k], in the panels csrc/linear_cpu.cpp's linear_int8 reads:
+    panels int8 [ceil(N/16), ceil(K/2), 16, 2] (zeros pad N and K), scales float32 [ceil(N/16) * 16]."""
+    panels: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """weight float [N, K] -> Int8Weight: per output channel, symmetric, q = round(w / s) with
+    s = max_k |w[n, k]| / 127 (round half to even, |q| <= 127; a zero row has s = 0)."""
+    w = weight.detach().float()
+    N, K = w.shape
+    amax = w.abs().amax(1)                                            # [N]
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)   # [N, K]
+    Np, Kp = -(-N // 16) * 16, -(-K // 2) * 2
+    q = F.pad(q, (0, Kp - K, 0, Np - N))                              # [Np, Kp]
+    panels = q.view(Np // 16, 16, Kp // 2, 2).permute(0, 2, 1, 3).contiguous()   # [Np/16, Kp/2, 16, 2]
+    scales = F.pad(amax / 127, (0, Np - N))                           # [Np]
+    return Int8Weight(panels, scales, N)
+
+
+def int8_linear(x: torch.Tensor, w8: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 against an Int8Weight -> [..., N] float32: each row of x quantized to
+    8 bits with its own scale (max |x| / 127), exact int32 dot products, one float epilogue per
+    output (csrc/linear_cpu.cpp, linear_int8). A row's result never depends on the rows beside it."""
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()               # [M, K]
+    out = torch.ops.nanoserve_linear.linear_int8(x2, w8.panels, w8.scales, w8.out_features, bias)
+    return out.view(*x.shape[:-1], w8.out_features)                  # [..., N]
+
+
 def _linear_invariant(x2, weight, bias, packed, float_out):
     """x2 [M, K] -> [M, N], each row by the same kernel and in the same order at every M."""
     if packed is not None and not packed.is_mkldnn:
@@ -341,11 +376,13 @@ class Linear(nn.Linear):
     _packed = (None, None)                    # (which weight it was made from, packed copy)
     _packed_invariant = (None, None)          # the same for batch-invariant mode, where the copy may differ
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
-    quantized: GGUFBlocks | None = None       # quantization="gguf": only these, at every row count (weights.keep_only_blocks)
+    quantized: "GGUFBlocks | Int8Weight | None" = None   # quantization="gguf" / "int8": only these, at every row count (weights.py)
     q8_rows: int | None = None                # and 8-bit activations from this many rows (choose_gguf_path)
     batch_invariant = False                   # model.Llama.set_batch_invariant sets it
 
     def forward(self, x, float_out=False):
+        if isinstance(self.quantized, Int8Weight):
+            return int8_linear(x, self.quantized, self.bias)
         if self.quantized is not None:
             return gguf_linear(x, self.quantized, self.bias, self.q8_rows)
         return linear(x, self.weight, self.bias, *self.prepared(), float_out=float_out,
@@ -361,7 +398,7 @@ class Linear(nn.Linear):
         call (at batch 1 a step makes 121 of these calls): the copy is remade and the blocks
         dropped once the weight is replaced or changed."""
         if self.quantized is not None:        # no float32 weight to pack
-            return None, self.quantized
+            return None, self.quantized if isinstance(self.quantized, GGUFBlocks) else None
         key = self.weight_key()
         slot, other = ("_packed_invariant", self._packed) if self.batch_invariant else ("_packed", self._packed_invariant)
         if getattr(self, slot)[0] != key:

