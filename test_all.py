@@ -1701,25 +1701,38 @@ def test_quantization_gguf_is_rejected_without_blocks(tiny):
 
 
 # quantization="int8" (dynamic W8A8, cpu_linear.quantize_int8 / int8_linear, csrc linear_int8)
-def int8_kernel_error(x, q, sw, sx_ref, p_ref, bias, scales=None):
-    """The kernel on x against weights q [N, K] int8 with scales sw (as quantize_int8 would make
-    them; `scales` overrides the ones handed to the kernel) -> (max error, bound), the oracle being
-    float64 (p @ q.T) * sx * sw + bias on the reference's own 8-bit rows p and scales sx."""
-    N, K = q.shape
+def int8_rows(x, group):
+    """The oracle's 8-bit rows: per row and group of `group` values (the last one shorter),
+    p = round-half-even(x * (127 / max |x|)), the float32 product as the kernel's, and the scale
+    max |x| / 127 -> (p float64 [M, K], scales float64 [M, K]: each value's group scale)."""
+    p, s = [], []
+    for part in x.split(group, dim=1):
+        amax = part.abs().amax(1, keepdim=True)
+        p.append(torch.round(part * (127 / amax)).clamp(-127, 127).double())
+        s.append((amax / 127).double().expand_as(part))
+    return torch.cat(p, 1), torch.cat(s, 1)
+
+
+def int8_kernel_error(x, q, sw, bias, group, scales=None):
+    """The kernel on x against weights q [N, K] int8 with scales sw (as quantize_int8 makes them;
+    `scales` overrides the ones handed to the kernel) -> (max error, bound); oracle: float64
+    sum over groups of sx * (p @ q.T), times sw, plus bias."""
     w8 = CL.quantize_int8(q.double() * sw.double()[:, None])
     if scales is not None:
         w8 = CL.Int8Weight(w8.panels, scales, w8.out_features)
-    got = CL.int8_linear(x, w8, bias).double()
-    ref = (p_ref @ q.double().T) * sx_ref[:, None] * sw.double()[None] + bias.double()
+    got = CL.int8_linear(x, w8, bias, group).double()
+    p, sx = int8_rows(x, group)
+    ref = ((p * sx) @ q.double().T) * sw.double()[None] + bias.double()
     return (got - ref).abs().max().item(), 1e-5 * max(1.0, ref.abs().max().item())
 
 
 def test_int8_kernel_matches_float64_reference_and_catches_a_shifted_scale():
     # oracle: exact integer dot products in float64 of the int8 weights and 8-bit rows, each made
-    # here from its definition (per output channel / per row, max |v| / 127, round half to even);
-    # K = 195 is odd (a pair's tail) and N = 40 leaves a partial panel of 16; rows 1 .. 512 cover
-    # the 6-row tiles, their tails and the row blocks; a planted bug (the weight scales shifted by
-    # one channel) must fail the same check
+    # here from its definition (per output channel / per row and group, max |v| / 127, round half
+    # to even); K = 195 is odd (a pair's tail) and leaves a short last group of 64; N = 40 leaves a
+    # partial panel of 16; rows 1 .. 512 cover the 6-row tiles, their tails and the row blocks;
+    # groups of 64 (the default) and one per row (vLLM's per-token); a planted bug (the weight
+    # scales shifted by one channel) must fail the same check
     if not CL._cpu_linear_kernels()[0]:
         pytest.skip("csrc/linear_cpu.cpp did not build: no int8 kernel")
     g = torch.Generator().manual_seed(3)
@@ -1731,18 +1744,13 @@ def test_int8_kernel_matches_float64_reference_and_catches_a_shifted_scale():
     unpacked = w8.panels.permute(0, 2, 1, 3).reshape(-1, w8.panels.shape[1] * 2)[:N, :K]
     assert torch.equal(unpacked, q) and torch.allclose(w8.scales[:N], sw, rtol=1e-6)   # load-time quantization
     bias = torch.randn(N, generator=g)
-    for rows in (1, 3, 8, 64, 512):
-        x = torch.randn(rows, K, generator=g) * 3
-        amax = x.abs().amax(1)
-        p = torch.round(x * (127 / amax)[:, None]).clamp(-127, 127).double()   # float32 products, as the kernel's
-        err, bound = int8_kernel_error(x, q, sw, (amax / 127).double(), p, bias)
-        assert err <= bound, f"int8 at {rows} rows: error {err} > {bound}"
-    planted = torch.roll(w8.scales, 1)
-    x = torch.randn(3, K, generator=g)
-    amax = x.abs().amax(1)
-    p = torch.round(x * (127 / amax)[:, None]).clamp(-127, 127).double()
-    err, bound = int8_kernel_error(x, q, sw, (amax / 127).double(), p, bias, scales=planted)
-    assert err > 100 * bound, "the check missed weight scales shifted by one channel"
+    for group in (64, 196):
+        for rows in (1, 3, 8, 64, 512):
+            x = torch.randn(rows, K, generator=g) * 3
+            err, bound = int8_kernel_error(x, q, sw, bias, group)
+            assert err <= bound, f"int8 (groups of {group}) at {rows} rows: error {err} > {bound}"
+        err, bound = int8_kernel_error(torch.randn(3, K, generator=g), q, sw, bias, group, scales=torch.roll(w8.scales, 1))
+        assert err > 100 * bound, "the check missed weight scales shifted by one channel"
 
 
 @pytest.fixture(scope="module")
@@ -1754,10 +1762,13 @@ def smol_int8():
     return net, cfg, W.resolve_model_dir(None)
 
 
-# Measured 2026-11-27 (Zen 1): teacher-forced top-1 agreement with transformers' float32 greedy
-# tokens INT8_AGREE_MEASURED over the 8 parity prompts x 32 tokens, and perplexity on CORPUS
-# INT8_PPL_MEASURED x float32's. The floors sit just under the measured figures, so a broken
-# kernel or scale fails them.
+# Measured 2026-11-27 (Zen 1), activation scales per 64 values (cpu_linear.INT8_GROUP): teacher-
+# forced top-1 agreement with transformers' float32 greedy tokens 0.973 (249/256, the 8 parity
+# prompts x 32 tokens), perplexity on CORPUS 0.983x float32's (lower: this short, odd text is
+# noisy at the 1% level; per-token scales measured 0.883-0.895 and 1.001-1.015x). Bounds: the
+# issue's 95%, no more than 1% worse, and a floor that a broken kernel would fall through.
+INT8_TOP1_FLOOR, INT8_PPL_RATIO = 0.95, (0.97, 1.01)
+@pytest.mark.slow
 def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smollm, hf_greedy_32, tok):
     net = smol_int8[0]
     linears = [m for m in net.modules() if isinstance(m, CL.Linear) and m is not net.lm_head]
@@ -1777,7 +1788,34 @@ def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smol
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
     ours, ref = math.exp(nll(ragged_forward(net, [text]))), math.exp(nll(hf_forward(hf_smollm, text)))
     print(f"perplexity on CORPUS: int8 {ours:.4f}, float32 (transformers) {ref:.4f}, ratio {ours / ref:.4f}")
-    assert agree / total >= 0
+    assert agree / total >= INT8_TOP1_FLOOR
+    assert INT8_PPL_RATIO[0] <= ours / ref <= INT8_PPL_RATIO[1]
+
+
+@pytest.mark.slow
+def test_quantization_int8_gives_the_same_tokens_alone_and_in_mixed_batches(smol_int8):
+    # the int8 layers' sums are exact and every row's scales its own, so with batch-invariant
+    # attention and norms (batch_invariant=True, which int8 allows and gguf does not) a request's
+    # tokens do not depend on its batch; oracle: the same engine, one request at a time. Mixed
+    # batches, chunked prefill (budget 64) and preemption (9 KV blocks). (In the default mode the
+    # float attention's order of sums varies with the batch, and an 8-bit rounding can flip.)
+    alone = LLM(loaded_model=smol_int8, kv_cache_memory=SMALL_KV, quantization="int8", batch_invariant=True, **CPU32)
+    want = [token_ids(alone.generate([p], greedy(24)))[0] for p in PROMPTS[:6]]
+    mixed = LLM(loaded_model=smol_int8, kv_cache_memory=9 * 737280, max_num_batched_tokens=64,
+                quantization="int8", batch_invariant=True, **CPU32)
+    assert token_ids(mixed.generate(PROMPTS[:6], greedy(24))) == want
+    assert mixed.engine.scheduler.num_preemptions >= 1
+    smol_int8[0].set_batch_invariant(False)
+
+
+def test_quantization_int8_is_refused_where_it_cannot_run(tiny):
+    # serve.py's flag is vLLM's; int8 runs float32 activations on one CPU rank: other dtypes and
+    # tensor parallelism are refused naming the field
+    assert serve.engine_config(serve.parse_args(["--quantization", "int8"])).quantization == "int8"
+    for kw in (dict(dtype="bfloat16", device="cpu"), dict(tensor_parallel_size=2, **CPU32)):
+        with pytest.raises(InvalidRequest) as e:
+            Engine(model=str(tiny[0]), quantization="int8", kv_cache_memory=SMALL_KV, **kw)
+        assert e.value.field == "quantization", kw
 
 
 # bfloat16 against transformers in bfloat16: both round every op's output to 8 mantissa bits,

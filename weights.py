@@ -26,7 +26,7 @@ import extensions
 import parallel
 from errors import InvalidRequest
 from cpu_linear import (GGUF_ROWS, GGUFBlocks, Linear, _cpu_linear_kernels, choose_gguf_path, cpu_linear_path,
-                        quantize_int8)
+                        INT8_GROUP, quantize_int8)
 from model import Llama, ModelConfig
 
 
@@ -199,8 +199,8 @@ def keep_only_blocks(net: "Llama") -> str:
 def quantize_linears_int8(net: "Llama") -> str:
     """quantization="int8" (vLLM's dynamic W8A8): every linear layer but lm_head becomes int8
     with per-output-channel scales (cpu_linear.quantize_int8), made here from the float weight,
-    which is then dropped (a stand-in keeps its shape); activations are quantized per row at run
-    time. lm_head stays float32 (the panels): it is tied to the embedding in SmolLM2, whose
+    which is then dropped (a stand-in keeps its shape); activations are quantized at run time,
+    per row and group of cpu_linear.INT8_GROUP values. lm_head stays float32 (the panels): it is tied to the embedding in SmolLM2, whose
     lookups need the float rows, and the logits are the most sensitive layer.
     -> the line for the log."""
     if not _cpu_linear_kernels()[0]:
@@ -212,7 +212,8 @@ def quantize_linears_int8(net: "Llama") -> str:
         lin._gguf = (None, None)                                   # a GGUF's blocks: not read, not kept
     mib = sum(m.quantized.panels.numel() + 4 * m.quantized.scales.numel() for m in linears) / 2**20
     return (f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8 ({mib:.0f} MiB; "
-            f"per-channel weight scales, per-token dynamic activation scales, exact int32 sums: csrc AVX2 "
+            f"per-channel weight scales, dynamic activation scales per row and {INT8_GROUP} values, exact int32 "
+            f"sums: csrc AVX2 "
             f"vpmaddwd panels, no VNNI kernel); lm_head float32 "
             f"({cpu_linear_path(torch.float32)})")
 
