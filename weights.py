@@ -200,8 +200,10 @@ def quantize_linears_int8(net: "Llama") -> str:
     """quantization="int8" (vLLM's dynamic W8A8): every linear layer but lm_head becomes int8
     with per-output-channel scales (cpu_linear.quantize_int8), made here from the float weight,
     which is then dropped (a stand-in keeps its shape); activations are quantized at run time,
-    per row and group of cpu_linear.INT8_GROUP values. lm_head stays float32 (the panels): it is tied to the embedding in SmolLM2, whose
-    lookups need the float rows, and the logits are the most sensitive layer.
+    per row and group of cpu_linear.INT8_GROUP values. lm_head stays float32 (the panels): it is
+    tied to the embedding in SmolLM2, whose lookups need the float rows, and the logits are the
+    most sensitive layer (int8 there measured top-1 agreement 0.945 against 0.973 without,
+    2026-11-27, for 1.6 against 12 ms per batch-1 call).
     -> the line for the log."""
     if not _cpu_linear_kernels()[0]:
         raise InvalidRequest("quantization", "'int8' needs csrc/linear_cpu.cpp's kernel, which did not build")
