@@ -1726,7 +1726,7 @@ def test_int8_kernel_matches_float64_reference_and_catches_a_shifted_scale():
     # oracle: exact integer dot products in float64 of the int8 weights and 8-bit rows, each made
     # here from its definition (per output channel / per row and group, max |v| / 127, round half
     # to even); K = 195 is odd (a pair's tail) and leaves a short last group of 64; N = 40 leaves a
-    # partial panel of 16; rows 1 .. 512 cover the 6-row tiles, their tails and the row blocks;
+    # partial panel of 16; rows 1 .. 512 cover the 4-row tiles, their tails and the row blocks;
     # groups of 64 (the default) and one per row (vLLM's per-token); a planted bug (the weight
     # scales shifted by one channel) must fail the same check
     if not CL._cpu_linear_kernels()[0]:

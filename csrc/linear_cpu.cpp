@@ -677,9 +677,12 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
 // Layout: panels like the float32 GEMM's, 16 output columns with K in pairs, [ceil(N / 16),
 // ceil(K / 2), 16, 2] int8 (zeros pad N and K): one k-pair of a panel is 32 bytes, two loads that
 // widen into two vectors of 8 columns' (k, k + 1) pairs. x's pair (k, k + 1) is one int32,
-// broadcast. A 6 x 16 tile of int32 sums lives in 12 registers while k runs over a group; the
+// broadcast. A 4 x 16 tile of int32 sums lives in 8 registers while k runs over a group; the
 // float sums across groups wait in L1.
-constexpr int kTileI8 = 6;   // rows per register tile: 12 accumulators + 2 weights + 1 x of 16 ymm
+// rows per register tile: 8 accumulators + 2 weights + x's broadcast + a product of 16 ymm. (6 rows,
+// as the float32 panels, made GCC keep 9 accumulators on the stack: vpmaddwd's product needs a
+// register of its own, where an FMA adds in place; 5 spilled too. Both ~30% slower at 64 rows.)
+constexpr int kTileI8 = 4;
 
 // out[0:MR, 0:cols] for one panel. x: MR rows of int16 pairs, Kp apart; sx: their scales, ng per
 // row (a group is gp k-pairs; the last may be shorter); sw, bias: the panel's 16 (bias may be
@@ -737,8 +740,11 @@ void int8_tile(const int16_t* __restrict x, const int8_t* __restrict panel, cons
 
 using Int8Tile = void (*)(const int16_t*, const int8_t*, const float*, int64_t, int64_t, const float*, const float*,
                           float*, int64_t, int64_t, int, const int8_t*);
-constexpr Int8Tile kInt8Tiles[kTileI8 + 1] = {nullptr, int8_tile<1>, int8_tile<2>, int8_tile<3>,
-                                              int8_tile<4>, int8_tile<5>, int8_tile<6>};
+template <int... MR>
+constexpr std::array<Int8Tile, sizeof...(MR) + 1> int8_tiles(std::integer_sequence<int, MR...>) {
+  return {nullptr, int8_tile<MR + 1>...};
+}
+constexpr auto kInt8Tiles = int8_tiles(std::make_integer_sequence<int, kTileI8>{});   // [rows]
 
 // x [M, K] float32 -> xq int16 [M, Kp] (Kp = K rounded up to even, the pad 0) and sx [M, ng], per
 // group of G values (G even; the last group may be shorter): p = round-half-even(x * (127 / amax)),
