@@ -212,6 +212,7 @@ def quantize_linears_int8(net: "Llama") -> str:
         lin.quantized = quantize_int8(lin.weight)
         lin.weight = _stand_in(lin.weight)
         lin._gguf = (None, None)                                   # a GGUF's blocks: not read, not kept
+    net.__dict__.pop("gguf_embedding", None)                       # (the embedding's too)
     mib = sum(m.quantized.panels.numel() + 4 * m.quantized.scales.numel() for m in linears) / 2**20
     return (f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8 ({mib:.0f} MiB; "
             f"per-channel weight scales, dynamic activation scales per row and {INT8_GROUP} values, exact int32 "
