@@ -101,6 +101,8 @@ class Sizes:
     fused_rounds: int = 3                # decode steps with each set of fused ops, taking turns
     gguf_rows: tuple = (1, 2, 4, 5, 8, 16)  # rows per pass over the linear layers, GGUF blocks vs float32
     gguf_batches: tuple = (1, 4)         # decode steps with and without the blocks, taking turns
+    int8_rows: tuple = (1, 2, 4, 8, 16, 64)  # rows per pass over the linear layers, int8 vs float32 and GGUF blocks
+    int8_batches: tuple = (1, 16)        # decode steps on an int8 and a float32 engine, taking turns
     panel_rows: tuple = (1, 8, 64, 256)  # rows per pass over the linear layers, panels vs oneDNN
     panel_batches: tuple = (16, 64)      # decode steps on an engine of each kind, taking turns
     spec_batches: tuple = (1, 4, 16, 64)  # speculative: requests run together
@@ -123,7 +125,7 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
               kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
               cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(20, 28), pressure_prompt_median=16,
-              fused_compile=False, fused_rounds=1, gguf_rows=(1, 4), gguf_batches=(1,), panel_rows=(1, 8),
+              fused_compile=False, fused_rounds=1, gguf_rows=(1, 4), gguf_batches=(1,), int8_rows=(1, 4), int8_batches=(1,), panel_rows=(1, 8),
               panel_batches=(4,), spec_batches=(2,), spec_min_requests=2, spec_out=12, spec_kv_cache_memory="128MiB")
 
 
@@ -170,6 +172,10 @@ def bench_hot_path(sz, seed, results):
     results["gguf_blocks"] = {"skipped": why} if why else gguf(
         rows=sz.gguf_rows, batches=sz.gguf_batches, repeats=sz.repeats, rounds=sz.fused_rounds)
     print_gguf_blocks(results["gguf_blocks"])
+    int8, why = optional("benchmarks.hot", "int8_vs_float32")
+    results["int8"] = {"skipped": why} if why else int8(
+        rows=sz.int8_rows, batches=sz.int8_batches, repeats=sz.repeats, rounds=sz.fused_rounds)
+    print_int8(results["int8"])
     panels, why = optional("benchmarks.hot", "panels_vs_onednn")
     results["panels"] = {"skipped": why} if why else panels(
         rows=sz.panel_rows, batches=sz.panel_batches, repeats=sz.repeats, rounds=sz.fused_rounds)
@@ -221,6 +227,23 @@ def print_gguf_blocks(g):
         f"{g.get('log')}; the same float32 values either way (checked bit for bit when the blocks were written)",
         f"one pass over every linear layer: best of {g.get('repeats')}; decode step: the engine with and without "
         f"the blocks, taking turns, best median of {g.get('rounds')} rounds"], ("gguf", "GGUF blocks"), ("float32", "float32 weights"))
+
+
+def print_int8(d):
+    """quantization="int8" (csrc linear_int8) vs the float32 panels and the GGUF's blocks, per pass and per decode step."""
+    title = 'Hot path: linear layers, quantization="int8" vs float32 panels and GGUF blocks (bench_hot.py)'
+    if "skipped" in d:
+        section_header(title, [f"skipped: {d['skipped']}"])
+        return
+    section_header(title, [d["log"], f"one pass over the {d['layers']} layers int8 quantizes (lm_head left out: "
+                   f"float32 in both), the kernels taking turns, best of {d['repeats']}; GGUF blocks: float32 sums "
+                   f"(quantization=\"gguf\"'s kernel); decode step: an int8 and a float32 engine, taking turns, best "
+                   f"median of {d['rounds']} rounds"])
+    rows = [[f"{r} rows, one pass (ms)", v["int8_ms"], v["float32_ms"], v.get("gguf_ms", "-"), v["float32_ms"] / v["int8_ms"]]
+            for r, v in d["per_pass"].items()]
+    rows += [[f"decode step, batch {b} (ms)", v["int8_ms"], v["float32_ms"], "-", v["float32_ms"] / v["int8_ms"]]
+             for b, v in d["step"].items()]
+    print(md_table(["measurement", "int8", "float32 panels", "GGUF blocks", "float32 / int8"], rows))
 
 
 def print_panels(p):

@@ -2,7 +2,8 @@
 Linear layers on the CPU: which kernel multiplies x by a weight, and the weight copies it reads.
 
 Owns the choice between csrc/linear_cpu.cpp's kernels (a GEMM on weight panels, a small-M
-kernel that streams the weight once, the GGUF's Q4_1/Q4_0/Q8_0 blocks at a few rows) and oneDNN on a
+kernel that streams the weight once, the GGUF's Q4_1/Q4_0/Q8_0 blocks at a few rows, int8 weights
+against 8-bit activations for quantization="int8") and oneDNN on a
 prepacked weight, made once per weight (`pack_weight`); `linear()` is F.linear with that choice,
 and `Linear` is nn.Linear that keeps its packed copy. Also what this CPU multiplies natively
 (`cpu_bf16_native`, read by model.resolve_dtype). Every choice below was measured; the numbers
@@ -258,9 +259,10 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None =
 
 # quantization="gguf" at a few rows always sums in float32 (batch-1 logits are the float32
 # engine's up to summation order); from GGUF_Q8_ROWS rows on it could take 8-bit activations where
-# they are faster at start-up (choose_gguf_path). They are off (GGUF_Q8_ACTIVATIONS): on SmolLM2
-# they cost 2.6% perplexity and 6% of greedy top-1 agreement (test_all.py), past the 1% and
-# 95%; and on the Zen 1 they measured 0.85-1.1x the float32 sums' time, run to run.
+# they are faster at start-up (choose_gguf_path). On SmolLM2 they keep 97.3% of greedy top-1
+# agreement and perplexity within 0.3% (test_all.py). They stay off (GGUF_Q8_ACTIVATIONS): on the
+# Zen 1 they measured 0.85-1.1x the float32 sums' time, run to run, and a path picked by a timing at
+# start-up would make a run's tokens depend on that timing.
 GGUF_Q8_ROWS = 16
 GGUF_Q8_ACTIVATIONS = False
 
@@ -281,40 +283,93 @@ def choose_gguf_path(blocks: GGUFBlocks, rows: int = 64, repeats: int = 3) -> tu
     q8 = GGUF_Q8_ACTIVATIONS and best["8-bit activations"] < best["float32 sums"]
     line = (f"from {GGUF_Q8_ROWS} rows {'8-bit activations' if q8 else 'float32 sums'} (measured now at {rows} rows: "
             f"float32 sums {best['float32 sums'] * 1e3:.2f} ms, 8-bit activations {best['8-bit activations'] * 1e3:.2f} ms, "
-            f"AVX2 maddubs, no VNNI kernel{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: they cost accuracy'})")
+            f"AVX2 maddubs, no VNNI kernel{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: no faster on AVX2'})")
     return (GGUF_Q8_ROWS if q8 else None), line
 
 
-def quantize_rows(x2: torch.Tensor, q4: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 float32 [M, K] -> (xq int8 [M, K], dx float32 [M, K/32]): each block of 32 values of a row
-    as round(x / dx) with dx = max |x| / 127 (llama.cpp's Q8_0), the bytes of each group laid out
-    like the weight's lanes (csrc/linear_cpu.cpp, linear_gguf_q8), so the integer dot products
-    pair the right values."""
+def quantize_rows(x2: torch.Tensor, q4: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x2 float32 [M, K] -> (xq int8 [M, K], dx float32 [M, K/32], block sums float32 [M, K/32]):
+    each block of 32 values of a row as round(x / dx) with dx = max |x| / 127 (llama.cpp's Q8_0),
+    the bytes of each group laid out like the weight's lanes (csrc/linear_cpu.cpp, linear_gguf_q8),
+    so the integer dot products pair the right values; the sums are the rounded values' (dx * sum q,
+    llama.cpp's Q8_1 s), for the mins' term."""
     M, K = x2.shape
     xs = x2.view(M, K // 32, 32)
     dx = xs.abs().amax(-1) / 127                                      # [M, K/32]
     inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-    xq = torch.round(xs * inv[..., None]).to(torch.int8)              # [M, K/32, 32], |q| <= 127
+    xr = torch.round(xs * inv[..., None])                             # [M, K/32, 32], |q| <= 127
+    sums = xr.sum(-1) * dx                                            # [M, K/32]: exact sums of integers, one rounding
+    xq = xr.to(torch.int8)
     if q4:   # per 64 values: value 8 (2k + h) + L at byte 32 h + 4 L + k
         xq = xq.view(M, K // 64, 4, 2, 8).permute(0, 1, 3, 4, 2)
     else:    # per 32 values: value 8 i + L at byte 4 L + i
         xq = xq.view(M, K // 32, 4, 8).transpose(-1, -2)
-    return xq.reshape(M, K), dx
+    return xq.reshape(M, K), dx, sums
 
 
 def gguf_linear_q8(x2: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x2 float32 [M, K] -> [M, N]: 8-bit activations (quantize_rows) against the blocks, integer dot
-    products per block; the mins' term (Q4_1, Q4_0) from the float32 block sums of x."""
+    products per block; the mins' term (Q4_1, Q4_0) from the block sums of the same 8-bit x, so the
+    result is the rounded x times the weight (d q + m). (Summing x itself there, as before, leaves
+    the rounding error times d q, with q in 0..15 never centred: 2.6% perplexity on SmolLM2 against
+    0.6%, docs/quantization.md.)"""
     M, K = x2.shape
     q4 = blocks.mins is not None
-    xq, dx = quantize_rows(x2, q4)
+    xq, dx, sums = quantize_rows(x2, q4)
     if q4:
-        out = x2.view(M, K // 32, 32).sum(-1) @ blocks.mins.T          # [M, N]: sum_b m_b * sum_k x_k
+        out = sums @ blocks.mins.T                                     # [M, N]: sum_b m_b * dx_b * sum_k q_k
         out = out if bias is None else out.add_(bias)
     else:
         out = torch.zeros(M, blocks.qs.shape[0]) if bias is None else bias.repeat(M, 1)   # a copy: written in place
     torch.ops.nanoserve_linear.linear_gguf_q8(xq, dx, blocks.qs, blocks.scales, q4, out)
     return out
+
+
+@dataclass
+class Int8Weight:
+    """quantization="int8" (dynamic W8A8): a weight [N, K] as int8 with one scale per output
+    channel, w[n, k] ~ scales[n] * q[n, k], in the panels csrc/linear_cpu.cpp's linear_int8 reads:
+    panels int8 [ceil(N/16), ceil(K/2), 16, 2] (zeros pad N and K), scales float32 [ceil(N/16) * 16]."""
+    panels: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """weight float [N, K] -> Int8Weight: per output channel, symmetric, q = round(w / s) with
+    s = max_k |w[n, k]| / 127 (round half to even, |q| <= 127; a zero row has s = 0)."""
+    w = weight.detach().float()
+    N, K = w.shape
+    amax = w.abs().amax(1)                                            # [N]
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)   # [N, K]
+    Np, Kp = -(-N // 16) * 16, -(-K // 2) * 2
+    q = F.pad(q, (0, Kp - K, 0, Np - N))                              # [Np, Kp]
+    panels = q.view(Np // 16, 16, Kp // 2, 2).permute(0, 2, 1, 3).contiguous()   # [Np/16, Kp/2, 16, 2]
+    scales = F.pad(amax / 127, (0, Np - N))                           # [Np]
+    return Int8Weight(panels, scales, N)
+
+
+# Activation values per 8-bit scale in quantization="int8". vLLM's dynamic W8A8 takes one per token
+# (INT8_GROUP >= K); on SmolLM2 that measured (2026-11-27, Zen 1) top-1 agreement 0.895 with the
+# float32 greedy tokens (229/256, teacher-forced, the 8 parity prompts) and perplexity 1.0145x
+# float32's on test_all's CORPUS: the outliers of the normed hidden states (qkv_proj's input) and
+# of SwiGLU's output (down_proj's) flatten the small values beside them. Groups of 64 along K (as
+# llama.cpp's 32-value blocks, coarser) measured docs/quantization.md's figures, within the 95%
+# and 1%. The cost is one int-to-float fold per group of 64 in the kernel.
+INT8_GROUP = 64
+
+
+def int8_linear(x: torch.Tensor, w8: Int8Weight, bias: torch.Tensor | None = None,
+                group: int | None = None) -> torch.Tensor:
+    """x [..., K] float32 against an Int8Weight -> [..., N] float32: each row of x quantized to
+    8 bits with a scale per `group` values (max |x| / 127; default INT8_GROUP), exact int32 dot
+    products per group, summed in float32 in a fixed order (csrc/linear_cpu.cpp, linear_int8).
+    A row's result never depends on the rows beside it."""
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()               # [M, K]
+    out = torch.ops.nanoserve_linear.linear_int8(x2, w8.panels, w8.scales, w8.out_features,
+                                                 group or INT8_GROUP, bias)
+    return out.view(*x.shape[:-1], w8.out_features)                  # [..., N]
 
 
 def _linear_invariant(x2, weight, bias, packed, float_out):
@@ -341,11 +396,13 @@ class Linear(nn.Linear):
     _packed = (None, None)                    # (which weight it was made from, packed copy)
     _packed_invariant = (None, None)          # the same for batch-invariant mode, where the copy may differ
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
-    quantized: GGUFBlocks | None = None       # quantization="gguf": only these, at every row count (weights.keep_only_blocks)
+    quantized: "GGUFBlocks | Int8Weight | None" = None   # quantization="gguf" / "int8": only these, at every row count (weights.py)
     q8_rows: int | None = None                # and 8-bit activations from this many rows (choose_gguf_path)
     batch_invariant = False                   # model.Llama.set_batch_invariant sets it
 
     def forward(self, x, float_out=False):
+        if isinstance(self.quantized, Int8Weight):
+            return int8_linear(x, self.quantized, self.bias)
         if self.quantized is not None:
             return gguf_linear(x, self.quantized, self.bias, self.q8_rows)
         return linear(x, self.weight, self.bias, *self.prepared(), float_out=float_out,
@@ -361,7 +418,7 @@ class Linear(nn.Linear):
         call (at batch 1 a step makes 121 of these calls): the copy is remade and the blocks
         dropped once the weight is replaced or changed."""
         if self.quantized is not None:        # no float32 weight to pack
-            return None, self.quantized
+            return None, self.quantized if isinstance(self.quantized, GGUFBlocks) else None
         key = self.weight_key()
         slot, other = ("_packed_invariant", self._packed) if self.batch_invariant else ("_packed", self._packed_invariant)
         if getattr(self, slot)[0] != key:

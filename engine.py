@@ -69,7 +69,9 @@ class EngineConfig(SchedulerConfig):
     batch_invariant: bool = field(default_factory=lambda: any(
         os.environ.get(v, "0") not in ("", "0") for v in ("VLLM_BATCH_INVARIANT", "NANOSERVE_BATCH_INVARIANT")))
     speculative_config: dict | SpeculativeConfig | None = None   # vLLM's: {"method": "ngram", ...}
-    quantization: str | None = None     # "gguf": only a GGUF's own Q4_0/Q4_1/Q8_0 blocks, at every batch (docs/quantization.md)
+    # "gguf": only a GGUF's own Q4_0/Q4_1/Q8_0 blocks, at every batch; "int8": dynamic W8A8 from any
+    # float checkpoint, exact int32 sums (batch-invariant too): docs/quantization.md
+    quantization: str | None = None
 
     def validate(self):
         super().validate()
@@ -81,11 +83,12 @@ class EngineConfig(SchedulerConfig):
              self.block_size)
         need(self.dtype in dtypes, "dtype", "|".join(dtypes), self.dtype)
         need(self.kv_cache_dtype in dtypes, "kv_cache_dtype", "|".join(dtypes), self.kv_cache_dtype)
-        need(self.quantization in (None, "gguf"), "quantization", "None or 'gguf'", self.quantization)
+        need(self.quantization in (None, "gguf", "int8"), "quantization", "None, 'gguf' or 'int8'", self.quantization)
         need(not (self.quantization and self.tensor_parallel_size > 1), "quantization",
              "None under tensor parallelism (each rank reads its float32 slice)", self.quantization)
-        need(not (self.quantization and self.batch_invariant), "quantization",
-             "None in batch-invariant mode (the block kernel's sums depend on the rows beside them)", self.quantization)
+        need(not (self.quantization == "gguf" and self.batch_invariant), "quantization",
+             "None or 'int8' in batch-invariant mode (the gguf block kernel's sums depend on the rows beside them)",
+             self.quantization)
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              "tensor_parallel_size", "an integer >= 1", self.tensor_parallel_size)
 

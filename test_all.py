@@ -1587,7 +1587,7 @@ def test_gguf_blocks_match_gguf_dequantize_and_transformers(hf_smollm, gguf_read
 def gguf_block_error(q4, blocks, x, w64, q8=False):
     """Max abs error of a block kernel (x @ w.T from blocks) against the float64 oracle, and its bound.
     q8: the 8-bit activation kernel, whose oracle takes x as llama.cpp's Q8_0 rounds it (per block
-    of 32: round(x / dx) * dx, dx = max |x| / 127) except in the mins' term, which sums x itself."""
+    of 32: round(x / dx) * dx, dx = max |x| / 127), the mins' term included (llama.cpp's Q8_1 sums)."""
     lanes = CL.GGUFBlocks(W.to_lanes(blocks[0], q4), blocks[1], blocks[2])
     if q8:
         got = CL.gguf_linear_q8(x, lanes)
@@ -1595,8 +1595,6 @@ def gguf_block_error(q4, blocks, x, w64, q8=False):
         dx = xs.abs().amax(-1, keepdim=True) / 127
         xr = (torch.round(xs / dx) * dx).view(len(x), -1)
         ref = xr @ w64.T
-        if q4:
-            ref += (xs.sum(-1) - xr.view(len(x), -1, 32).sum(-1)) @ blocks[2].double().T
     else:
         got = torch.ops.nanoserve_linear.linear_gguf(x, lanes.qs, lanes.scales, lanes.mins, None)
         ref = x.double() @ w64.T
@@ -1660,15 +1658,13 @@ def test_quantization_gguf_keeps_only_blocks_and_gives_transformers_outputs(hf_s
     assert e.value.field == "quantization"
 
 
-# 8-bit activations against the blocks (quantization="gguf" from GGUF_Q8_ROWS rows, where faster
-# at start-up), forced at every row count. Measured 2026-11-27 (Zen 1): top-1 agreement with
-# transformers' float32 greedy tokens 0.941 (241/256, teacher-forced, 8 parity prompts x 32 tokens;
-# 0.945 with lm_head in float32 sums), and perplexity on CORPUS 1.026x float32's (1.008 with
-# down_proj, 0.996 with gate_up left in float32 sums): both short of the 0.95 and 1% a default needs, since
-# per-block int8 loses the small values beside the outliers of the normed hidden states and of
-# SwiGLU's output. The bounds below are the measured figures', so the test still catches a broken
-# kernel; on this CPU start-up never picks the path (slower: docs/quantization.md).
-GGUF_Q8_TOP1_FLOOR, GGUF_Q8_PPL_RATIO = 0.93, 1.04
+# 8-bit activations against the blocks (quantization="gguf" from GGUF_Q8_ROWS rows, where on and
+# faster at start-up), forced at every row count. Measured 2026-11-27 (Zen 1): top-1 agreement with
+# the float32 greedy tokens 0.973 (249/256, teacher-forced, 8 parity prompts x 32 tokens), and
+# perplexity on CORPUS 1.003x float32's, with the mins' term from the 8-bit x's block sums
+# (llama.cpp's Q8_1). Summing the float32 x there instead gave 0.941 and 1.026x. The bounds are the
+# issue's: 95% and 1%.
+GGUF_Q8_TOP1_FLOOR, GGUF_Q8_PPL_RATIO = 0.95, 1.01
 def test_gguf_8bit_activations_keep_greedy_tokens_and_perplexity(hf_smollm, hf_greedy_32, tok):
     net, _, _ = W.load_model(None, quantization="gguf")
     for m in net.modules():
@@ -1698,6 +1694,147 @@ def test_quantization_gguf_is_rejected_without_blocks(tiny):
     with pytest.raises(InvalidRequest) as e:
         Engine(model=str(tiny[0]), quantization="gguf", kv_cache_memory=SMALL_KV, **CPU32)
     assert e.value.field == "quantization" and "gguf" in str(e.value)
+
+
+# quantization="int8" (dynamic W8A8, cpu_linear.quantize_int8 / int8_linear, csrc linear_int8)
+def int8_rows(x, group):
+    """The oracle's 8-bit rows: per row and group of `group` values (the last one shorter),
+    p = round-half-even(x * (127 / max |x|)), the float32 product as the kernel's, and the scale
+    max |x| / 127 -> (p float64 [M, K], scales float64 [M, K]: each value's group scale)."""
+    p, s = [], []
+    for part in x.split(group, dim=1):
+        amax = part.abs().amax(1, keepdim=True)
+        p.append(torch.round(part * (127 / amax)).clamp(-127, 127).double())
+        s.append((amax / 127).double().expand_as(part))
+    return torch.cat(p, 1), torch.cat(s, 1)
+
+
+def int8_kernel_error(x, q, sw, bias, group, scales=None):
+    """The kernel on x against weights q [N, K] int8 with scales sw (as quantize_int8 makes them;
+    `scales` overrides the ones handed to the kernel) -> (max error, bound); oracle: float64
+    sum over groups of sx * (p @ q.T), times sw, plus bias."""
+    w8 = CL.quantize_int8(q.double() * sw.double()[:, None])
+    if scales is not None:
+        w8 = CL.Int8Weight(w8.panels, scales, w8.out_features)
+    got = CL.int8_linear(x, w8, bias, group).double()
+    p, sx = int8_rows(x, group)
+    ref = ((p * sx) @ q.double().T) * sw.double()[None] + bias.double()
+    return (got - ref).abs().max().item(), 1e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_int8_kernel_matches_float64_reference_and_catches_a_shifted_scale():
+    # oracle: exact integer dot products in float64 of the int8 weights and 8-bit rows, each made
+    # here from its definition (per output channel / per row and group, max |v| / 127, round half
+    # to even); K = 195 is odd (a pair's tail) and leaves a short last group of 64; N = 40 leaves a
+    # partial panel of 16; rows 1 .. 512 cover the 4-row tiles, their tails and the row blocks;
+    # groups of 64 (the default) and one per row (vLLM's per-token); a planted bug (the weight
+    # scales shifted by one channel) must fail the same check
+    if not CL._cpu_linear_kernels()[0]:
+        pytest.skip("csrc/linear_cpu.cpp did not build: no int8 kernel")
+    g = torch.Generator().manual_seed(3)
+    N, K = 40, 195
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    q[torch.arange(N), torch.randint(0, K, (N,), generator=g)] = 127         # each row's max is 127
+    sw = torch.rand(N, generator=g) * 0.02 + 1e-3
+    w8 = CL.quantize_int8(q.double() * sw.double()[:, None])
+    unpacked = w8.panels.permute(0, 2, 1, 3).reshape(-1, w8.panels.shape[1] * 2)[:N, :K]
+    assert torch.equal(unpacked, q) and torch.allclose(w8.scales[:N], sw, rtol=1e-6)   # load-time quantization
+    bias = torch.randn(N, generator=g)
+    for group in (64, 196):
+        for rows in (1, 3, 8, 64, 512):
+            x = torch.randn(rows, K, generator=g) * 3
+            err, bound = int8_kernel_error(x, q, sw, bias, group)
+            assert err <= bound, f"int8 (groups of {group}) at {rows} rows: error {err} > {bound}"
+        err, bound = int8_kernel_error(torch.randn(3, K, generator=g), q, sw, bias, group, scales=torch.roll(w8.scales, 1))
+        assert err > 100 * bound, "the check missed weight scales shifted by one channel"
+
+
+@pytest.fixture(scope="module")
+def smol_int8():
+    """SmolLM2 with quantization="int8": (net, cfg, model_dir) for LLM(loaded_model=...)."""
+    if not CL._cpu_linear_kernels()[0]:
+        pytest.skip("csrc/linear_cpu.cpp did not build: no int8 kernel")
+    net, cfg, _ = W.load_model(None, quantization="int8")
+    return net, cfg, W.resolve_model_dir(None)
+
+
+# Measured 2026-11-27 (Zen 1), activation scales per 64 values (cpu_linear.INT8_GROUP): teacher-
+# forced top-1 agreement with transformers' float32 greedy tokens 0.973 (249/256, the 8 parity
+# prompts x 32 tokens), perplexity on CORPUS 0.983x float32's (lower: this short, odd text is
+# noisy at the 1% level; per-token scales measured 0.883-0.895 and 1.001-1.015x). Bounds: the
+# issue's 95%, no more than 1% worse, and a floor that a broken kernel would fall through.
+INT8_TOP1_FLOOR, INT8_PPL_RATIO = 0.95, (0.97, 1.01)
+@pytest.mark.slow
+def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smollm, hf_greedy_32, tok):
+    net = smol_int8[0]
+    linears = [m for m in net.modules() if isinstance(m, CL.Linear) and m is not net.lm_head]
+    assert net.gguf_log.startswith(f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8")
+    assert all(isinstance(m.quantized, CL.Int8Weight) and m.weight.stride() == (0, 0) for m in linears)   # no float copy
+    seqs = [tok.encode(p) + hf_greedy_32[p] for p in PROMPTS]
+    logits = ragged_forward(net, seqs)
+    agree = total = start = 0
+    for p, s in zip(PROMPTS, seqs):
+        n = len(hf_greedy_32[p])
+        picks = logits[start + len(s) - n - 1:start + len(s) - 1].argmax(-1).tolist()
+        agree += sum(a == b for a, b in zip(picks, hf_greedy_32[p]))
+        total += n
+        start += len(s)
+    print(f"int8: top-1 agreement with transformers' greedy tokens {agree / total:.3f} ({agree}/{total})")
+    text = tok.encode(" ".join(CORPUS))
+    nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
+    ours, ref = math.exp(nll(ragged_forward(net, [text]))), math.exp(nll(hf_forward(hf_smollm, text)))
+    print(f"perplexity on CORPUS: int8 {ours:.4f}, float32 (transformers) {ref:.4f}, ratio {ours / ref:.4f}")
+    assert agree / total >= INT8_TOP1_FLOOR
+    assert INT8_PPL_RATIO[0] <= ours / ref <= INT8_PPL_RATIO[1]
+
+
+@pytest.mark.slow
+def test_quantization_int8_gives_the_same_tokens_alone_and_in_mixed_batches(smol_int8):
+    # the int8 layers' sums are exact and every row's scales its own, so with batch-invariant
+    # attention and norms (batch_invariant=True, which int8 allows and gguf does not) a request's
+    # tokens do not depend on its batch; oracle: the same engine, one request at a time. Mixed
+    # batches, chunked prefill (budget 64) and preemption (9 KV blocks). (In the default mode the
+    # float attention's order of sums varies with the batch, and an 8-bit rounding can flip.)
+    alone = LLM(loaded_model=smol_int8, kv_cache_memory=SMALL_KV, quantization="int8", batch_invariant=True, **CPU32)
+    want = [token_ids(alone.generate([p], greedy(24)))[0] for p in PROMPTS[:6]]
+    mixed = LLM(loaded_model=smol_int8, kv_cache_memory=9 * 737280, max_num_batched_tokens=64,
+                quantization="int8", batch_invariant=True, **CPU32)
+    assert token_ids(mixed.generate(PROMPTS[:6], greedy(24))) == want
+    assert mixed.engine.scheduler.num_preemptions >= 1
+    smol_int8[0].set_batch_invariant(False)
+
+
+def test_quantization_int8_runs_a_safetensors_checkpoint_with_biases(tmp_path):
+    # "from any float checkpoint": a tiny random Qwen2 (q/k/v biases, N = 96 and 160: not multiples
+    # of the panel's 16 everywhere) in int8 against transformers in float32 on the same weights. The
+    # logits' error is the 8-bit rounding's, about 1% of their spread; top-1 picks mostly agree
+    transformers = pytest.importorskip("transformers", reason="transformers is the logit oracle")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True)
+    ref_model = transformers.Qwen2ForCausalLM(cfg).eval()
+    ref_model.save_pretrained(tmp_path, safe_serialization=True)
+    net, _, _ = W.load_model(str(tmp_path), quantization="int8")
+    assert net.layers[0].self_attn.qkv_proj.bias is not None
+    seqs = [list(range(3, 40)), [5, 6, 7]]
+    ours = ragged_forward(net, seqs, block_size=8)
+    with torch.no_grad():
+        ref = torch.cat([ref_model(torch.tensor([s])).logits[0] for s in seqs])
+    err = ((ours - ref).abs().max() / ref.std()).item()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"int8 tiny Qwen2: max |dlogit| / std {err:.4f}, top-1 agreement {agree:.3f}")
+    assert err < 0.1 and agree >= 0.9
+
+
+def test_quantization_int8_is_refused_where_it_cannot_run(tiny):
+    # serve.py's flag is vLLM's; int8 runs float32 activations on one CPU rank: other dtypes and
+    # tensor parallelism are refused naming the field
+    assert serve.engine_config(serve.parse_args(["--quantization", "int8"])).quantization == "int8"
+    for kw in (dict(dtype="bfloat16", device="cpu"), dict(tensor_parallel_size=2, **CPU32)):
+        with pytest.raises(InvalidRequest) as e:
+            Engine(model=str(tiny[0]), quantization="int8", kv_cache_memory=SMALL_KV, **kw)
+        assert e.value.field == "quantization", kw
 
 
 # bfloat16 against transformers in bfloat16: both round every op's output to 8 mantissa bits,

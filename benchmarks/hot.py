@@ -235,6 +235,44 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 5, 8, 16), batches=(1, 4), engine=None
             "per_pass": per_pass, "step": step}
 
 
+def int8_vs_float32(rows=(1, 2, 4, 8, 16, 64), batches=(1, 16), steps=6, repeats=3, rounds=2) -> dict:
+    """quantization="int8" (csrc/linear_cpu.cpp's linear_int8) against the float32 panels and the
+    GGUF's blocks (float32 sums, quantization="gguf"'s kernel) on the same layers: ms of one pass
+    over the 120 linear layers int8 quantizes (lm_head, float32 in both engines, left out) at each
+    row count, the three taking turns; then a decode step at each batch, an int8 engine and a
+    float32 one taking turns `rounds` times."""
+    if not CL._cpu_linear_kernels()[0]:
+        return {"skipped": f"csrc/linear_cpu.cpp did not build: {extensions.failed.get('linear_cpu')}"}
+    engines = {"int8": _engine(dtype="float32", quantization="int8"), "float32": _engine(dtype="float32")}
+    net = engines["float32"].model
+    layers = [m for m in net.modules() if isinstance(m, CL.Linear) and m is not net.lm_head]
+    w8 = [CL.quantize_int8(m.weight) for m in layers]
+    packed = [m.packed_weight() for m in layers]
+    blocks = [m.gguf_blocks() for m in layers]
+    kernels = {"int8": lambda x, i: CL.int8_linear(x, w8[i]),
+               "float32": lambda x, i: torch.ops.nanoserve_linear.linear_panels(x, packed[i], None, False)}
+    if all(b is not None for b in blocks):
+        kernels["gguf"] = lambda x, i: torch.ops.nanoserve_linear.linear_gguf(x, blocks[i].qs, blocks[i].scales, blocks[i].mins, None)
+    per_pass = {}
+    for r in rows:
+        xs = [torch.randn(r, m.in_features) for m in layers]
+        times = {k: float("inf") for k in kernels}
+        for _ in range(repeats):                                          # interleaved: the same load on each
+            for k, fn in kernels.items():
+                run = lambda fn=fn: [fn(x, i) for i, x in enumerate(xs)]   # noqa: E731
+                run()
+                times[k] = min(times[k], time_fn(run, 1, warmup=0)[0])
+        per_pass[r] = {f"{k}_ms": t * 1e3 for k, t in times.items()}
+    steps_ms = {(b, k): [] for b in batches for k in engines}
+    for _ in range(rounds):
+        for b in batches:
+            for k, e in engines.items():
+                steps_ms[b, k].append(decode_steps(e, b, steps=steps)["step_ms_median"])
+    step = {b: {f"{k}_ms": min(steps_ms[b, k]) for k in engines} for b in batches}
+    return {"log": engines["int8"].model.gguf_log, "layers": len(layers), "repeats": repeats, "rounds": rounds,
+            "int8_group": CL.INT8_GROUP, "per_pass": per_pass, "step": step}
+
+
 def panels_vs_onednn(rows=(1, 8, 64, 256), batches=(16, 64), steps=6, repeats=3, rounds=2) -> dict:
     """Linear layers on csrc/linear_cpu.cpp's weight panels (model.LINEAR_PANELS: float32 on AVX2,
     bfloat16 on AVX512_BF16 without AMX) against oneDNN on its prepacked weight, at the dtype that
@@ -383,9 +421,9 @@ if __name__ == "__main__":
     import json
     torch.set_num_threads(os.cpu_count())
     import sys
-    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "gguf", "panels", "linear", "offline"]   # and compile_forward
+    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "gguf", "int8", "panels", "linear", "offline"]   # and compile_forward
     calls = {"kernel": bench_kernel_bandwidth, "phases": phase_breakdown, "roofline": decode_vs_roofline,
-             "fused": fused_ops_vs_compile, "gguf": gguf_blocks_vs_float32, "panels": panels_vs_onednn, "compile_forward": compiled_forward_step, "linear": bf16_linear_table,
+             "fused": fused_ops_vs_compile, "gguf": gguf_blocks_vs_float32, "int8": int8_vs_float32, "panels": panels_vs_onednn, "compile_forward": compiled_forward_step, "linear": bf16_linear_table,
              "offline": lambda: [offline_throughput(), offline_throughput(dtype="float32")]}
     for part in parts:
         print(part, json.dumps(calls[part](), indent=1), flush=True)

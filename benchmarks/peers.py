@@ -191,7 +191,7 @@ def batch1_decode_tok_s(wall_long, wall_short, n_long):
 
 
 def nanoserve_runs(sz, reqs, b1_prompt):
-    """nanoserve at its default dtype, at bfloat16 and with quantization="gguf" on the peer workload (taking turns
+    """nanoserve at its default dtype, at bfloat16 and with quantization="gguf" and "int8" on the peer workload (taking turns
     step by step), and batch 1.
     bfloat16 runs beside a float32 default only where oneDNN has a bf16 path: elsewhere (AVX2-only CPUs) it
     is emulated, several times slower than float32, and took most of a quick-start bench there."""
@@ -205,6 +205,8 @@ def nanoserve_runs(sz, reqs, b1_prompt):
     if engines["default"].device.type == "cpu":   # the GGUF's own blocks, float32 sums on the CPU
         engines["gguf"] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
                                       enable_prefix_caching=False, dtype="float32", quantization="gguf")
+        engines["int8"] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
+                                      enable_prefix_caching=False, dtype="float32", quantization="int8")
     for e in engines.values():
         warm_up(e, sz)
     label = "nanoserve: " + " and ".join(engines) + (", in turn" if len(engines) > 1 else "")
