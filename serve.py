@@ -381,8 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
     p.add_argument("--quantization", choices=["gguf", "int8"], default=None,
-                   help="gguf: serve the .gguf model's own Q4_0/Q4_1/Q8_0 blocks, no float32 copy; int8: "
-                        "int8 weights (per channel) and 8-bit activations (per token) from any model (default off)")
+                   help="gguf: the .gguf's own Q4_0/Q4_1/Q8_0 blocks, no float32 copy; int8: W8A8 from any model (default off)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for the engine; beyond that: 503 with Retry-After (default 256)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
