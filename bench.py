@@ -365,6 +365,15 @@ def targets(results):
             notes[-1] += f" Twice vLLM's best here is {2 * best['useful_tok_s']:.0f} tok/s."
     if p and r and "gguf" in p["nanoserve"] and "batch1_decode_tok_s" in p.get("llamacpp", {}) and "1" in r["decode"]:
         notes.append(gguf_batch1_ceiling(r, p))
+    i8 = results.get("int8", {}).get("per_pass")
+    if i8:                                   # the batched steps are bound by arithmetic: the kernels' own ratio caps them
+        big = max(i8, key=int)
+        v = i8[big]
+        quant = {k[:-3]: t for k, t in v.items() if k != "float32_ms"}
+        notes.append(f"Batched ceiling of the integer paths here: one pass over the linear layers at {big} rows takes "
+                     + ", ".join(f"{t:.0f} ms in {k}" for k, t in quant.items())
+                     + f" against {v['float32_ms']:.0f} ms on float32 panels (hot section), so a quantized engine's "
+                     f"batched steps gain at most {v['float32_ms'] / min(quant.values()):.2f}x there.")
     section_header("Targets (measured in this run)", notes)
     print(md_table(["target", "measured", "needed", "result"],
                    [[n, m, need, ("met" if m >= need else "missed") if isinstance(m, float) else "not measured"]
