@@ -2,14 +2,18 @@
 bench_online.py: the experiments about requests that arrive over time, in process and over HTTP.
 
 Owns three experiments: latency under Poisson arrivals (TTFT/TPOT/e2e and goodput, engine in process),
-chunked prefill's effect on running decodes, and the HTTP path: serve.py (and `vllm serve` when
-VLLM_PYTHON is set) driven by loadgen.py in its own process, beside the in-process engine on the same
-requests. It starts and stops the servers it measures; it never changes serve.py or the engine.
+chunked prefill's effect on running decodes, and the HTTP path: serve.py (default, and with
+--quantization gguf), `vllm serve` when VLLM_PYTHON is set and llama.cpp's `llama-server` when LLAMACPP_DIR
+is set, each driven by loadgen.py in its own process, beside the in-process engine on the same requests.
+It starts and stops the servers it measures (each in its own process group); it never changes serve.py or
+the engine.
 """
 import contextlib
 import json
+import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -144,9 +148,10 @@ def in_process(engine, reqs, prompts):
 
 @contextlib.contextmanager
 def server(cmd, port, env, startup_s):
-    """Start a server process, wait for /health, yield, then stop it (SIGTERM, then kill)."""
+    """Start a server in a process group of its own, wait for /health (200: llama-server answers 503 while it
+    loads), yield the process, then stop the whole group (SIGTERM, then SIGKILL): no worker outlives it."""
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + startup_s
         while True:
@@ -157,15 +162,21 @@ def server(cmd, port, env, startup_s):
                 if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
                     break
             time.sleep(1)
-        yield
+        yield proc
     finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_group(proc)
         log.close()
+
+
+def stop_group(proc, grace_s=30):
+    """SIGTERM to the server's process group, SIGKILL to what is left after grace_s; reaps the leader."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):          # the leader's children, or a leader that hung
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def free_port():
@@ -187,15 +198,31 @@ def drive(port, reqs, rate, seed):
                        check=True, capture_output=True, timeout=3600)
         res = json.load(open(os.path.join(d, "out.json")))
     res.pop("requests")
-    return res
+    return res | {"requested_tokens": sum(r["output_len"] for r in reqs)}
+
+
+def llama_server_slots(sz):
+    """llama-server's slots and KV tokens per slot for the HTTP workload. Slots: as many requests as run at once
+    (all of them at rate inf), capped at max_num_seqs as nanoserve's are. Per slot: the longest prompt and output
+    random_text_requests makes (1.5x the length each), the prompt with 25% more for the text's re-tokenization
+    (measured: 192 random ids came back as up to 204 tokens), plus 64, in multiples of 64."""
+    longest = math.floor(sz.http_len * 1.5)
+    return min(sz.http_prompts, sz.max_num_seqs), 64 * math.ceil((int(2.25 * longest) + 64) / 64)
 
 
 def serve_commands(sz, port, engine):
     """(name, command, env, startup seconds) of each server to measure, or (name, reason skipped)."""
+    from benchmarks.llamacpp import llama_server_command, llama_server_unavailable
     from benchmarks.peers import export_hf_layout, vllm_env, vllm_unavailable
+    from weights import embedded_gguf_path
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}     # serve.py picks its own wait policy
-    yield "serve.py", [sys.executable, "serve.py", "--port", str(port), "--max-num-seqs", str(sz.max_num_seqs),
-                       "--kv-cache-memory", sz.kv_cache_memory, "--dtype", engine.config.dtype], env, 300
+    ours = [sys.executable, "serve.py", "--port", str(port), "--max-num-seqs", str(sz.max_num_seqs),
+            "--kv-cache-memory", sz.kv_cache_memory]
+    yield "serve.py", ours + ["--dtype", engine.config.dtype], env, 300
+    yield "serve.py --quantization gguf", ours + ["--quantization", "gguf", "--dtype", "float32"], env, 300
+    why = llama_server_unavailable()
+    yield ("llama-server", why) if why else ("llama-server", llama_server_command(
+        embedded_gguf_path(), port, os.cpu_count(), *llama_server_slots(sz)), env, 120)
     why = vllm_unavailable() or ("not run in --quick (vLLM starts in minutes)" if sz.name == "quick" else None)
     if why:
         yield "vllm serve", why
@@ -256,15 +283,28 @@ def bench_http(sz, seed, results):
         "--temperature 0`: streaming /v1/completions with stream_options.include_usage and repetition_penalty 1.0.",
         "the load generator runs in its own process; in process = the same prompts (our tokenizer's ids) all at once.",
         "every run sends prompts no engine has seen (same lengths, new random ids), so no prefix cache helps a later round.",
-        f"every server runs {model_dtype(engine)} (nanoserve's dtype auto on this machine).",
-        "TPOT = (latency - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks; seconds.",
-        f"while serve.py is up, it and the engine in process take turns, {sz.http_rounds} rounds each (vllm serve: "
-        f"{sz.http_rounds} rounds of its own); a row is its path's best round, every round's tok/s in the last column."]
+        f"serve.py and vllm serve run {model_dtype(engine)} (nanoserve's dtype auto on this machine); serve.py "
+        "--quantization gguf and llama-server read the embedded GGUF's own blocks (float32 activations in nanoserve).",
+        "llama-server: " + ("; ".join(f"{a} {b}" for a, b in zip(("slots", "KV tokens each"), llama_server_slots(sz)))
+                            + f", continuous batching, {os.cpu_count()} threads (-t, -tb), web UI off; same client and prompts"
+                            " (text: each server tokenizes it with the GGUF's vocabulary)"),
+        "TPOT = (latency - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks (a closing chunk with no "
+        "text is not a token); seconds.",
+        f"while serve.py is up, it and the engine in process take turns, {sz.http_rounds} rounds each (every other "
+        f"server: {sz.http_rounds} rounds of its own, after it); a row is its path's best round, every round's tok/s "
+        "in the last column."]
         + [f"{k}: {v['skipped'] if 'skipped' in v else v['first_error']}" for k, v in runs.items()
-           if "skipped" in v or v.get("failed")])
+           if "skipped" in v or v.get("failed")]
+        + [f"{k}: {v['output_tokens']} output tokens came back, {v['requested_tokens']} were asked for"
+           for k, v in runs.items() if v.get("requested_tokens", v.get("output_tokens")) != v.get("output_tokens")])
     keys = [f"{m}_p{q}_s" for m in ("ttft", "tpot", "itl") for q in loadgen.PERCENTILES]
     print(md_table(["path", "completed", "failed", "out tok/s", "of in process"]
                    + [f"{m} p{q}" for m in ("TTFT", "TPOT", "ITL") for q in loadgen.PERCENTILES] + ["rounds tok/s"],
                    [[k, v["completed"], v["failed"], v["output_tok_s"], v["output_tok_s"] / base] + [v[c] for c in keys]
                     + [" / ".join(f"{x:.0f}" for x in v["rounds_tok_s"])] for k, v in runs.items() if "skipped" not in v]))
+    q, lc = runs.get("serve.py --quantization gguf", {}), runs.get("llama-server", {})
+    if "output_tok_s" in q and "output_tok_s" in lc:
+        print(f"\nserve.py --quantization gguf against llama-server, same GGUF: **{q['output_tok_s'] / lc['output_tok_s']:.2f}x** "
+              f"out tok/s; TPOT p50 {q['tpot_p50_s'] * 1e3:.1f} vs {lc['tpot_p50_s'] * 1e3:.1f} ms, "
+              f"TTFT p50 {q['ttft_p50_s']:.2f} vs {lc['ttft_p50_s']:.2f} s")
     results["http"] = {"num_requests": sz.http_prompts, "runs": runs}
