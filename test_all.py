@@ -6554,6 +6554,7 @@ BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", 
 @pytest.mark.slow
 def test_bench_quick_reports_every_section(tmp_path):
     """bench.py --quick runs every experiment; its numbers obey the relations each experiment is about."""
+    from benchmarks import llamacpp
     out = tmp_path / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}   # bench.py picks its own wait policy
     p = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out), "--plot", str(tmp_path)],
@@ -6584,6 +6585,9 @@ def test_bench_quick_reports_every_section(tmp_path):
             assert run["completed"] + run["failed"] == r["http"]["num_requests"], name
             assert run["failed"] == 0 or run["first_error"], name
             assert run["output_tok_s"] == max(run["rounds_tok_s"]), name     # a row is its path's best round
+            assert run.get("requested_tokens", run["output_tokens"]) == run["output_tokens"], name   # EOS ignored
+    assert ("skipped" in http["serve.py --quantization gguf"]) == torch.cuda.is_available()   # blocks: CPU only
+    assert ("skipped" in http["llama-server"]) == (llamacpp.llama_server_unavailable() is not None)
     peers = r["peers"]
     assert peers["nanoserve"]["default"]["useful_tok_s"] > 0 and peers["nanoserve"]["default"]["batch1_decode_tok_s"] > 0
     assert "skipped" in peers["vllm"]        # --quick never starts vLLM
@@ -6634,7 +6638,7 @@ def test_llama_server_skip_reason_and_command_line(monkeypatch, tmp_path):
     from benchmarks import llamacpp, online
     monkeypatch.delenv("LLAMACPP_DIR", raising=False)
     quick = SimpleNamespace(name="quick", http_len=16, http_prompts=4, max_num_seqs=8, kv_cache_memory="16MiB")
-    engine = SimpleNamespace(config=SimpleNamespace(dtype="float32"))
+    engine = SimpleNamespace(config=SimpleNamespace(dtype="float32"), device=torch.device("cpu"))
     rows = {name: spec for name, *spec in online.serve_commands(quick, 8000, engine)}
     assert rows["llama-server"] == ["LLAMACPP_DIR is not set (docs/benchmark.md has the build)"]
     assert rows["serve.py --quantization gguf"][0][-4:] == ["--quantization", "gguf", "--dtype", "float32"]

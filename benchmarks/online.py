@@ -219,10 +219,15 @@ def serve_commands(sz, port, engine):
     ours = [sys.executable, "serve.py", "--port", str(port), "--max-num-seqs", str(sz.max_num_seqs),
             "--kv-cache-memory", sz.kv_cache_memory]
     yield "serve.py", ours + ["--dtype", engine.config.dtype], env, 300
-    yield "serve.py --quantization gguf", ours + ["--quantization", "gguf", "--dtype", "float32"], env, 300
+    if engine.device.type == "cpu":                # the blocks' kernels are CPU code (float32 activations)
+        yield "serve.py --quantization gguf", ours + ["--quantization", "gguf", "--dtype", "float32"], env, 300
+    else:
+        yield "serve.py --quantization gguf", f"GGUF blocks run on the CPU; this run's servers are on {engine.device.type}"
     why = llama_server_unavailable()
-    yield ("llama-server", why) if why else ("llama-server", llama_server_command(
-        embedded_gguf_path(), port, os.cpu_count(), *llama_server_slots(sz)), env, 120)
+    if why:
+        yield "llama-server", why
+    else:
+        yield "llama-server", llama_server_command(embedded_gguf_path(), port, os.cpu_count(), *llama_server_slots(sz)), env, 120
     why = vllm_unavailable() or ("not run in --quick (vLLM starts in minutes)" if sz.name == "quick" else None)
     if why:
         yield "vllm serve", why
