@@ -290,9 +290,9 @@ def bench_http(sz, seed, results):
         "every run sends prompts no engine has seen (same lengths, new random ids), so no prefix cache helps a later round.",
         f"serve.py and vllm serve run {model_dtype(engine)} (nanoserve's dtype auto on this machine); serve.py "
         "--quantization gguf and llama-server read the embedded GGUF's own blocks (float32 activations in nanoserve).",
-        "llama-server: " + ("; ".join(f"{a} {b}" for a, b in zip(("slots", "KV tokens each"), llama_server_slots(sz)))
-                            + f", continuous batching, {os.cpu_count()} threads (-t, -tb), web UI off; same client and prompts"
-                            " (text: each server tokenizes it with the GGUF's vocabulary)"),
+        "llama-server: {} slots of {} KV tokens (-np, -c = their product), continuous batching, {} threads (-t, -tb), "
+        "web UI off; the same client and text prompts (each server tokenizes them with the GGUF's vocabulary)".format(
+            *llama_server_slots(sz), os.cpu_count()),
         "TPOT = (latency - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks (a closing chunk with no "
         "text is not a token); seconds.",
         f"while serve.py is up, it and the engine in process take turns, {sz.http_rounds} rounds each (every other "
