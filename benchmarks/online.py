@@ -298,7 +298,7 @@ def bench_http(sz, seed, results):
         f"while serve.py is up, it and the engine in process take turns, {sz.http_rounds} rounds each (every other "
         f"server: {sz.http_rounds} rounds of its own, after it); a row is its path's best round, every round's tok/s "
         "in the last column."]
-        + [f"{k}: {v['skipped'] if 'skipped' in v else v['first_error']}" for k, v in runs.items()
+        + [f"{k}: " + (f"skipped ({v['skipped']})" if "skipped" in v else v["first_error"]) for k, v in runs.items()
            if "skipped" in v or v.get("failed")]
         + [f"{k}: {v['output_tokens']} output tokens came back, {v['requested_tokens']} were asked for"
            for k, v in runs.items() if v.get("requested_tokens", v.get("output_tokens")) != v.get("output_tokens")])
