@@ -6644,6 +6644,8 @@ def test_llama_server_skip_reason_and_command_line(monkeypatch, tmp_path):
     assert rows["serve.py --quantization gguf"][0][-4:] == ["--quantization", "gguf", "--dtype", "float32"]
     monkeypatch.setenv("LLAMACPP_DIR", str(tmp_path))
     assert llamacpp.llama_server_unavailable().startswith("no llama-server under")
+    with pytest.raises(RuntimeError, match="no llama-server under"):     # no command line without the binary
+        llamacpp.llama_server_command("m.gguf", 8123, 2, 2, 512)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "llama-server").write_text("#!/bin/sh\n")
     (tmp_path / "bin" / "llama-server").chmod(0o755)

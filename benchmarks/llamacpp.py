@@ -53,7 +53,10 @@ def llama_server_command(gguf: str, port: int, threads: int, slots: int, ctx_per
     default, said explicitly), each with ctx_per_slot tokens of KV (-c is the total, split evenly across the
     slots), the same threads for decode and prefill, on 127.0.0.1 only, the web UI off (it may fetch from the
     network), served under the name "smollm2" (what /v1/models says, and loadgen sends back)."""
-    return [llamacpp_binary("llama-server") or "llama-server", "-m", gguf, "-t", str(threads), "-tb", str(threads),
+    binary = llamacpp_binary("llama-server")
+    if binary is None:
+        raise RuntimeError(llama_server_unavailable())
+    return [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads),
             "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching", "--no-webui",
             "--host", "127.0.0.1", "--port", str(port), "-a", "smollm2"]
 

@@ -10,7 +10,7 @@ CPU time is taken from the server, and httpx cost 0.73-0.76 s of CPU per 32-requ
 logprobs null, stream, stream_options.include_usage, ignore_eos when asked, plus any sampling fields
 given (--temperature), and an x-request-id header. Arrivals are all at once (rate inf) or Poisson.
 A chunk that carries a choice is a token's arrival, except a closing one with no text and a finish_reason
-(llama-server ends every stream with one; counting it would add a near-zero gap to its ITL and TPOT).
+(llama-server ends every stream with one; counting it would add a near-zero gap to its ITL).
 Owns the client and its metrics (output tok/s, TTFT, TPOT, ITL percentiles); it never starts servers.
 """
 import argparse
