@@ -6639,7 +6639,7 @@ def test_llama_server_skip_reason_and_command_line(monkeypatch, tmp_path):
     monkeypatch.delenv("LLAMACPP_DIR", raising=False)
     quick = SimpleNamespace(name="quick", http_len=16, http_prompts=4, max_num_seqs=8, kv_cache_memory="16MiB")
     engine = SimpleNamespace(config=SimpleNamespace(dtype="float32"), device=torch.device("cpu"))
-    rows = {name: spec for name, *spec in online.serve_commands(quick, 8000, engine)}
+    rows = {name: spec for name, *spec in online.serve_commands(quick, engine)}
     assert rows["llama-server"] == ["LLAMACPP_DIR is not set (docs/benchmark.md has the build)"]
     assert rows["serve.py --quantization gguf"][0][-4:] == ["--quantization", "gguf", "--dtype", "float32"]
     monkeypatch.setenv("LLAMACPP_DIR", str(tmp_path))
