@@ -6695,6 +6695,54 @@ def test_llama_server_serves_loadgen_and_stops_with_its_group():
         os.killpg(proc.pid, 0)
 
 
+FAKE_SERVER = """
+import http.server, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])      # a worker in the server's group
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def live_in_group(pgid):
+    """Processes of a process group that are not zombies (this container's init may reap them late)."""
+    live = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = open(stat).read().rsplit(")", 1)[1].split()      # state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                live.append(stat)
+    return live
+
+
+@pytest.mark.unit
+def test_bench_server_group_is_stopped_when_the_bench_gets_sigterm(tmp_path):
+    """A server online.py starts lives in a session of its own (so `timeout` cannot reach it): a SIGTERM to the
+    bench must still stop the server and its worker, through online.server's finally."""
+    (tmp_path / "fake.py").write_text(FAKE_SERVER)
+    driver = (f"import os, sys, time; sys.path.insert(0, {HERE!r}); from benchmarks import online\n"
+              f"port = online.free_port()\n"
+              f"with online.server([sys.executable, {str(tmp_path / 'fake.py')!r}, str(port)], port, dict(os.environ), 60) as p:\n"
+              f"    print(p.pid, flush=True); time.sleep(600)\n")
+    bench = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    try:
+        pgid = int(bench.stdout.readline())
+        deadline = time.monotonic() + 10
+        while len(live_in_group(pgid)) < 2 and time.monotonic() < deadline:   # the server and its worker
+            time.sleep(0.1)
+        assert len(live_in_group(pgid)) == 2
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        assert live_in_group(pgid) == []
+    finally:
+        bench.kill()
+        bench.wait()
+        with contextlib.suppress(ProcessLookupError, NameError, UnboundLocalError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
 README = os.path.join(HERE, "README.md")
 
 

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -151,7 +152,11 @@ def server(cmd, port, env, startup_s):
     """Start a server in a process group of its own, wait for /health (200: llama-server answers 503 while it
     loads), yield the process, then stop the whole group (SIGTERM, then SIGKILL): no worker outlives it."""
     log = tempfile.TemporaryFile()
+    # the group is out of reach of a signal to ours (`timeout` signals its whole group): a SIGTERM to this process
+    # unwinds it instead, as Ctrl-C does, so the finally below still stops the server
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    main = threading.current_thread() is threading.main_thread()          # only it may set a handler
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm) if main else None
     try:
         deadline = time.monotonic() + startup_s
         while True:
@@ -166,6 +171,12 @@ def server(cmd, port, env, startup_s):
     finally:
         stop_group(proc)
         log.close()
+        if main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def stop_group(proc, grace_s=30):
