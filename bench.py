@@ -338,6 +338,12 @@ def targets(results):
                      ours.get("skipped") or ours["output_tok_s"] / base, 0.9))
         rows.append(("serve.py >= 1.5x vllm serve (out tok/s, same client)",
                      ours.get("skipped") or theirs.get("skipped") or ours["output_tok_s"] / theirs["output_tok_s"], 1.5))
+        q = runs.get("serve.py --quantization gguf", {})
+        why = ours.get("skipped") or q.get("skipped")
+        rows.append(("serve.py --quantization gguf >= serve.py default (out tok/s, same client)",
+                     why or q["output_tok_s"] / ours["output_tok_s"], 1.0))
+        rows.append(("serve.py --quantization gguf TPOT p50 lower than the default's (default / gguf > 1)",
+                     why or ours["tpot_p50_s"] / q["tpot_p50_s"], 1.0))
     s = results.get("speculative")
     if s:
         grounded, rand = s["runs"]["input-grounded"], s["runs"]["random"]

@@ -6822,6 +6822,7 @@ BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", 
 @pytest.mark.slow
 def test_bench_quick_reports_every_section(tmp_path):
     """bench.py --quick runs every experiment; its numbers obey the relations each experiment is about."""
+    from benchmarks import llamacpp
     out = tmp_path / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}   # bench.py picks its own wait policy
     p = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out), "--plot", str(tmp_path)],
@@ -6852,6 +6853,9 @@ def test_bench_quick_reports_every_section(tmp_path):
             assert run["completed"] + run["failed"] == r["http"]["num_requests"], name
             assert run["failed"] == 0 or run["first_error"], name
             assert run["output_tok_s"] == max(run["rounds_tok_s"]), name     # a row is its path's best round
+            assert run.get("requested_tokens", run["output_tokens"]) == run["output_tokens"], name   # EOS ignored
+    assert ("skipped" in http["serve.py --quantization gguf"]) == torch.cuda.is_available()   # blocks: CPU only
+    assert ("skipped" in http["llama-server"]) == (llamacpp.llama_server_unavailable() is not None)
     peers = r["peers"]
     assert peers["nanoserve"]["default"]["useful_tok_s"] > 0 and peers["nanoserve"]["default"]["batch1_decode_tok_s"] > 0
     assert "skipped" in peers["vllm"]        # --quick never starts vLLM
@@ -6891,6 +6895,120 @@ def test_bench_quick_reports_every_section(tmp_path):
     for t in r["targets"]:
         assert isinstance(t["measured"], str) or t["measured"] >= 0, t
     assert (tmp_path / "throughput.png").exists()
+
+
+# ---- llama-server as an HTTP peer (benchmarks/online.py, llamacpp.py, loadgen.py)
+
+@pytest.mark.unit
+def test_llama_server_skip_reason_and_command_line(monkeypatch, tmp_path):
+    """Without a build the HTTP section gets a reason to print; with one, the command line the brief fixes:
+    2 threads each way, one slot per concurrent request with -c = slots x KV per slot, 127.0.0.1, no web UI."""
+    from benchmarks import llamacpp, online
+    monkeypatch.delenv("LLAMACPP_DIR", raising=False)
+    quick = SimpleNamespace(name="quick", http_len=16, http_prompts=4, max_num_seqs=8, kv_cache_memory="16MiB")
+    engine = SimpleNamespace(config=SimpleNamespace(dtype="float32"), device=torch.device("cpu"))
+    rows = {name: spec for name, *spec in online.serve_commands(quick, engine)}
+    assert rows["llama-server"] == ["LLAMACPP_DIR is not set (docs/benchmark.md has the build)"]
+    assert rows["serve.py --quantization gguf"][0][-4:] == ["--quantization", "gguf", "--dtype", "float32"]
+    monkeypatch.setenv("LLAMACPP_DIR", str(tmp_path))
+    assert llamacpp.llama_server_unavailable().startswith("no llama-server under")
+    with pytest.raises(RuntimeError, match="no llama-server under"):     # no command line without the binary
+        llamacpp.llama_server_command("m.gguf", 8123, 2, 2, 512)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "llama-server").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "llama-server").chmod(0o755)
+    assert llamacpp.llama_server_unavailable() is None
+    # 32 requests at once, prompts and outputs up to 1.5 x 128 = 192: 192 x 1.25 + 192 + 64 = 496 -> 512 a slot
+    assert online.llama_server_slots(SimpleNamespace(http_len=128, http_prompts=32, max_num_seqs=64)) == (32, 512)
+    assert online.llama_server_slots(SimpleNamespace(http_len=128, http_prompts=100, max_num_seqs=64))[0] == 64
+    cmd = llamacpp.llama_server_command("m.gguf", 8123, 2, 2, 512)
+    assert cmd[0] == str(tmp_path / "bin" / "llama-server")
+    flags = dict(zip(cmd[1::2], cmd[2::2]))
+    assert {k: flags.get(k) for k in ("-m", "-t", "-tb", "-np", "-c", "--host", "--port")} == {
+        "-m": "m.gguf", "-t": "2", "-tb": "2", "-np": "2", "-c": "1024", "--host": "127.0.0.1", "--port": "8123"}
+    assert "--no-webui" in cmd and "--cont-batching" in cmd
+
+
+@pytest.mark.unit
+def test_loadgen_counts_no_token_for_a_closing_chunk():
+    """llama-server closes every stream with an empty-text choice carrying finish_reason (and the usage): not a
+    token. A token whose text is still held back (no text, no finish_reason) is one."""
+    from benchmarks.loadgen import is_token_chunk
+    closing = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "usage": {"completion_tokens": 5}}
+    assert not is_token_chunk(closing)
+    assert not is_token_chunk({"choices": [], "usage": {"completion_tokens": 5}})
+    assert is_token_chunk({"choices": [{"text": " of", "index": 0, "finish_reason": None}]})
+    assert is_token_chunk({"choices": [{"text": " end", "index": 0, "finish_reason": "length"}]})
+    assert is_token_chunk({"choices": [{"text": "", "index": 0, "finish_reason": None}]})
+
+
+@pytest.mark.slow
+def test_llama_server_serves_loadgen_and_stops_with_its_group():
+    """llama-server (LLAMACPP_DIR) with 2 slots on the embedded GGUF answers 2 streamed requests from loadgen with
+    every output token asked for (EOS ignored), and leaves no process of its group behind."""
+    from benchmarks import llamacpp, online
+    why = llamacpp.llama_server_unavailable()
+    if why:
+        print(f"skipped: {why}")
+        pytest.skip(why)
+    port = online.free_port()
+    cmd = llamacpp.llama_server_command(W.embedded_gguf_path(), port, 2, 2, 128)
+    reqs = [{"prompt": "The capital of France is", "output_len": 8}, {"prompt": "Once upon a time", "output_len": 5}]
+    with online.server(cmd, port, dict(os.environ), 120) as proc:
+        res = online.drive(port, reqs, float("inf"), 0)
+    assert (res["completed"], res["failed"], res["usage_reported"]) == (2, 0, True), res["first_error"]
+    assert res["output_tokens"] == res["requested_tokens"] == 13
+    assert proc.returncode is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+
+
+FAKE_SERVER = """
+import http.server, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])      # a worker in the server's group
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def live_in_group(pgid):
+    """Processes of a process group that are not zombies (this container's init may reap them late)."""
+    live = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = open(stat).read().rsplit(")", 1)[1].split()      # state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                live.append(stat)
+    return live
+
+
+@pytest.mark.unit
+def test_bench_server_group_is_stopped_when_the_bench_gets_sigterm(tmp_path):
+    """A server online.py starts lives in a session of its own (so `timeout` cannot reach it): a SIGTERM to the
+    bench must still stop the server and its worker, through online.server's finally."""
+    (tmp_path / "fake.py").write_text(FAKE_SERVER)
+    driver = (f"import os, sys, time; sys.path.insert(0, {HERE!r}); from benchmarks import online\n"
+              f"port = online.free_port()\n"
+              f"with online.server([sys.executable, {str(tmp_path / 'fake.py')!r}, str(port)], port, dict(os.environ), 60) as p:\n"
+              f"    print(p.pid, flush=True); time.sleep(600)\n")
+    bench = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    try:
+        pgid = int(bench.stdout.readline())
+        deadline = time.monotonic() + 10
+        while len(live_in_group(pgid)) < 2 and time.monotonic() < deadline:   # the server and its worker
+            time.sleep(0.1)
+        assert len(live_in_group(pgid)) == 2
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        assert live_in_group(pgid) == []
+    finally:
+        bench.kill()
+        bench.wait()
+        with contextlib.suppress(ProcessLookupError, NameError, UnboundLocalError):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 README = os.path.join(HERE, "README.md")

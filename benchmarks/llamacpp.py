@@ -2,7 +2,8 @@
 benchmarks/llamacpp.py: llama.cpp as a CPU peer, on the very GGUF file nanoserve loads, with the same threads.
 
 Owns finding a llama.cpp build (LLAMACPP_DIR: the build folder, or the folder above it), running its
-`llama-batched-bench` at the peer workload's shapes and reading the JSON lines it prints. llama.cpp reads
+`llama-batched-bench` at the peer workload's shapes and reading the JSON lines it prints, and the command
+line of its `llama-server` (online.py starts it, waits for /health and drives it with loadgen.py). llama.cpp reads
 the GGUF's quantized blocks as they are, which is what makes it the peer to beat at batch 1 (fewer bytes
 per token than nanoserve's bf16 or float32 weights). It never imports llama.cpp, never changes nanoserve,
 and a missing build is a skip that says why. The build: docs/benchmark.md.
@@ -36,6 +37,28 @@ def llamacpp_unavailable() -> str | None:
     if llamacpp_binary("llama-batched-bench") is None:
         return f"no llama-batched-bench under LLAMACPP_DIR={os.environ['LLAMACPP_DIR']} (bin/ or build/bin/)"
     return None
+
+
+def llama_server_unavailable() -> str | None:
+    """Why llama-server cannot run here, or None."""
+    if not os.environ.get("LLAMACPP_DIR"):
+        return "LLAMACPP_DIR is not set (docs/benchmark.md has the build)"
+    if llamacpp_binary("llama-server") is None:
+        return f"no llama-server under LLAMACPP_DIR={os.environ['LLAMACPP_DIR']} (bin/ or build/bin/)"
+    return None
+
+
+def llama_server_command(gguf: str, port: int, threads: int, slots: int, ctx_per_slot: int) -> list[str]:
+    """llama-server on the GGUF as it is: `slots` sequences decoded together (continuous batching, its
+    default, said explicitly), each with ctx_per_slot tokens of KV (-c is the total, split evenly across the
+    slots), the same threads for decode and prefill, on 127.0.0.1 only, the web UI off (it may fetch from the
+    network), served under the name "smollm2" (what /v1/models says, and loadgen sends back)."""
+    binary = llamacpp_binary("llama-server")
+    if binary is None:
+        raise RuntimeError(llama_server_unavailable())
+    return [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads),
+            "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching", "--no-webui",
+            "--host", "127.0.0.1", "--port", str(port), "-a", "smollm2"]
 
 
 def batched_bench(gguf: str, threads: int, prompt_len: int, out_len: int, parallel: list[int],

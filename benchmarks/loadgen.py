@@ -9,6 +9,8 @@ CPU time is taken from the server, and httpx cost 0.73-0.76 s of CPU per 32-requ
 /v1/completions POST with vLLM's client's fields: model, prompt, repetition_penalty 1.0, max_tokens,
 logprobs null, stream, stream_options.include_usage, ignore_eos when asked, plus any sampling fields
 given (--temperature), and an x-request-id header. Arrivals are all at once (rate inf) or Poisson.
+A chunk that carries a choice is a token's arrival, except a closing one with no text and a finish_reason
+(llama-server ends every stream with one; counting it would add a near-zero gap to its ITL).
 Owns the client and its metrics (output tok/s, TTFT, TPOT, ITL percentiles); it never starts servers.
 """
 import argparse
@@ -34,6 +36,16 @@ def payload(model, req, ignore_eos, extra):
     return body | extra
 
 
+def is_token_chunk(data):
+    """Does this parsed /v1/completions SSE chunk bring output: a choice with text, or one that does not end the
+    stream (a token may decode to no text yet)?"""
+    choices = data.get("choices")
+    if not choices:
+        return False                                  # the usage chunk, or a keep-alive
+    c = choices[0]
+    return bool(c.get("text")) or c.get("finish_reason") is None
+
+
 async def one_request(session, url, body, request_id):
     """Send one streamed completion; the time of every chunk that carries a choice is a token arrival."""
     out = {"ttft": None, "itl": [], "latency": None, "output_tokens": None, "error": None}
@@ -51,14 +63,14 @@ async def one_request(session, url, body, request_id):
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 data = json.loads(line.removeprefix(b"data: "))
-                if data.get("choices"):
+                if is_token_chunk(data):
                     now = time.perf_counter()
                     if out["ttft"] is None:
                         out["ttft"] = now - t0
                     else:
                         out["itl"].append(now - last)
                     last = now
-                elif data.get("usage"):
+                if data.get("usage"):                   # llama-server sends it on the closing chunk
                     out["output_tokens"] = data["usage"].get("completion_tokens")
     except (aiohttp.ClientError, OSError, json.JSONDecodeError) as e:
         out["error"] = f"{type(e).__name__}: {e}"

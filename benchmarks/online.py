@@ -2,18 +2,23 @@
 bench_online.py: the experiments about requests that arrive over time, in process and over HTTP.
 
 Owns three experiments: latency under Poisson arrivals (TTFT/TPOT/e2e and goodput, engine in process),
-chunked prefill's effect on running decodes, and the HTTP path: serve.py (and `vllm serve` when
-VLLM_PYTHON is set) driven by loadgen.py in its own process, beside the in-process engine on the same
-requests. It starts and stops the servers it measures; it never changes serve.py or the engine.
+chunked prefill's effect on running decodes, and the HTTP path: serve.py (default, and with
+--quantization gguf), `vllm serve` when VLLM_PYTHON is set and llama.cpp's `llama-server` when LLAMACPP_DIR
+is set, each driven by loadgen.py in its own process, beside the in-process engine on the same requests.
+It starts and stops the servers it measures (each in its own process group); it never changes serve.py or
+the engine.
 """
 import contextlib
 import json
+import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -144,9 +149,14 @@ def in_process(engine, reqs, prompts):
 
 @contextlib.contextmanager
 def server(cmd, port, env, startup_s):
-    """Start a server process, wait for /health, yield, then stop it (SIGTERM, then kill)."""
+    """Start a server in a process group of its own, wait for /health (200: llama-server answers 503 while it
+    loads), yield the process, then stop the whole group (SIGTERM, then SIGKILL): no worker outlives it."""
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # the group is out of reach of a signal to ours (`timeout` signals its whole group): a SIGTERM to this process
+    # unwinds it instead, as Ctrl-C does, so the finally below still stops the server
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    main = threading.current_thread() is threading.main_thread()          # only it may set a handler
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm) if main else None
     try:
         deadline = time.monotonic() + startup_s
         while True:
@@ -157,15 +167,27 @@ def server(cmd, port, env, startup_s):
                 if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
                     break
             time.sleep(1)
-        yield
+        yield proc
     finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_group(proc)
         log.close()
+        if main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def stop_group(proc, grace_s=30):
+    """SIGTERM to the server's process group, SIGKILL to what is left after grace_s; reaps the leader."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):          # the leader's children, or a leader that hung
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def free_port():
@@ -187,15 +209,39 @@ def drive(port, reqs, rate, seed):
                        check=True, capture_output=True, timeout=3600)
         res = json.load(open(os.path.join(d, "out.json")))
     res.pop("requests")
-    return res
+    return res | {"requested_tokens": sum(r["output_len"] for r in reqs)}
 
 
-def serve_commands(sz, port, engine):
-    """(name, command, env, startup seconds) of each server to measure, or (name, reason skipped)."""
+def llama_server_slots(sz):
+    """llama-server's slots and KV tokens per slot for the HTTP workload. Slots: as many requests as run at once
+    (all of them at rate inf), capped at max_num_seqs as nanoserve's are. Per slot: the longest prompt and output
+    random_text_requests makes (1.5x the length each), the prompt with 25% more for the text's re-tokenization
+    (measured: 192 random ids came back as up to 204 tokens), plus 64, in multiples of 64."""
+    longest = math.floor(sz.http_len * 1.5)
+    return min(sz.http_prompts, sz.max_num_seqs), 64 * math.ceil((int(2.25 * longest) + 64) / 64)
+
+
+def serve_commands(sz, engine):
+    """(name, command, env, startup seconds) of each server to measure, each on a free port of its own, or
+    (name, reason skipped)."""
+    from benchmarks.llamacpp import llama_server_command, llama_server_unavailable
     from benchmarks.peers import export_hf_layout, vllm_env, vllm_unavailable
+    from weights import embedded_gguf_path
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}     # serve.py picks its own wait policy
-    yield "serve.py", [sys.executable, "serve.py", "--port", str(port), "--max-num-seqs", str(sz.max_num_seqs),
-                       "--kv-cache-memory", sz.kv_cache_memory, "--dtype", engine.config.dtype], env, 300
+    def ours():
+        return [sys.executable, "serve.py", "--port", str(free_port()), "--max-num-seqs", str(sz.max_num_seqs),
+                "--kv-cache-memory", sz.kv_cache_memory]
+    yield "serve.py", ours() + ["--dtype", engine.config.dtype], env, 300
+    if engine.device.type == "cpu":                # the blocks' kernels are CPU code (float32 activations)
+        yield "serve.py --quantization gguf", ours() + ["--quantization", "gguf", "--dtype", "float32"], env, 300
+    else:
+        yield "serve.py --quantization gguf", f"GGUF blocks run on the CPU; this run's servers are on {engine.device.type}"
+    why = llama_server_unavailable()
+    if why:
+        yield "llama-server", why
+    else:
+        yield "llama-server", llama_server_command(embedded_gguf_path(), free_port(), os.cpu_count(),
+                                                   *llama_server_slots(sz)), env, 120
     why = vllm_unavailable() or ("not run in --quick (vLLM starts in minutes)" if sz.name == "quick" else None)
     if why:
         yield "vllm serve", why
@@ -203,7 +249,7 @@ def serve_commands(sz, port, engine):
     vllm = os.path.join(os.path.dirname(os.environ["VLLM_PYTHON"]), "vllm")
     # the dtype serve.py runs here (bfloat16 only where the CPU multiplies it natively): an AVX2-only CPU
     # would otherwise time vLLM's emulated bfloat16 against our float32
-    yield "vllm serve", [vllm, "serve", export_hf_layout(engine.model_dir), "--port", str(port),
+    yield "vllm serve", [vllm, "serve", export_hf_layout(engine.model_dir), "--port", str(free_port()),
                          "--dtype", model_dtype(engine), "--max-num-seqs", str(sz.max_num_seqs),
                          "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "4096",
                          "--served-model-name", "smollm2"], vllm_env(os.cpu_count()), 1800
@@ -214,38 +260,62 @@ def best_round(rounds):
     return max(rounds, key=lambda r: r["output_tok_s"]) | {"rounds_tok_s": [r["output_tok_s"] for r in rounds]}
 
 
+TAKE_TURNS = ("serve.py", "serve.py --quantization gguf")   # up together, their rounds in turn with the engine's
+
+
+def failure(e):
+    return {"skipped": f"{type(e).__name__}: {str(e)[-300:]}"}
+
+
+def measure_group(group, sz, seed, request_set, engine, inproc):
+    """Start every server of the group (name, command, env, startup seconds) and warm each up; then sz.http_rounds
+    rounds, each one fresh request set sent to the engine in process (when serve.py is in the group) and to every
+    server in turn. Returns each server's best round, or why it was skipped; stops them all."""
+    runs, rounds, up = {}, {}, {}
+    with contextlib.ExitStack() as stack:
+        for name, cmd, env, startup in group:
+            port = int(cmd[cmd.index("--port") + 1])
+            try:
+                stack.enter_context(server(cmd, port, env, startup))
+                drive(port, request_set()[0][:2], float("inf"), seed)      # warm-up, as every contender gets
+                up[name] = port
+            except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+                runs[name] = failure(e)
+        for _ in range(sz.http_rounds if up else 0):
+            reqs, prompts = request_set()
+            if "serve.py" in up:
+                inproc.append(in_process(engine, reqs, prompts))
+            for name, port in list(up.items()):
+                try:
+                    rounds.setdefault(name, []).append(drive(port, reqs, sz.http_rate, seed))
+                except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+                    runs[name] = failure(e)
+                    del up[name]
+    return runs | {name: best_round(rounds[name]) for name in up}
+
+
 def bench_http(sz, seed, results):
-    """What does a client of `vllm bench serve`'s kind see from serve.py, against the same engine in process and
-    against `vllm serve` on the same requests? Host noise on a shared machine moves a run by a fifth from minute to
-    minute, so while serve.py is up it and the engine in process take turns, sz.http_rounds each (`vllm serve` runs
-    its rounds alone), and each path reports its best round: the ratio compares rounds taken in the same minutes."""
+    """What does a client of `vllm bench serve`'s kind see from serve.py (default, and on the GGUF's blocks),
+    against the same engine in process, `llama-server` and `vllm serve` on the same requests? Host noise on a
+    shared machine moves a run by a fifth from minute to minute, so both serve.py servers stay up together and
+    take turns with the engine in process, sz.http_rounds rounds of the same requests each (llama-server and
+    `vllm serve` run their rounds alone), and each path reports its best round: the ratios among the turn-takers
+    compare rounds taken in the same minutes."""
     engine = make_engine(kv_cache_memory=sz.kv_cache_memory, max_num_seqs=sz.max_num_seqs)
-    # every run gets a set of prompts no engine has seen (prefix caching stays on, as served): same lengths, other ids
+    # every round gets a set of prompts no engine has seen (prefix caching stays on, as served): same lengths, other ids
     variants = iter(range(1000))
 
     def request_set():
         return random_text_requests(engine, sz.http_prompts, sz.http_len, sz.http_len, 0.5, seed + 4, next(variants))
 
     warm_up(engine, sz)
-    inproc, runs = [], {}
-    for name, *spec in serve_commands(sz, free_port(), engine):
-        if len(spec) == 1:
-            runs[name] = {"skipped": spec[0]}
-            continue
-        cmd, env, startup = spec
-        port = int(cmd[cmd.index("--port") + 1])
-        try:
-            with server(cmd, port, env, startup):
-                drive(port, request_set()[0][:2], float("inf"), seed)      # warm-up, as every contender gets
-                rounds = []
-                for _ in range(sz.http_rounds):
-                    reqs, prompts = request_set()
-                    if name == "serve.py":
-                        inproc.append(in_process(engine, reqs, prompts))
-                    rounds.append(drive(port, reqs, sz.http_rate, seed))
-                runs[name] = best_round(rounds)
-        except (RuntimeError, subprocess.SubprocessError, OSError) as e:
-            runs[name] = {"skipped": f"{type(e).__name__}: {str(e)[-300:]}"}
+    specs = [(name, *spec) for name, *spec in serve_commands(sz, engine)]
+    runs = {name: {"skipped": spec[0]} for name, *spec in specs if len(spec) == 1}
+    startable = [spec for spec in specs if len(spec) == 4]
+    inproc = []
+    for group in [[s for s in startable if s[0] in TAKE_TURNS]] + [[s] for s in startable if s[0] not in TAKE_TURNS]:
+        runs |= measure_group(group, sz, seed, request_set, engine, inproc)
+    runs = {name: runs[name] for name, *_ in specs}                  # the order of serve_commands
     if not inproc:
         inproc.append(in_process(engine, *request_set()))
     runs = {"nanoserve engine, in process": best_round(inproc)} | runs
@@ -256,15 +326,28 @@ def bench_http(sz, seed, results):
         "--temperature 0`: streaming /v1/completions with stream_options.include_usage and repetition_penalty 1.0.",
         "the load generator runs in its own process; in process = the same prompts (our tokenizer's ids) all at once.",
         "every run sends prompts no engine has seen (same lengths, new random ids), so no prefix cache helps a later round.",
-        f"every server runs {model_dtype(engine)} (nanoserve's dtype auto on this machine).",
-        "TPOT = (latency - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks; seconds.",
-        f"while serve.py is up, it and the engine in process take turns, {sz.http_rounds} rounds each (vllm serve: "
-        f"{sz.http_rounds} rounds of its own); a row is its path's best round, every round's tok/s in the last column."]
-        + [f"{k}: {v['skipped'] if 'skipped' in v else v['first_error']}" for k, v in runs.items()
-           if "skipped" in v or v.get("failed")])
+        f"serve.py and vllm serve run {model_dtype(engine)} (nanoserve's dtype auto on this machine); serve.py "
+        "--quantization gguf and llama-server read the embedded GGUF's own blocks (float32 activations in nanoserve).",
+        "llama-server: {} slots of {} KV tokens (-np, -c = their product), continuous batching, {} threads (-t, -tb), "
+        "web UI off; the same client and text prompts (each server tokenizes them with the GGUF's vocabulary)".format(
+            *llama_server_slots(sz), os.cpu_count()),
+        "TPOT = (latency - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks (a closing chunk with no "
+        "text is not a token); seconds.",
+        f"both serve.py servers are up together and take turns with the engine in process, {sz.http_rounds} rounds of "
+        f"the same requests each (llama-server, vllm serve: {sz.http_rounds} rounds of their own, after them); a row "
+        "is its path's best round, every round's tok/s in the last column."]
+        + [f"{k}: " + (f"skipped ({v['skipped']})" if "skipped" in v else v["first_error"]) for k, v in runs.items()
+           if "skipped" in v or v.get("failed")]
+        + [f"{k}: {v['output_tokens']} output tokens came back, {v['requested_tokens']} were asked for"
+           for k, v in runs.items() if v.get("requested_tokens", v.get("output_tokens")) != v.get("output_tokens")])
     keys = [f"{m}_p{q}_s" for m in ("ttft", "tpot", "itl") for q in loadgen.PERCENTILES]
     print(md_table(["path", "completed", "failed", "out tok/s", "of in process"]
                    + [f"{m} p{q}" for m in ("TTFT", "TPOT", "ITL") for q in loadgen.PERCENTILES] + ["rounds tok/s"],
                    [[k, v["completed"], v["failed"], v["output_tok_s"], v["output_tok_s"] / base] + [v[c] for c in keys]
                     + [" / ".join(f"{x:.0f}" for x in v["rounds_tok_s"])] for k, v in runs.items() if "skipped" not in v]))
+    q, lc = runs.get("serve.py --quantization gguf", {}), runs.get("llama-server", {})
+    if "output_tok_s" in q and "output_tok_s" in lc:
+        print(f"\nserve.py --quantization gguf against llama-server, same GGUF: **{q['output_tok_s'] / lc['output_tok_s']:.2f}x** "
+              f"out tok/s; TPOT p50 {q['tpot_p50_s'] * 1e3:.1f} vs {lc['tpot_p50_s'] * 1e3:.1f} ms, "
+              f"TTFT p50 {q['ttft_p50_s']:.2f} vs {lc['ttft_p50_s']:.2f} s")
     results["http"] = {"num_requests": sz.http_prompts, "runs": runs}
