@@ -1658,6 +1658,21 @@ def test_quantization_gguf_keeps_only_blocks_and_gives_transformers_outputs(hf_s
     assert e.value.field == "quantization"
 
 
+def teacher_forced_top1(net, tok, hf_greedy_32) -> tuple[int, int]:
+    """(positions where net's argmax is transformers' greedy token, positions): each parity prompt followed by
+    its 32 greedy tokens, in one ragged forward."""
+    seqs = [tok.encode(p) + hf_greedy_32[p] for p in PROMPTS]
+    logits = ragged_forward(net, seqs)
+    agree = total = start = 0
+    for p, s in zip(PROMPTS, seqs):
+        n = len(hf_greedy_32[p])
+        picks = logits[start + len(s) - n - 1:start + len(s) - 1].argmax(-1).tolist()
+        agree += sum(a == b for a, b in zip(picks, hf_greedy_32[p]))
+        total += n
+        start += len(s)
+    return agree, total
+
+
 # 8-bit activations against the blocks (quantization="gguf" from GGUF_Q8_ROWS rows, where on and
 # faster at start-up), forced at every row count. Measured 2026-11-27 (Zen 1): top-1 agreement with
 # the float32 greedy tokens 0.973 (249/256, teacher-forced, 8 parity prompts x 32 tokens), and
@@ -1670,15 +1685,7 @@ def test_gguf_8bit_activations_keep_greedy_tokens_and_perplexity(hf_smollm, hf_g
     for m in net.modules():
         if isinstance(m, CL.Linear):
             m.q8_rows = 1                                                # 8-bit activations at every row count
-    seqs = [tok.encode(p) + hf_greedy_32[p] for p in PROMPTS]
-    logits = ragged_forward(net, seqs)
-    agree = total = start = 0
-    for p, s in zip(PROMPTS, seqs):
-        n = len(hf_greedy_32[p])
-        picks = logits[start + len(s) - n - 1:start + len(s) - 1].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(picks, hf_greedy_32[p]))
-        total += n
-        start += len(s)
+    agree, total = teacher_forced_top1(net, tok, hf_greedy_32)
     print(f"8-bit activations: top-1 agreement with transformers' greedy tokens {agree / total:.3f} ({agree}/{total})")
     assert agree / total >= GGUF_Q8_TOP1_FLOOR
     text = tok.encode(" ".join(CORPUS))
@@ -1770,15 +1777,7 @@ def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smol
     linears = [m for m in net.modules() if isinstance(m, CL.Linear) and m is not net.lm_head]
     assert net.gguf_log.startswith(f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8")
     assert all(isinstance(m.quantized, CL.Int8Weight) and m.weight.stride() == (0, 0) for m in linears)   # no float copy
-    seqs = [tok.encode(p) + hf_greedy_32[p] for p in PROMPTS]
-    logits = ragged_forward(net, seqs)
-    agree = total = start = 0
-    for p, s in zip(PROMPTS, seqs):
-        n = len(hf_greedy_32[p])
-        picks = logits[start + len(s) - n - 1:start + len(s) - 1].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(picks, hf_greedy_32[p]))
-        total += n
-        start += len(s)
+    agree, total = teacher_forced_top1(net, tok, hf_greedy_32)
     print(f"int8: top-1 agreement with transformers' greedy tokens {agree / total:.3f} ({agree}/{total})")
     text = tok.encode(" ".join(CORPUS))
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
