@@ -30,22 +30,23 @@ def llamacpp_binary(name: str) -> str | None:
     return None
 
 
-def llamacpp_unavailable() -> str | None:
-    """Why llama.cpp cannot run here, or None."""
+def binary_unavailable(name: str) -> str | None:
+    """Why llama.cpp's program `name` cannot run here, or None."""
     if not os.environ.get("LLAMACPP_DIR"):
         return "LLAMACPP_DIR is not set (docs/benchmark.md has the build)"
-    if llamacpp_binary("llama-batched-bench") is None:
-        return f"no llama-batched-bench under LLAMACPP_DIR={os.environ['LLAMACPP_DIR']} (bin/ or build/bin/)"
+    if llamacpp_binary(name) is None:
+        return f"no {name} under LLAMACPP_DIR={os.environ['LLAMACPP_DIR']} (bin/ or build/bin/)"
     return None
+
+
+def llamacpp_unavailable() -> str | None:
+    """Why llama-batched-bench (the peers section's llama.cpp) cannot run here, or None."""
+    return binary_unavailable("llama-batched-bench")
 
 
 def llama_server_unavailable() -> str | None:
-    """Why llama-server cannot run here, or None."""
-    if not os.environ.get("LLAMACPP_DIR"):
-        return "LLAMACPP_DIR is not set (docs/benchmark.md has the build)"
-    if llamacpp_binary("llama-server") is None:
-        return f"no llama-server under LLAMACPP_DIR={os.environ['LLAMACPP_DIR']} (bin/ or build/bin/)"
-    return None
+    """Why llama-server (the http section's llama.cpp) cannot run here, or None."""
+    return binary_unavailable("llama-server")
 
 
 def llama_server_command(gguf: str, port: int, threads: int, slots: int, ctx_per_slot: int) -> list[str]:
