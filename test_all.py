@@ -81,6 +81,7 @@ from disaggregation import DisaggregatedClient
 from engine_core import Stop
 import serve
 import spec_decode as sd
+import verify as verify_module
 from benchmarks import harness, report, soak
 from engine_client import EngineClient
 from serve import build_app
@@ -3968,6 +3969,136 @@ def state(temperature=1.0, seed=None, index=0, prompt=(1,), vocab=50, end_ids=()
     return SamplingState(params, list(prompt), vocab, make_generator(seed, index), set(end_ids))
 
 
+def verify_waves(logits, draft_token_ids, states, generator=None, draft_probs=None) -> sd.SpecOutput:
+    """The reference for verify.verify: verification wave by wave, as nanoserve ran it before one-pass
+    verification. Wave j samples position j of each row still going with sampler.sample itself (or
+    the rule with q made explicit), as plain decoding would after drafts[:j]; a row stops at its
+    first rejection. Grammars are advanced through accepted drafts and rolled back after."""
+    from structured_output import apply_grammar_masks
+    from verify import DraftedState
+    num_drafts = [len(d) for d in draft_token_ids]
+    starts = np.concatenate([[0], np.cumsum([k + 1 for k in num_drafts])])
+    tokens, consumed = [[] for _ in states], [0] * len(states)
+    logprobs = [[] if s.params.logprobs is not None else None for s in states]
+    alive, j = list(range(len(states))), 0
+    try:
+        while alive:
+            wave = [states[i] if j == 0 else DraftedState(states[i], draft_token_ids[i][:j]) for i in alive]
+            drafts = [draft_token_ids[i][j] if j < num_drafts[i] else None for i in alive]
+            x = logits[[int(starts[i]) + j for i in alive]]
+            if draft_probs is None:
+                picked, lps = sample(x, wave, generator)
+                keep = [d is not None and t == d for t, d in zip(picked, drafts)]
+            else:
+                q_rows = [int(starts[i]) - i + j for i in alive]
+                picked, lps, keep = _wave_with_draft_probs(x, wave, drafts, draft_probs, q_rows, generator,
+                                                           apply_grammar_masks)
+            survivors = []
+            for n, i in enumerate(alive):
+                tokens[i].append(picked[n])
+                if logprobs[i] is not None:
+                    logprobs[i].append(lps[n])
+                if keep[n]:
+                    survivors.append(i)
+                    if states[i].grammar is not None:
+                        states[i].grammar.matcher.consume_token(picked[n])
+                        consumed[i] += 1
+            alive, j = survivors, j + 1
+    finally:
+        for s, n in zip(states, consumed):
+            if n:
+                s.grammar.matcher.rollback(n)
+    return sd.SpecOutput(tokens, [len(t) - 1 for t in tokens], logprobs)
+
+
+def _wave_with_draft_probs(x, wave, drafts, draft_probs, q_rows, generator, apply_grammar_masks):
+    """One wave of verify_waves when drafts came from q: greedy rows as sample() does; sampled rows
+    accept iff u < min(1, p/q), a rejection draws from the residual with a fresh uniform."""
+    import verify as V
+    want = [s.params.logprobs for s in wave]
+    raw = x.log_softmax(dim=-1) if any(w is not None for w in want) else None
+    apply_grammar_masks(x, [s.grammar for s in wave])
+    sampler.apply_min_tokens(x, wave)
+    sampler.apply_logit_bias(x, [s.params for s in wave])
+    sampler.apply_penalties(x, wave)
+    picked, keep = [0] * len(wave), [False] * len(wave)
+    greedy_rows = [n for n, s in enumerate(wave) if s.params.temperature == 0]
+    for n, t in zip(greedy_rows, sampler.greedy(x[greedy_rows]).tolist() if greedy_rows else []):
+        picked[n], keep[n] = t, t == drafts[n]
+    rows = [n for n, s in enumerate(wave) if s.params.temperature > 0]
+    if rows:
+        p = V.target_weights(x[rows], [wave[n].params for n in rows])
+        p = p.div_(p.sum(dim=-1, keepdim=True))
+        u = sampler.uniforms([wave[n] for n in rows], generator)
+        drafted = [m for m, n in enumerate(rows) if drafts[n] is not None]
+        accept = [False] * len(rows)
+        if drafted:
+            xs = torch.tensor([drafts[rows[m]] for m in drafted])
+            q_x = draft_probs[[q_rows[rows[m]] for m in drafted], xs]
+            for m, ok in zip(drafted, (u[drafted] < V.acceptance_probability(p[drafted, xs], q_x)).tolist()):
+                accept[m] = ok
+        rejected = [m for m in drafted if not accept[m]]
+        if rejected:
+            p[rejected] = V.residual_probs(p[rejected], draft_probs[[q_rows[rows[m]] for m in rejected]])
+            u[rejected] = sampler.uniforms([wave[rows[m]] for m in rejected], generator)
+        draw = [m for m in range(len(rows)) if not accept[m]]
+        for m, t in zip(draw, sampler.inverse_cdf(p[draw], u[draw]).tolist() if draw else []):
+            picked[rows[m]] = t
+        for m in range(len(rows)):
+            if accept[m]:
+                picked[rows[m]], keep[rows[m]] = drafts[rows[m]], True
+    lps = sampler.top_logprobs(raw, picked, want) if raw is not None else [None] * len(wave)
+    return picked, lps, keep
+
+
+VERIFY_KNOBS = [dict(temperature=0.0), dict(temperature=0.0, logprobs=3, frequency_penalty=0.6, min_tokens=4),
+                dict(temperature=0.8, seed=1), dict(temperature=1.0, seed=2, top_k=7, logprobs=2),
+                dict(temperature=0.7, seed=3, top_p=0.8, min_p=0.02, repetition_penalty=1.3, presence_penalty=0.4),
+                dict(temperature=1.2, seed=4, logit_bias={3: 3.0, 5: -2.0}, min_tokens=6, logprobs=0)]
+
+
+@pytest.mark.parametrize("drafted_q", [False, True])
+def test_one_pass_verify_gives_the_wave_by_wave_tokens_logprobs_and_generator_states(drafted_q):
+    """Oracle: verify_waves, the wave-by-wave rule. Over random logits, sampling knobs (greedy and
+    seeded, penalties, filters, min_tokens, logit_bias, logprobs), draft lengths 0 to 6 and drafts that
+    agree for a random stretch: the same emitted tokens, logprobs, and every seeded generator's state."""
+    vocab, rng, lengths = 40, np.random.default_rng(0), collections.Counter()
+    for trial in range(12):
+        torch.manual_seed(trial)
+        rows = int(rng.integers(1, 9))
+        ks = [int(rng.integers(0, 7)) for _ in range(rows)]
+        logits = torch.randn(sum(k + 1 for k in ks), vocab) * 2
+        drafts, at = [], 0
+        for k in ks:                                   # drafts: the argmax for a stretch, then random
+            best = logits[at:at + k].argmax(-1).tolist()
+            agree = int(rng.integers(0, k + 1))
+            drafts.append(best[:agree] + rng.integers(0, vocab, k - agree).tolist())
+            at += k + 1
+        q = random_distributions((sum(ks), vocab), 2, trial) if drafted_q else None
+        knobs = [VERIFY_KNOBS[int(rng.integers(0, len(VERIFY_KNOBS)))] for _ in range(rows)]
+
+        def states():
+            out = [state(prompt=[1, 2, 3, 2], vocab=vocab, end_ids=(0,), **kn) for kn in knobs]
+            for s in out:
+                for t in rng_tokens:
+                    s.append(t)
+            return out
+        rng_tokens = rng.integers(0, vocab, 3).tolist()
+        a, b = states(), states()
+        got = sd.verify(logits.clone(), drafts, a, torch.Generator().manual_seed(5), q)
+        want = verify_waves(logits.clone(), drafts, b, torch.Generator().manual_seed(5), q)
+        for i, (sa, sb) in enumerate(zip(a, b)):
+            if sa.params.temperature > 0 and sa.generator is None:
+                continue                               # the shared stream is drawn in another order
+            assert got.token_ids[i] == want.token_ids[i], (trial, i, knobs[i], drafts[i])
+            assert got.logprobs[i] == want.logprobs[i], (trial, i)
+            if sa.generator is not None:
+                assert torch.equal(sa.generator.get_state(), sb.generator.get_state()), (trial, i)
+        assert got.num_accepted == [len(t) - 1 for t in got.token_ids]
+        lengths.update((len(d), n) for d, n in zip(drafts, got.num_accepted))
+    assert {(0, 0)} < set(lengths) and any(0 < n == k for k, n in lengths) and any(0 < n < k for k, n in lengths), lengths
+
+
 def test_greedy_acceptance_matches_a_hand_written_loop():
     torch.manual_seed(0)
     vocab, rows = 7, 40
@@ -4155,9 +4286,9 @@ def test_planted_acceptance_bugs_break_the_distribution_bound(monkeypatch, bug):
     normalize(max(p - q, 0)), or accepting with p(x) instead of min(1, p(x)/q(x)). For the first
     token alone, by hand: skipping the residual gives [0.16, 0.22, 0.28, 0.34], TV 0.08 from p0."""
     if bug == "skip residual":
-        monkeypatch.setattr(sd, "residual_probs", lambda p, q: p)
+        monkeypatch.setattr(verify_module, "residual_probs", lambda p, q: p)
     else:
-        monkeypatch.setattr(sd, "acceptance_probability", lambda p_x, q_x: p_x)
+        monkeypatch.setattr(verify_module, "acceptance_probability", lambda p_x, q_x: p_x)
     tv = tv_from_target(emitted_pairs(2, True, seed=2))
     assert tv > tv_bound(V * V, TRIALS), f"{bug}: TV {tv:.4f} within the bound, the test cannot see it"
 
