@@ -142,6 +142,8 @@ def verify(logits, draft_token_ids: list[list[int]], states: list, generator: to
     stream for unseeded rows. draft_probs: [sum(k_i), vocab], the distribution each draft was drawn
     from (draft_model); None for n-gram drafts, which are point masses."""
     T, vocab = logits.shape
+    if not states:
+        return SpecOutput([], [], [])
     p = plan(draft_token_ids, states, generator, vocab)
     assert T == p.starts[-1], f"logits has {T} rows, the drafts need {p.starts[-1]}"
     want = [s.params.logprobs for s in p.states]
