@@ -10,6 +10,7 @@ spec_decode.Speculator calls propose() and remove(); spec_decode.verify accepts 
 One propose(): a first forward catches every row up on the tokens the target appended since its
 last proposal (accepted drafts are recomputed: simpler than keeping their K/V, and a few more
 query tokens cost a small model little), then one-token forwards until each row has its drafts.
+On a GPU those one-token forwards replay CUDA graphs (ModelRunner.capture_graphs).
 Drafts come from q = softmax(logits / T) drawn with the row's own generator (greedy rows: argmax).
 A row that finds no room in the draft pool, even after the sequences not drafting now gave theirs
 back, drafts less (or nothing) this step.
@@ -27,7 +28,7 @@ from weights import load_model
 
 class DraftModelProposer:
     def __init__(self, path: str, dtype, device, attention_backend: str, num_blocks: int, block_size: int,
-                 vocab_size: int):
+                 vocab_size: int, enforce_eager: bool = False):
         model, mc, _ = load_model(path, dtype, device)
         need(mc.vocab_size == vocab_size, "speculative_config.model",
              f"a model with the target's vocabulary ({vocab_size} tokens)", mc.vocab_size)
@@ -35,7 +36,8 @@ class DraftModelProposer:
         pool = KVCachePool(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim,
                            dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, pool, block_size, device, attention_backend)
+        self.runner = ModelRunner(model, pool, block_size, device, attention_backend, enforce_eager=enforce_eager)
+        self.runner.capture_graphs()      # its one-token steps replay graphs, as the target's decode steps do
         self.seqs: dict[int, Sequence] = {}                 # target seq_id -> its draft-cache record
 
     def propose(self, keys: list, token_ids: list[list[int]], max_drafts: list[int], states: list,

@@ -219,8 +219,10 @@ class Engine:
         self._init_kv_cache(dtype)
         runner_args = (self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
                        config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.enforce_eager)
-        self.runner = ModelRunner(*runner_args) if self.tp is None else parallel.DriverRunner(*runner_args, self.tp)
-        self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
+        spec_k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        self.runner = ModelRunner(*runner_args, num_speculative_tokens=spec_k) if self.tp is None \
+            else parallel.DriverRunner(*runner_args, self.tp)
+        self.runner.capture_graphs()       # decode (and verify) steps at every batch-size bucket (CUDA backend only)
         self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
         self.speculator = self._init_speculator(config.speculative_config, dtype)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
@@ -256,7 +258,7 @@ class Engine:
         draft = None
         if spec.method == "draft_model":               # a second model, on a pool of as many blocks as ours
             draft = DraftModelProposer(spec.model, dtype, self.device, self.attention_backend, self.blocks.num_blocks,
-                                       self.config.block_size, self.model_config.vocab_size)
+                                       self.config.block_size, self.model_config.vocab_size, self.config.enforce_eager)
         return Speculator(spec, self.max_model_len, draft)
 
     # ------------------------------------------------------------------ requests in and out

@@ -106,7 +106,7 @@ class HostBatch:
 class ModelRunner:
     def __init__(self, model, kv_pool: KVCachePool, block_size: int, device: torch.device, attention_backend: str,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, num_speculative_tokens: int = 0):
         self.model, self.kv_pool, self.block_size = model, kv_pool, block_size
         self.device, self.attention_backend = device, attention_backend
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -114,11 +114,16 @@ class ModelRunner:
         self.num_kv_heads, self.group = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
         self.cuda = attention_backend in ("cuda", "cuda_emu")
         self.num_sms = pa.num_sms(device, attention_backend) if self.cuda else 0
-        width = -(-max_model_len // block_size)            # [max_num_seqs, ceil(max_model_len / block_size)]
-        self.buffers = InputBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, width, device)
+        # a verify step (spec_decode.py) gives every row 1 + k query tokens: its padding may reach k past the end
+        self.verify_width = 1 + num_speculative_tokens if num_speculative_tokens else 0
+        width = -(-(max_model_len + num_speculative_tokens) // block_size)   # [max_num_seqs, blocks of a context]
+        self.buffers = InputBuffers(max(max_num_batched_tokens, max_num_seqs * max(1, self.verify_width)),
+                                    max_num_seqs, width, device)
         self.use_graphs = uses_cuda_graphs(device, attention_backend, enforce_eager)
         self.graphs: dict[int, CapturedStep] = {}
+        self.verify_graphs: dict[int, CapturedStep] = {}   # rows -> a verify step of rows x verify_width tokens
         self.graph_pool = None
+        self.graph_pool_bytes = 0
 
     # ------------------------------------------------------------------ host side
     def build(self, batch: ScheduledBatch, extra_rows=()) -> HostBatch:
@@ -194,6 +199,48 @@ class ModelRunner:
                          np.arange(bucket + 1, dtype=np.int32), np.arange(bucket, dtype=np.int64),
                          host.q_lens + [1] * extra)
 
+    def verify_bucket(self, batch: ScheduledBatch, host: HostBatch) -> int | None:
+        """The captured verify step this step replays, or None (eager): every row a decode row (its
+        last token, then its drafts, at most verify_width - 1 of them), some row drafting, each row's
+        1 + k_i positions sampled, nothing more."""
+        n, w = len(batch.seqs), self.verify_width
+        if not self.verify_graphs or n > self.max_num_seqs or batch.num_scratch_rows \
+                or len(batch.sample_rows) != n or len(host.logits_rows) != len(host.input_ids):
+            return None
+        if any(q != 1 + s.num_spec_tokens or q > w for q, s in zip(host.q_lens, batch.seqs)) or all(q == 1 for q in host.q_lens):
+            return None
+        return min((b for b in self.verify_graphs if b >= n), default=None)
+
+    def pad_verify(self, host: HostBatch, bucket: int, width: int) -> HostBatch:
+        """Pad a verify batch to `bucket` rows of exactly `width` query tokens: a row with k_i < width - 1
+        drafts gets positions past its last (slot -1: never cached; its context grows by as many,
+        and causal attention keeps its real positions from seeing them; RoPE reads the last real
+        position again), a padding row is `width` tokens at positions 0.. with slot -1. Logits rows:
+        the real positions first, in the batch's order (what verify reads), then the padding ones."""
+        q = np.asarray(host.q_lens, dtype=np.int64)                              # [rows] 1 + k_i
+        rows, extra = len(q), bucket - len(q)
+        real = np.arange(width)[None, :] < q[:, None]                            # [rows, width] a real position
+        def grid(values, fill):                                                  # ragged [sum q] -> [rows, width]
+            out = np.full((rows, width), fill, dtype=values.dtype)
+            out[real] = values
+            return out
+        last = host.positions[np.cumsum(q) - 1]                                  # [rows] each row's last position
+        ids, slots = grid(host.input_ids, 0), grid(host.slot_mapping, -1)
+        positions = np.where(real, grid(host.positions, 0), last[:, None])       # [rows, width]
+        ctx = host.context_lens.astype(np.int64) + width - q                     # [rows] the padding counts in
+        cols = max(host.block_tables.shape[1], -(-int(ctx.max(initial=width)) // self.block_size))
+        tables = np.zeros((bucket, cols), dtype=np.int32)
+        tables[:rows, :host.block_tables.shape[1]] = host.block_tables
+        pad_ids = np.zeros((extra, width), dtype=np.int64)
+        flat_real = np.flatnonzero(np.concatenate([real.reshape(-1), np.zeros(extra * width, bool)]))
+        flat_pad = np.setdiff1d(np.arange(bucket * width), flat_real)
+        return HostBatch(np.concatenate([ids.reshape(-1), pad_ids.reshape(-1)]),
+                         np.concatenate([positions.reshape(-1), np.tile(np.arange(width), extra)]),
+                         np.concatenate([slots.reshape(-1), pad_ids.reshape(-1) - 1]), tables,
+                         np.concatenate([ctx, np.full(extra, width)]).astype(np.int32),
+                         (np.arange(bucket + 1) * width).astype(np.int32),
+                         np.concatenate([flat_real, flat_pad]).astype(np.int64), [width] * bucket)
+
     # ------------------------------------------------------------------ upload
     def prepare(self, batch: ScheduledBatch, extra_rows: list[int] = ()) -> StepInputs:
         """Run the step's block copies (swaps, copy-on-write: before the forward reads the blocks),
@@ -201,12 +248,14 @@ class ModelRunner:
         self.kv_pool.run(batch.block_ops)
         host = self.build(batch, extra_rows)
         num_logits = len(host.logits_rows)
-        bucket = self.bucket(batch, host)
+        bucket, graphs = self.bucket(batch, host), self.graphs
         if bucket is not None:
             host = self.pad(host, bucket)
-        inputs = self.upload(host, max_parts=self.graph_max_parts(bucket) if bucket else None)
+        elif (bucket := self.verify_bucket(batch, host)) is not None:
+            host, graphs = self.pad_verify(host, bucket, self.verify_width), self.verify_graphs
+        inputs = self.upload(host, max_parts=self.graph_max_parts(bucket) if graphs is self.graphs and bucket else None)
         inputs.num_logits = num_logits
-        inputs.graph = self.graphs.get(bucket)
+        inputs.graph = graphs.get(bucket)
         return inputs
 
     def upload(self, host: HostBatch, max_parts: int | None = None) -> StepInputs:
@@ -235,10 +284,11 @@ class ModelRunner:
     def grow(self, num_tokens: int, num_seqs: int, width: int):
         """Buffers too small for this step (a context past max_model_len, more rows than max_num_seqs):
         new, larger ones. The captured graphs read the old ones, so they go (and say so once)."""
-        if self.graphs:
+        if self.graphs or self.verify_graphs:
             print("nanoserve: a step outgrew the input buffers; CUDA graphs dropped (eager from now on)",
                   file=sys.stderr, flush=True)
             self.graphs.clear()
+            self.verify_graphs.clear()
         b = self.buffers
         self.buffers = InputBuffers(max(num_tokens, b.max_tokens), max(num_seqs, b.max_seqs), max(width, b.width),
                                     self.device)
@@ -267,19 +317,30 @@ class ModelRunner:
         return pa.bucket_max_parts(bucket, self.num_kv_heads, self.num_sms, self.max_model_len)
 
     def capture_graphs(self):
-        """Capture a decode step at every bucket, largest first, all in one memory pool (a smaller
-        graph's temporaries fit in what the larger left). The captured forward reads nothing back:
-        its inputs sit in the persistent buffers and its grids are fixed per bucket."""
+        """Capture a decode step at every bucket and, when speculating, a verify step (rows x
+        verify_width tokens) at every bucket whose tokens fit the buffers: largest first, all in one
+        memory pool (a smaller graph's temporaries fit in what the larger left; each graph keeps
+        only its logits). The captured forward reads nothing back: its inputs sit in the persistent
+        buffers and its grids are fixed per bucket. graph_pool_bytes: what the pool took."""
         if not self.use_graphs:
             return
         sizes = [b for b in graph_batch_sizes(self.max_num_seqs) if b <= self.buffers.max_seqs]
         empty = HostBatch(*(np.zeros(0, np.int64) for _ in range(3)), np.zeros((0, self.buffers.width), np.int32),
                           np.zeros(0, np.int32), np.zeros(1, np.int32), np.zeros(0, np.int64), [])
-        for bucket in sorted(sizes, reverse=True):
-            inputs = self.upload(self.pad(empty, bucket), max_parts=self.graph_max_parts(bucket))
-            self.graphs[bucket] = self.capture(functools.partial(
+        w = self.verify_width
+        steps = [(b, 1, self.graphs) for b in sizes]
+        steps += [(b, w, self.verify_graphs) for b in sizes if w and b * w <= self.buffers.max_tokens]
+        reserved = torch.cuda.memory_reserved if self.device.type == "cuda" else (lambda device: 0)
+        before = reserved(self.device)
+        for bucket, width, graphs in sorted(steps, key=lambda s: s[0] * s[1], reverse=True):
+            host = self.pad(empty, bucket) if width == 1 else self.pad_verify(empty, bucket, width)
+            inputs = self.upload(host, max_parts=self.graph_max_parts(bucket) if width == 1 else None)
+            graphs[bucket] = self.capture(functools.partial(
                 self.model, inputs.input_ids, inputs.positions, self.kv_pool.kv_caches, inputs.meta,
                 inputs.logits_rows))
+        self.graph_pool_bytes = reserved(self.device) - before
+        print(f"nanoserve: CUDA graphs: {len(self.graphs)} decode and {len(self.verify_graphs)} verify steps in one "
+              f"pool of {self.graph_pool_bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
 
     def capture(self, forward) -> CapturedStep:
         """One CUDA graph of forward(), warmed up eagerly first (cuBLAS picks its kernels, the

@@ -3262,6 +3262,141 @@ def test_emulated_graph_flow_replays_the_bucket_that_fits_with_the_eager_logits(
     torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-4)
 
 
+def verify_batch(context_lens, drafts, block_size=16, seed=0):
+    """A verify step: decode rows (K/V of all but the last token cached) carrying these drafts, each
+    row's blocks scattered through the pool and covering its drafts' slots."""
+    rng = random.Random(seed)
+    free = list(range(1, 64))
+    rng.shuffle(free)
+    seqs = []
+    for i, (n, d) in enumerate(zip(context_lens, drafts)):
+        seq = Sequence(i, [rng.randrange(300) for _ in range(n)], n, 64)
+        seq.block_table = [free.pop() for _ in range(-(-(n + len(d)) // block_size))]
+        seq.num_computed_tokens, seq.spec_token_ids = n - 1, list(d)
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [1 + len(d) for d in drafts], sample_rows=list(range(len(seqs))))
+
+
+def run_verify(runner, batch, bucket=None):
+    """One verify forward: ragged and eager, or padded to bucket rows x verify_width (what a
+    captured verify step replays) -> logits [sum(1 + k_i), vocab] in the batch's order."""
+    host = runner.build(batch)
+    n = len(host.logits_rows)
+    if bucket is not None:
+        host = runner.pad_verify(host, bucket, runner.verify_width)
+    return runner.forward(runner.upload(host))[:n]
+
+
+@pytest.mark.cuda_emu
+def test_emulated_verify_bucket_launches_the_same_grids_at_any_context_and_draft_mix(emulated_binding):
+    """A verify step padded to its bucket (4 rows x 1 + k = 5 tokens; drafts short of k and rows with
+    none padded with slot -1) launches the same grids whatever the contexts and the drafts: one graph
+    replays them all. Its real positions' logits are the ragged eager step's, and it caches exactly the
+    real tokens' K/V (the padding writes nowhere)."""
+    _, emulator = emulated_binding
+    net = random_llama()
+    runner = ModelRunner(net, make_runner(net, "cuda_emu").kv_pool, 16, torch.device("cpu"), "cuda_emu",
+                         max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, num_speculative_tokens=4)
+    fill_kv(runner)
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_pool.kv_caches]
+    mixes = {"short": ([3, 9, 2], [[5, 6, 7, 8], [], [1]]), "long": ([300, 12, 500], [[1, 2], [3, 4, 5, 6], []]),
+             "one row": ([40], [[9, 9, 9]])}
+    logs = {}
+    for name, (contexts, drafts) in mixes.items():
+        for (k, v), (k0, v0) in zip(runner.kv_pool.kv_caches, before):
+            k.copy_(k0), v.copy_(v0)
+        eager = run_verify(runner, verify_batch(contexts, drafts))
+        written = [(k.clone(), v.clone()) for k, v in runner.kv_pool.kv_caches]
+        for (k, v), (k0, v0) in zip(runner.kv_pool.kv_caches, before):
+            k.copy_(k0), v.copy_(v0)
+        emulator.cuda_emu_take_launch_log()
+        padded = run_verify(runner, verify_batch(contexts, drafts), bucket=4)
+        logs[name] = emulator.cuda_emu_take_launch_log().decode()
+        assert padded.shape == (sum(1 + len(d) for d in drafts), 300)
+        torch.testing.assert_close(padded, eager, rtol=0, atol=1e-4)
+        for (k, v), (kw, vw) in zip(runner.kv_pool.kv_caches, written):     # GEMMs of 20 rows round apart
+            torch.testing.assert_close((k, v), (kw, vw), rtol=0, atol=1e-5)
+    assert logs["short"] == logs["long"] == logs["one row"] and "prefill" in logs["short"]
+
+
+@pytest.mark.cuda_emu
+def test_emulated_graph_flow_replays_a_verify_bucket_with_the_eager_logits(emulated_binding):
+    """capture_graphs on a speculating runner (the stand-in capture of the decode test) captures a
+    verify step at every bucket besides the decode steps; a 3-row step with drafts 2, 0 and 4 then
+    replays verify bucket 4 and gives the ragged eager step's logits, row by row in the batch's order.
+    A step with no drafts still replays a decode bucket."""
+    _, emulator = emulated_binding
+    net = random_llama()
+    runner = ModelRunner(net, make_runner(net, "cuda_emu").kv_pool, 16, torch.device("cpu"), "cuda_emu",
+                         max_num_seqs=8, max_num_batched_tokens=16, max_model_len=1024, num_speculative_tokens=4)
+    fill_kv(runner)
+
+    def capture(forward):
+        logits = forward()
+        def replay():
+            with torch.inference_mode():
+                logits.copy_(forward())
+        return CapturedStep(SimpleNamespace(replay=replay), logits)
+    runner.use_graphs, runner.capture = True, capture
+    runner.capture_graphs()
+    assert sorted(runner.graphs) == sorted(runner.verify_graphs) == [1, 2, 4, 8]
+    batch = verify_batch([30, 7, 130], [[1, 2], [], [3, 4, 5, 6]])
+    inputs = runner.prepare(batch)
+    assert inputs.graph is runner.verify_graphs[4] and inputs.input_ids.shape == (20,)
+    replayed = runner.forward(inputs)
+    runner.graphs.clear(), runner.verify_graphs.clear()
+    eager = runner.forward(runner.prepare(batch))
+    assert replayed.shape == eager.shape == (3 + 2 + 4, 300)
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-4)
+
+
+class RecordCopies(RecordOps):
+    """RecordOps that also names each cross-device copy's direction (host->device, device->host) and
+    keeps apart the scalar reads of device tensors (the host's own small tensors may be read freely)."""
+    def __init__(self):
+        super().__init__()
+        self.copies, self.device_reads = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name, kwargs = func._schema.name, kwargs or {}
+        if name in HOST_READ_OPS and any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args):
+            self.device_reads.append(name)
+        src = args[0].device if name == "aten::_to_copy" else args[1].device if name == "aten::copy_" else None
+        dst = torch.device(kwargs["device"]) if name == "aten::_to_copy" and kwargs.get("device") is not None \
+            else args[0].device if name == "aten::copy_" else src
+        if src is not None and src != dst:
+            self.copies.append("h2d" if src.type == "cpu" else "d2h")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.cuda_emu
+def test_gpu_path_verify_step_uploads_once_reads_back_once_and_never_reads_a_scalar(emulated_binding):
+    """SmolLM2-135M's shape on `meta`: a verify step padded to its bucket (3 rows, drafts 4, 1 and 0)
+    forwards without a host read, then one-pass verification of greedy and sampled (seeded, top-p)
+    rows makes one host->device copy (its table) and one device->host copy (the [T, 2] answer, where
+    meta, having no data, raises), and never reads a device scalar (_local_scalar_dense, nonzero)."""
+    lib = fake_cuda_ops("nanoserve_cuda_emu")
+    try:
+        net = random_llama("meta", torch.bfloat16, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+        pool = make_runner(net, "cuda_emu", device="meta").kv_pool
+        runner = ModelRunner(net, pool, 16, torch.device("meta"), "cuda_emu", max_num_seqs=8,
+                             max_num_batched_tokens=256, max_model_len=1024, num_speculative_tokens=4)
+        drafts = [[5, 6, 7, 8], [9], []]
+        host = runner.build(verify_batch([17, 40, 5], drafts))
+        inputs = runner.upload(runner.pad_verify(host, 4, 5))
+        logits, rec = record_forward(runner, inputs)
+    finally:
+        lib._destroy()
+    assert logits.shape == (20, 49152) and rec.reads_back == []
+    states = [state(0.0, vocab=49152), state(0.8, seed=3, top_p=0.9, vocab=49152), state(1.0, vocab=49152)]
+    with torch.no_grad(), RecordCopies() as rec:
+        with pytest.raises(NotImplementedError):
+            sd.verify(logits[:8].float(), drafts, states, torch.Generator().manual_seed(0))
+    assert rec.copies == ["h2d", "d2h"], rec.copies
+    assert rec.device_reads == [], rec.device_reads
+
+
 @pytest.mark.unit
 def test_graph_buckets_cover_every_batch_size_up_to_max_num_seqs():
     assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]

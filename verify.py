@@ -160,7 +160,7 @@ def verify(logits, draft_token_ids: list[list[int]], states: list, generator: to
     if raw is not None:
         top_vals, top_ids = raw.topk(top_n, dim=-1)                        # [T, top_n]
         cols += [raw.gather(1, tokens.unsqueeze(1)).squeeze(1).double(), *top_vals.double().T, *top_ids.double().T]
-    host = torch.stack(cols, dim=1).tolist()                               # [T, 2 (+ 1 + 2 top_n)]: the one read
+    host = torch.stack(cols, dim=1).cpu().tolist()                         # [T, 2 (+ 1 + 2 top_n)]: the one read
     return _resolve(host, p, draft_token_ids, states, want, top_n, draft_probs is not None)
 
 
