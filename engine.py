@@ -120,6 +120,8 @@ class EngineStats:
     spec_decode_draft_tokens_last_step: int = 0
     spec_decode_accepted_tokens_last_step: int = 0
     spec_decode_emitted_tokens_last_step: int = 0
+    spec_decode_num_steps_off: int = 0          # steps speculation sat out: a verify step there did not pay
+    spec_decode_step_gain: float = 0.0          # measured speculative / plain tokens per second, last decision
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,7 @@ class Engine:
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step = self.scheduler.step_counts(ScheduledBatch([], []))
         self.phase_times = PhaseTimes()
+        self.step_start = time.perf_counter()
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model.config      # the model's own: under tensor parallelism this rank's heads
@@ -326,6 +329,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.model.batch_invariant != self.config.batch_invariant:   # a model shared by engines (bench.py)
             self.model.set_batch_invariant(self.config.batch_invariant)
+        self.step_start = time.perf_counter()
         batch = self.schedule()
         if not batch.seqs:                                  # everyone was preempted: only the swaps run
             self.kv_pool.run(batch.block_ops)
@@ -357,8 +361,10 @@ class Engine:
             logits = logits[:num_sampled]
         self.num_steps += 1
         real = batch.num_real_rows
-        self.num_prompt_tokens += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
-                                      for s, n in zip(batch.seqs[:real], batch.num_tokens[:real]))
+        prompt_tokens = sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
+                            for s, n in zip(batch.seqs[:real], batch.num_tokens[:real]))
+        self.num_prompt_tokens += prompt_tokens
+        generated, speculated = self.num_generation_tokens, any(s.spec_token_ids for s in batch.seqs)
         ready = self.scheduler.finish_step(batch)           # the sequences that sample a token now
         with self.phase_times.phase("sample"):
             completions, tokens, logprobs = self._sample(logits, ready)
@@ -373,6 +379,9 @@ class Engine:
                         break
                 touched[c.seq.request.request_id] = c.seq.request
             if self.speculator:
+                if not prompt_tokens and not prompt_rows.rows:          # a decode-only step: what it cost
+                    self.speculator.observe_step(len(batch.seqs), speculated, time.perf_counter() - self.step_start,
+                                                 self.num_generation_tokens - generated)
                 self.speculator.propose([c for c in completions if c.finish_reason is None],
                                         len(self.scheduler.running), self.generator)
             return [self._make_output(req) for req in touched.values()]

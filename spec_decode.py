@@ -48,6 +48,7 @@ may differ from a one-token step's in the last bits). A draft model's own draws 
 the row's generator too (draft_model is the proposer phase 2 adds: this file accepts its q).
 """
 import os
+import time
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -72,6 +73,7 @@ class SpeculativeConfig:
     model: str | None = None                  # draft_model: a checkpoint dir or .gguf with the target's tokenizer
     disable_by_batch_size: int | None = None  # no speculation in a step with at least this many running rows
     min_acceptance_rate: float = 0.2          # below it a completion pauses drafting (k = 4 at 0.2: ~1.25 tokens a step)
+    adaptive: bool = True                     # measure verify steps against plain ones; speculate only where they pay
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -102,6 +104,7 @@ class SpeculativeConfig:
              "disable_by_batch_size", "None or an integer >= 2")
         need(isinstance(self.min_acceptance_rate, (int, float)) and not isinstance(self.min_acceptance_rate, bool)
              and 0 <= self.min_acceptance_rate <= 1, "min_acceptance_rate", "a number in [0, 1]")
+        need(isinstance(self.adaptive, bool), "adaptive", "true or false")
         if self.method == "ngram":
             need(self.model is None, "model", "None with method 'ngram' (it drafts from the sequence itself)")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
@@ -282,6 +285,50 @@ class AcceptanceTracker:
             self.backoff = self.MIN_BACKOFF
 
 
+class StepCosts:
+    """Does a verify step pay at this batch size, on this machine, now? Measured online: per bucket
+    of running rows (1, 2, 4, 8, ...), an exponential average of the tokens per second of decode-only
+    steps with drafts and without (a step's wall time, plus the proposing that fed it). Speculation
+    runs in a bucket while its rate is at least the plain one; the side not chosen is probed every
+    PROBE_EVERY steps (a bucket's first decode step is plain, its second speculates), so a change of
+    acceptance or of batch moves the choice back. What a step costs is the engine's to say: this
+    only compares what it is told (no device figures are written in here)."""
+    PROBE_EVERY = 32
+    WEIGHT = 0.25                     # the latest step's share of a bucket's rate
+
+    def __init__(self):
+        self.rates: dict[int, list] = {}          # bucket -> [plain tok/s or None, speculative tok/s or None]
+        self.steps: dict[int, int] = {}           # bucket -> decisions made there
+        self.num_steps_off = 0                    # decisions that held speculation off: it did not pay
+        self.last_gain = 0.0                      # speculative / plain rate at the last decision (0: unmeasured)
+
+    @staticmethod
+    def bucket(num_rows: int) -> int:
+        return 1 << max(0, num_rows - 1).bit_length()
+
+    def allows(self, num_rows: int) -> bool:
+        """Speculate in the coming step of num_rows rows?"""
+        b = self.bucket(num_rows)
+        plain, spec = self.rates.setdefault(b, [None, None])
+        n = self.steps[b] = self.steps.get(b, 0) + 1
+        if plain is None or spec is None:
+            return plain is not None                              # measure plain first, then speculative
+        self.last_gain = spec / plain
+        choice = spec >= plain
+        if n % self.PROBE_EVERY == 0:
+            choice = not choice                                   # keep the other side's figure fresh
+        self.num_steps_off += not choice and spec < plain
+        return choice
+
+    def observe(self, num_rows: int, speculated: bool, seconds: float, num_tokens: int):
+        """A decode-only step: its rows, whether any row verified drafts, its time and tokens emitted."""
+        if seconds <= 0 or num_rows == 0:
+            return
+        rate, pair = num_tokens / seconds, self.rates.setdefault(self.bucket(num_rows), [None, None])
+        old = pair[speculated]
+        pair[speculated] = rate if old is None else old + self.WEIGHT * (rate - old)
+
+
 @dataclass
 class SpecDecodeStats:
     """Counters for EngineStats and /metrics (nanoserve:spec_decode_*), vLLM's meanings."""
@@ -321,10 +368,26 @@ class Speculator:
         self.trackers: dict[int, AcceptanceTracker] = {}
         self.draft_probs: dict[int, torch.Tensor] = {}     # draft_model, seq_id -> [k, vocab] (sampled rows only)
         self.stats, self.last_step = SpecDecodeStats(), SpecDecodeStats()
+        self.costs = StepCosts() if config.adaptive else None
+        self.propose_seconds = 0.0                         # the last propose(): part of the next step's cost
+
+    def observe_step(self, num_rows: int, speculated: bool, seconds: float, num_tokens: int):
+        """The engine's figures of a decode-only step that just ran (before its propose())."""
+        if self.costs is not None:
+            self.costs.observe(num_rows, speculated, seconds + (self.propose_seconds if speculated else 0), num_tokens)
 
     def propose(self, completions: list, num_running: int, generator: torch.Generator | None = None):
         """Set seq.spec_token_ids for each unfinished completion that may draft this step."""
-        if not speculation_enabled(self.config, num_running):
+        t0 = time.perf_counter()
+        try:
+            self._propose(completions, num_running, generator)
+        finally:
+            self.propose_seconds = time.perf_counter() - t0
+
+    def _propose(self, completions: list, num_running: int, generator: torch.Generator | None):
+        if not speculation_enabled(self.config, num_running) or not completions:
+            return
+        if self.costs is not None and not self.costs.allows(num_running):
             return
         rows, limits = [], []
         for c in completions:
@@ -397,4 +460,6 @@ class Speculator:
                     spec_decode_mean_acceptance_length=s.mean_acceptance_length,
                     spec_decode_draft_tokens_last_step=last.num_draft_tokens,
                     spec_decode_accepted_tokens_last_step=last.num_accepted_tokens,
-                    spec_decode_emitted_tokens_last_step=last.num_emitted_tokens)
+                    spec_decode_emitted_tokens_last_step=last.num_emitted_tokens,
+                    spec_decode_num_steps_off=self.costs.num_steps_off if self.costs else 0,
+                    spec_decode_step_gain=self.costs.last_gain if self.costs else 0.0)

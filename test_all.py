@@ -4607,6 +4607,29 @@ def test_acceptance_tracker_verifies_a_draft_only_while_its_chance_is_worth_a_ro
         assert t.num_drafts(4, 0.2) == n, rate
 
 
+def test_step_costs_speculate_only_where_a_verify_step_pays_and_probe_the_other_side():
+    """Hand-made step costs: at 1 row a verify step emits 3 tokens in 2 ms (1,500 tok/s) against a plain
+    step's 1 in 1 ms; at 16 rows it emits 40 in 25 ms (1,600 tok/s) against 16 in 5 ms (3,200 tok/s).
+    A bucket's first step is plain, its second speculates; then 1 row speculates and 16 rows do not,
+    but for one probe of the other side every PROBE_EVERY decisions."""
+    costs = sd.StepCosts()
+
+    def run(rows, steps):
+        choices = []
+        for _ in range(steps):
+            spec = costs.allows(rows)
+            choices.append(spec)
+            costs.observe(rows, spec, (0.002, 0.001)[not spec] if rows == 1 else (0.025, 0.005)[not spec],
+                          (3 if spec else 1) if rows == 1 else (40 if spec else 16))
+        return choices
+    one, sixteen = run(1, 64), run(16, 64)
+    assert one[:2] == [False, True] and sixteen[:2] == [False, True]
+    assert [i for i, c in enumerate(one) if not c] == [0, 31, 63]          # probes at decisions 32 and 64
+    assert [i for i, c in enumerate(sixteen) if c] == [1, 31, 63]
+    assert costs.bucket(9) == costs.bucket(16) == 16 and costs.bucket(1) == 1
+    assert costs.num_steps_off == 64 - 2 - 2 and costs.last_gain == pytest.approx(0.5)
+
+
 def test_spec_decode_stats_count_drafts_and_acceptance_length():
     stats = sd.SpecDecodeStats()
     stats.observe([[1, 2, 3], [], [4, 5]], sd.SpecOutput([[1, 2, 7], [8], [6]], [2, 0, 0], [None] * 3))
@@ -4662,11 +4685,12 @@ COPY_PROMPTS = [f"Copy the text exactly.\nText: {t}\nCopy: {t[:len(t) // 3]}" fo
     "Paris is the capital of France. Berlin is the capital of Germany.", "SELECT name, age FROM users WHERE age > 30;",
     "to be or not to be, that is the question", "The meeting is on Monday at ten in room four."]]
 TINY_SPEC_PROMPTS = TINY_PROMPTS + [list(range(300 + 7 * i, 305 + 7 * i)) * (2 + i % 3) for i in range(10)]   # 16
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}   # every step speculates: what these tests prove is about verify steps
 
 
 def tiny_self_draft(tiny, k=3, **kw):
-    return {"method": "draft_model", "model": str(tiny[0]), "num_speculative_tokens": k, **kw}
+    return {"method": "draft_model", "model": str(tiny[0]), "num_speculative_tokens": k, "adaptive": False, **kw}
 
 
 def assert_speculation_changes_nothing(plain, spec, hf, prompts, max_tokens):
@@ -5496,6 +5520,14 @@ def test_metrics_count_speculative_drafts_and_acceptance(tiny):
     rows = metric(text, "nanoserve:spec_decode_num_drafts_total")
     assert metric(text, "nanoserve:spec_decode_num_emitted_tokens_total") == drafted + rows == 11
     assert metric(text, "nanoserve:spec_decode_mean_acceptance_length") == pytest.approx(11 / rows)
+    assert metric(text, "nanoserve:spec_decode_num_steps_off_total") == 0          # adaptive off: every step drafts
+    adaptive = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, k=3, adaptive=True)).engine
+    with TestClient(build_app(adaptive, "tiny")) as http:
+        assert http.post("/v1/completions", json={**body, "max_tokens": 40}).status_code == 200
+        text = http.get("/metrics").text
+    # the first decode step ran plain, the next speculated: both measured, their ratio reported
+    assert metric(text, "nanoserve:spec_decode_step_gain") > 0
+    assert metric(text, "nanoserve:spec_decode_num_steps_off_total") >= 0
 
 
 def test_engine_thread_dying_fails_every_client_and_health_says_so(tiny):
