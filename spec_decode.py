@@ -4,16 +4,18 @@ lets the target model verify all of them in one forward pass without changing wh
 (Leviathan et al., 2023; Chen et al., 2023).
 
 Owns SpeculativeConfig (vLLM's names, validated at the edge), the n-gram (prompt-lookup)
-proposer and its per-sequence token history, the processing of every drafted position with the
-drafted prefix, rejection sampling, the arithmetic of rolling KV slots back, per-completion
-acceptance tracking, and Speculator, the engine's hooks over all of it. Does not schedule,
-allocate blocks, run a model or append tokens: the engine (Engine.postprocess) and scheduler
+proposer and its per-sequence token history, the arithmetic of rolling KV slots back,
+per-completion acceptance tracking, the online measure of whether a verify step pays
+(StepCosts), and Speculator, the engine's hooks over all of it. Does not schedule, allocate
+blocks, run a model or append tokens: the engine (Engine.postprocess) and scheduler
 (Scheduler._fit_drafts, accept_drafts) call in here and act on what comes back; the draft model
-lives in draft_model.py.
+lives in draft_model.py, one-pass verification (each drafted position processed after its drafted
+prefix, rejection sampling) in verify.py.
 
 How the engine uses it, one step (only decode rows speculate; a row with no drafts is a plain row):
  1. propose   After a step's tokens are appended, for each running decode completion that
-              speculation_enabled(config, num_running) and its AcceptanceTracker allow:
+              speculation_enabled(config, num_running), StepCosts (a verify step at this many
+              rows has paid, measured) and its AcceptanceTracker allow:
               NgramProposer.propose(seq_ids, token_ids, max_drafts), max_drafts from the tracker's
               num_drafts (a draft only while rate^j pays for its row) and draft_budget (never past
               max_tokens or max_model_len), then trim_drafts (drafts its grammar
@@ -25,8 +27,10 @@ How the engine uses it, one step (only decode rows speculate; a row with no draf
               If the budget or the pool is short, drop the drafts (k = 0): drafts never preempt.
  3. forward   input ids token_ids[num_computed:] + drafts; positions and slots as for any
               multi-token query; logits at all 1 + k positions of each speculating row, rows in
-              batch order: logits [T, vocab], T = sum(k_i + 1).
- 4. accept    verify(logits, drafts, states, generator) -> SpecOutput: per row the emitted tokens
+              batch order: logits [T, vocab], T = sum(k_i + 1). On a GPU a step of decode rows
+              pads each to 1 + k tokens and replays a captured verify graph (model_runner.py).
+ 4. accept    verify(logits, drafts, states, generator) -> SpecOutput (verify.py, one pass, one
+              read back): per row the emitted tokens
               (accepted drafts + one target token) and, where asked, their logprobs (the model's,
               as sampler.sample gives them). Position j of a row is processed as plain decoding
               would after emitting drafts[:j]: grammar state, min_tokens count, penalty counts.
@@ -41,11 +45,11 @@ How the engine uses it, one step (only decode rows speculate; a row with no draf
               max_tokens inside the run end it there; the rest is dropped); tracker.record and
               stats.observe.
 Seeds: a seeded row draws every random number from its own generator, so its tokens do not
-depend on the batch. With n-gram drafts it draws one uniform per emitted token, the one plain
-sampling draws, so a seeded request gives the tokens it gives without speculation (but for a
-token whose uniform sits within float rounding of a CDF edge: the verification forward's logits
-may differ from a one-token step's in the last bits). A draft model's own draws must come from
-the row's generator too (draft_model is the proposer phase 2 adds: this file accepts its q).
+depend on the batch; verify.py leaves the generator where plain decoding would after the emitted
+tokens, so with n-gram drafts a seeded request gives the tokens it gives without speculation (but
+for a token whose uniform sits within float rounding of a CDF edge: the verification forward's
+logits may differ from a one-token step's in the last bits). A draft model draws its drafts from
+the row's generator too.
 """
 import os
 import time

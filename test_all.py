@@ -4745,6 +4745,65 @@ def test_the_target_as_its_own_draft_accepts_every_greedy_draft(tiny):
     assert not draft.seqs and draft.blocks.num_free_blocks() == draft.blocks.num_blocks
 
 
+def smol_outputs(engine_llm, prompts, params, batch):
+    """Each prompt's token ids, the prompts submitted `batch` at a time."""
+    out = []
+    for i in range(0, len(prompts), batch):
+        out += token_ids(engine_llm.generate(prompts[i:i + batch], params))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_float32_speculation_gives_plain_decodings_tokens_on_smollm2(batch_invariant):
+    """Exactness stated: in float32 (and in batch-invariant mode, where no row's result depends on the
+    rows beside it), n-gram and draft-model speculation give plain decoding's greedy tokens on 16
+    SmolLM2 prompts, one at a time and 16 together. The draft model is SmolLM2's own GGUF."""
+    prompts, params = PROMPTS + COPY_PROMPTS, greedy(16)
+    assert len(prompts) == 16
+    common = dict(kv_cache_memory=SMALL_KV, batch_invariant=batch_invariant, **CPU32)
+    plain = smol_llm(**common)
+    want = {b: smol_outputs(plain, prompts, params, b) for b in (1, 16)}
+    assert want[1] == want[16] or not batch_invariant
+    configs = {"ngram": NGRAM, "draft": {"method": "draft_model", "model": str(GGUF_PATH), "num_speculative_tokens": 3,
+                                         "adaptive": False}}
+    for name, config in configs.items():
+        spec = smol_llm(speculative_config=config, **common)
+        for b in (1, 16):
+            assert smol_outputs(spec, prompts, params, b) == want[b], (name, b)
+        assert spec.engine.stats().spec_decode_num_accepted_tokens >= 40, name
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 2 ** -126))) - 7)
+
+
+@pytest.mark.slow
+def test_bf16_speculation_diverges_from_plain_only_at_near_ties(hf_smollm):
+    """In bfloat16 a verification pass of 1 + k rows may round a logit apart from a one-row step, so
+    greedy outputs may part. Each first divergence must be a near-tie: replayed in float32 by
+    transformers over the shared prefix, the two candidates' logits differ by at most 2 bf16 ulps.
+    A wider margin would be a bug in verification, not numerics."""
+    prompts, params = PROMPTS + COPY_PROMPTS, greedy(24)
+    common = dict(kv_cache_memory=SMALL_KV, device="cpu", dtype="bfloat16")
+    plain = LLM(**common).generate(prompts, params)
+    spec_llm = LLM(speculative_config=NGRAM, **common)
+    spec = spec_llm.generate(prompts, params)
+    assert spec_llm.engine.stats().spec_decode_num_accepted_tokens >= 40
+    diverged = 0
+    for p, s in zip(plain, spec):
+        a, b = p.outputs[0].token_ids, s.outputs[0].token_ids
+        d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if d is None:
+            continue
+        diverged += 1
+        logits = hf_forward(hf_smollm, p.prompt_token_ids + a[:d])[-1]      # [vocab] float32
+        la, lb = float(logits[a[d]]), float(logits[b[d]])
+        assert abs(la - lb) <= 2 * bf16_ulp(max(abs(la), abs(lb))), (p.prompt, d, la, lb)
+    print(f"bf16: {diverged} of {len(prompts)} greedy outputs parted, each at a near-tie")
+
+
 @pytest.mark.slow
 def test_seeded_samples_with_ngram_drafts_replay_under_transformers(hf_smollm):
     # n-gram drafts are point masses: a seeded row draws one uniform per emitted token, as without drafts

@@ -6,7 +6,8 @@ numbers and print a markdown table:
   bench_speculative      tok/s of the same requests with and without n-gram speculation, taking turns
                          step by step, at batch 1, 4, 16 and 64, on an input-grounded workload (prompts
                          that ask to repeat, edit or summarize a passage they contain) and on the peers'
-                         random workload; acceptance length and the ratio;
+                         random workload; acceptance length, the ratio, and a verify step's device
+                         time against a plain step's (the break-even acceptance length);
   bench_ngram_proposer   NgramProposer.propose at batch 1, 16 and 64 over sequences of 500 and
                          2,000 tokens, steady state (each step appends tokens, as decoding does),
                          on random tokens (no matches) and on text that quotes itself;
@@ -146,30 +147,82 @@ def grounded_workload(engine, n, max_tokens):
         add_generation_prompt=True)), max_tokens) for i in range(n)]
 
 
+class StepTimer:
+    """The device time of an engine's decode-only forwards, verify steps (some row carries drafts)
+    apart from plain ones: CUDA events around Engine.run_model on a GPU (read after the run, no sync
+    in between), the wall clock on a CPU (whose forward is synchronous). Installed on the engine
+    object for one run; close() takes it off."""
+
+    def __init__(self, engine):
+        self.engine, self.run_model = engine, engine.run_model
+        self.samples = {"plain": [], "verify": []}
+        engine.run_model = self.timed
+
+    def timed(self, batch, extra_rows):
+        decode = not extra_rows and all(n == 1 + s.num_spec_tokens and s.num_computed_tokens + 1 == len(s.token_ids)
+                                        for s, n in zip(batch.seqs, batch.num_tokens))
+        if not decode:
+            return self.run_model(batch, extra_rows)
+        kind = "verify" if any(s.spec_token_ids for s in batch.seqs) else "plain"
+        if self.engine.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self.run_model(batch, extra_rows)
+            end.record()
+            self.samples[kind].append((start, end))
+            return out
+        t0 = time.perf_counter()
+        out = self.run_model(batch, extra_rows)
+        self.samples[kind].append(1e3 * (time.perf_counter() - t0))
+        return out
+
+    def close(self) -> dict:
+        """-> {kind: (median ms, steps)}; puts the engine's run_model back."""
+        del self.engine.run_model                          # the bound method of the class again
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        out = {}
+        for kind, xs in self.samples.items():
+            ms = [x if isinstance(x, float) else x[0].elapsed_time(x[1]) for x in xs]
+            out[kind] = (float(np.median(ms)) if ms else float("nan"), len(ms))
+        return out
+
+
 def speculative_runs(plain, spec, reqs, batch):
     """The requests in groups of `batch` (all of a group at once), each group run on both engines taking
-    turns step by step. -> figures of the plain and the speculating engine."""
+    turns step by step. -> figures of the plain and the speculating engine, and the device time of a
+    plain step (plain engine) and of a verify step (speculating engine)."""
     from benchmarks.harness import run_interleaved
     walls, tokens, same, before = [0.0, 0.0], 0, 0, spec.stats()
-    for i in range(0, len(reqs), batch):
-        group = reqs[i:i + batch]
-        a, b = run_interleaved([(plain, group), (spec, group)], f"speculative, batch {batch}")
-        same += sum(a["done"][x].outputs[0].token_ids == b["done"][y].outputs[0].token_ids
-                    for x, y in zip(a["ids"], b["ids"]))
-        walls[0], walls[1], tokens = walls[0] + a["wall_s"], walls[1] + b["wall_s"], tokens + a["useful_tokens"]
+    timers = StepTimer(plain), StepTimer(spec)
+    try:
+        for i in range(0, len(reqs), batch):
+            group = reqs[i:i + batch]
+            a, b = run_interleaved([(plain, group), (spec, group)], f"speculative, batch {batch}")
+            same += sum(a["done"][x].outputs[0].token_ids == b["done"][y].outputs[0].token_ids
+                        for x, y in zip(a["ids"], b["ids"]))
+            walls[0], walls[1], tokens = walls[0] + a["wall_s"], walls[1] + b["wall_s"], tokens + a["useful_tokens"]
+    finally:
+        (plain_ms, _), _ = timers[0].close().values()
+        spec_times = timers[1].close()
     after = spec.stats()
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    verify_ms, verify_steps = spec_times["verify"]
     return {"tokens": tokens, "plain_tok_s": tokens / walls[0], "spec_tok_s": tokens / walls[1],
             "ratio": walls[0] / walls[1], "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
             "acceptance_rate": accepted / drafted if drafted else 0.0, "draft_tokens": drafted,
-            "identical_outputs": same, "requests": len(reqs)}
+            "identical_outputs": same, "requests": len(reqs), "plain_step_ms": plain_ms, "verify_step_ms": verify_ms,
+            "verify_steps": verify_steps, "spec_plain_steps": spec_times["plain"][1],
+            "steps_off": after.spec_decode_num_steps_off - before.spec_decode_num_steps_off}
 
 
 def bench_speculative(sz, seed, results):
     """How much faster is decoding with n-gram speculation, where the output quotes the input and where it
-    does not? Same requests, same engine settings, with and without speculative_config, taking turns."""
+    does not? Same requests, same engine settings, with and without speculative_config, taking turns.
+    Beside each ratio: what a verify step costs in device time against a plain step at that batch, so the
+    break-even acceptance length (= that cost ratio) is visible on any machine."""
     from benchmarks.harness import make_engine, make_workload, md_table, section_header, vocab_of, warm_up
     config = {"method": "ngram", "num_speculative_tokens": sz.spec_k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     common = dict(max_num_seqs=max(sz.spec_batches), kv_cache_memory=sz.spec_kv_cache_memory, enable_prefix_caching=False)
@@ -186,18 +239,29 @@ def bench_speculative(sz, seed, results):
             group = reqs[:max(batch, sz.spec_min_requests)]
             r = out[name][batch] = speculative_runs(plain, spec, group, batch)
             rows.append([name, batch, len(group), r["plain_tok_s"], r["spec_tok_s"], r["ratio"],
-                         r["mean_acceptance_length"], r["acceptance_rate"], f"{r['identical_outputs']}/{len(group)}"])
+                         r["mean_acceptance_length"], r["plain_step_ms"], r["verify_step_ms"],
+                         r["verify_step_ms"] / r["plain_step_ms"], f"{r['verify_steps']}/{r['spec_plain_steps']}",
+                         f"{r['identical_outputs']}/{len(group)}"])
+    dtype = str(spec.dtype).removeprefix("torch.")
     section_header("Speculative decoding: n-gram prompt lookup, with and without", [
-        f"speculative_config={config}; prefix caching off; greedy, EOS ignored, {sz.spec_out} output tokens a request.",
+        f"speculative_config={config} (adaptive: on); prefix caching off; greedy, EOS ignored, {sz.spec_out} output "
+        f"tokens a request; {dtype} on {spec.device.type}.",
         "input-grounded: chat prompts asking to repeat, re-line or summarize (by quoting) a passage of 50-80 words "
         "they contain; random: the peers workload's random token ids.",
         "batch B: the requests in groups of B, each group submitted at once; the two engines take turns step by "
-        "step. Identical: greedy outputs equal token for token (a verification pass multiplies 1 + k rows, "
-        "where 1-2 rows read the GGUF blocks: a float32 near-tie may break the other way).",
+        "step. Step ms: median device time of a decode-only forward (CUDA events on a GPU, the wall clock on a CPU), "
+        "a plain step on the plain engine, a verify step (1 + k query tokens a row) on the speculating one; their "
+        "ratio is the acceptance length a verify step needs to break even. Steps: verify / plain decode steps "
+        "of the speculating engine (adaptive speculation runs plain where verify steps do not pay).",
+        "identical: greedy outputs equal token for token. In float32 on a CPU they are (the tests prove it, and in "
+        "batch-invariant mode by construction); in bf16 a verify pass runs other kernels than a one-row step "
+        "(other GEMM shapes, the prefill attention tiles), so a near-tie between bf16-spaced logits may break the "
+        "other way (the tests check that each first divergence is within 2 bf16 ulps in float32).",
         "acceptance length: tokens per verifying row (1 + accepted / rows with drafts)."])
     print(md_table(["workload", "batch", "requests", "plain tok/s", "speculative tok/s", "ratio",
-                    "mean acceptance length", "acceptance rate", "identical"], rows))
-    results["speculative"] = {"config": config, "runs": out}
+                    "mean acceptance length", "plain step ms", "verify step ms", "verify / plain step",
+                    "steps verify/plain", "identical"], rows))
+    results["speculative"] = {"config": config, "dtype": dtype, "device": spec.device.type, "runs": out}
 
 
 if __name__ == "__main__":
