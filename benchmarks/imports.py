@@ -4,7 +4,8 @@ What a reader has to import, counted: `python benchmarks/imports.py [--json FILE
 For each entry point (`from llm import LLM`, `import scheduler`, serve.py's default path) it runs a fresh
 interpreter, imports that entry, and counts the project modules (files under this repository) that
 ended up in sys.modules, with their lines. Then it reads every project file's import statements (module
-level and inside functions alike, since a local import is still a dependency) and reports the import
+level and inside functions alike, since a local import is still a dependency; not those under
+`if TYPE_CHECKING:`, which never run) and reports the import
 graph's cycles (strongly connected components of more than one module) and its floors: the number of
 modules on the longest chain of imports, cycles collapsed to one floor. No project module is imported
 by this script itself, so it runs in any venv that holds the files.
@@ -62,7 +63,12 @@ def import_graph(mods: dict[str, str]) -> dict[str, set[str]]:
     for name, path in mods.items():
         deps = set()
         package = name.rpartition(".")[0] if not path.endswith("__init__.py") else name
-        for node in ast.walk(ast.parse(open(path).read())):
+        tree = ast.parse(open(path).read())
+        typing_only = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.dump(t.test)
+                       for b in t.body for n in ast.walk(b)}       # annotations' imports: never run
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
