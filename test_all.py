@@ -4530,6 +4530,28 @@ def test_speculation_under_a_grammar_gives_the_plain_outputs(tiny):
     assert s.spec_decode_num_accepted_tokens >= 5 and outs[0].metrics.num_accepted_tokens > 0
 
 
+def test_speculation_under_allowed_token_ids_and_bad_words_gives_the_plain_outputs(tiny):
+    # self-drafts propose the unconstrained greedy tokens, which these rules forbid: verification must
+    # apply them at every drafted position (bad words against the output as the drafts extend it)
+    plain_llm = tiny_llm(tiny)
+    first = plain_llm.generate(TINY_PROMPTS[:2], greedy(20))
+    tok = plain_llm.engine.tokenizer
+    ids = first[1].outputs[0].token_ids
+    # a two-token word, banned only where the output already ends with its first token
+    pairs = [w for a, b in zip(ids[2:], ids[3:]) if (w := tok.decode([a, b])).strip()
+             and [a, b] in sampler.bad_words_token_ids([w], tok.encode)]
+    params = [greedy(20, allowed_token_ids=sorted(set(first[0].outputs[0].token_ids[::2]))),
+              greedy(20, bad_words=pairs[:1])]
+    assert pairs, tok.decode(ids)
+    expected = plain_llm.generate(TINY_PROMPTS[:2], params)
+    spec = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, k=4))
+    outs = spec.generate(TINY_PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert set(outs[0].outputs[0].token_ids) <= set(params[0].allowed_token_ids)
+    assert outs[1].outputs[0].token_ids != first[1].outputs[0].token_ids
+    assert spec.engine.stats().spec_decode_num_draft_tokens > 0
+
+
 def test_the_engine_stops_drafting_at_disable_by_batch_size(tiny):
     llm = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, disable_by_batch_size=3))
     llm.generate(TINY_SPEC_PROMPTS[6:9], greedy(12))      # 3 rows run together from the first token to the last
