@@ -4,7 +4,7 @@ What a request to /v1/completions and /v1/chat/completions may contain, and how 
 It owns OpenAI's error body (APIError, whose `param` names the offending field), the request
 schemas with every field OpenAI's and vLLM's clients send, each either honoured, accepted with no
 effect (bookkeeping that means nothing here, like `user` or `metadata`) or refused with a 400 naming
-it where the client would expect a behaviour this server lacks (docs/http.md's table lists every
+it where the client would expect a behaviour this server lacks (docs/request-fields.md lists every
 field and which it is; a test sends each one), the translation of the structured-output spellings
 (response_format, structured_outputs, vLLM's guided_*) and the per-request size limits.
 Unknown fields are refused too (`unsupported_field`): nothing a client sends is silently dropped.

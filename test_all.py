@@ -5589,7 +5589,7 @@ def test_disconnect_while_being_added_leaks_nothing(tiny):
 
 # ----------------------------------------------------------------------------- vLLM's request fields, tiny models
 # Every field vLLM's clients send, each against an oracle: HF tokenizers (`ref`), the tiny model's
-# transformers twin, the scripted model's hand-written text, and docs/http.md's table of fields.
+# transformers twin, the scripted model's hand-written text, and docs/request-fields.md's table.
 
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
@@ -5783,7 +5783,7 @@ def test_guided_aliases_constrain_the_output_as_structured_outputs_does(tiny_eng
         assert both.status_code == 400 and both.json()["error"]["param"] in ("guided_regex", "guided_choice")
 
 
-# The body each row of docs/http.md's field table adds to a plain request, chosen to draw the documented
+# The body each row of docs/request-fields.md's table adds to a plain request, chosen to draw the documented
 # outcome: 200 for honoured and no-effect fields, a 400 naming the field for refused ones.
 REQUEST_FIELD_EXAMPLES = {
     "model": {"model": "tiny"}, "prompt": {}, "messages": {}, "max_tokens": {"max_tokens": 2},
@@ -5838,8 +5838,8 @@ REFUSED_FIELDS_OFF = {"tools": [], "tool_choice": "none", "use_beam_search": Fal
 
 
 def docs_request_fields() -> list[tuple[str, str, str]]:
-    """(field, endpoints, status) of each row of docs/http.md's table of request fields."""
-    text = Path(HERE, "docs", "http.md").read_text(encoding="utf-8")
+    """(field, endpoints, status) of each row of docs/request-fields.md."""
+    text = Path(HERE, "docs", "request-fields.md").read_text(encoding="utf-8")
     return re.findall(r"^\| `([\w.]+)` \| (both|chat|completions) \| (honoured|no effect|refused) \|", text, re.M)
 
 
