@@ -168,7 +168,7 @@ class Exchange:
         self.head = {"id": response_id, "object": self.object_name, "created": int(time.time()),
                      "model": api.model_name}
         self.cursors: dict[int, ChoiceCursor] = {}
-        self.as_ids = bool(req.return_tokens_as_token_ids)
+        self.as_ids, self.with_ids = bool(req.return_tokens_as_token_ids), bool(req.return_token_ids)
 
     def check_as_the_engine_will(self) -> None:
         """The engine's own checks (sampling ranges, prompt ids, context length, cache_salt), run here
@@ -202,8 +202,9 @@ class Exchange:
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options.continuous_usage_stats
         try:
-            for choice in self.opening():
-                yield sse({**self.head, "choices": [choice], **(self.usage_so_far(0, 0) if continuous else {})})
+            for j, choice in enumerate(self.opening()):
+                ids = {"prompt_token_ids": self.prompts[0]} if self.with_ids and j == 0 else {}
+                yield sse({**self.head, "choices": [choice], **ids, **(self.usage_so_far(0, 0) if continuous else {})})
             async for index, out in outputs:
                 outs[index] = out
                 for c in out.outputs:
@@ -226,9 +227,11 @@ class Exchange:
         """The streamed choice for what is new in c since its last chunk, or None if nothing is."""
         choice_index = index * self.params.n + c.index
         cursor = self.cursors.setdefault(choice_index, ChoiceCursor(self.echoes[index], out))
-        if not cursor.has_news(c, self.params.logprobs is not None):
+        if not cursor.has_news(c, self.params.logprobs is not None or self.with_ids):
             return None
         choice = {"index": choice_index, **self.delta(c, cursor)}
+        if self.with_ids:     # vLLM's return_token_ids: this chunk's tokens
+            choice["token_ids"] = c.token_ids[cursor.num_tokens:]
         cursor.num_tokens, cursor.finished, cursor.echo = len(c.token_ids), c.finish_reason is not None, ""
         return choice
 
@@ -286,6 +289,8 @@ class CompletionExchange(Exchange):
         choice = {"text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
         if self.req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs(out)
+        if self.with_ids:
+            choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
         return choice
 
     def delta(self, c, cursor: ChoiceCursor) -> dict:
@@ -295,7 +300,9 @@ class CompletionExchange(Exchange):
                                                          cursor.text_offset, top_n)
             if cursor.echo:
                 logprobs = join_logprobs(self.echo_logprobs(cursor.prompt_output, top_n), logprobs)
-        return {"text": cursor.echo + c.delta_text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        first = {"prompt_token_ids": cursor.prompt_output.prompt_token_ids} \
+            if self.with_ids and cursor.num_tokens == 0 and cursor.prompt_output is not None else {}
+        return {"text": cursor.echo + c.delta_text, "logprobs": logprobs, "finish_reason": c.finish_reason, **first}
 
     def echo_logprobs(self, out: RequestOutput, top_n: int) -> dict:
         """The echoed prompt's part of legacy logprobs; the first token has none (null), as in OpenAI."""
@@ -361,6 +368,8 @@ class ChatExchange(Exchange):
         body = super().body(outs)
         if self.req.prompt_logprobs is not None:    # vLLM puts a chat's beside its choices
             body["prompt_logprobs"] = self.prompt_logprobs(outs[0])
+        if self.with_ids:
+            body["prompt_token_ids"] = self.prompts[0]
         return body
 
     def opening(self) -> list[dict]:  # OpenAI opens every choice with the role alone
@@ -368,8 +377,9 @@ class ChatExchange(Exchange):
                 for i in range(self.params.n)]
 
     def message(self, c, echo: str, out: RequestOutput) -> dict:
-        return {"message": {"role": "assistant", "content": echo + c.text},
-                "logprobs": self.logprobs(c, 0), "finish_reason": c.finish_reason}
+        choice = {"message": {"role": "assistant", "content": echo + c.text},
+                  "logprobs": self.logprobs(c, 0), "finish_reason": c.finish_reason}
+        return {**choice, "token_ids": c.token_ids} if self.with_ids else choice
 
     def delta(self, c, cursor: ChoiceCursor) -> dict:
         text = cursor.echo + c.delta_text

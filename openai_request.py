@@ -115,6 +115,7 @@ class SamplingRequest(Strict):
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None     # prompt_token_ids and token_ids beside the text
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     add_special_tokens: bool | None = None   # default: true for completions, false for chat (vLLM's)
@@ -123,6 +124,7 @@ class SamplingRequest(Strict):
     logits_processors: list | None = None    # refused: code named by the client
     kv_transfer_params: dict | None = None   # refused: vLLM's disaggregation connector protocol
     vllm_xargs: dict | None = None           # refused: no custom extension reads them
+    repetition_detection: dict | None = None  # refused: no n-gram repetition stop
 
 
 class CompletionRequest(SamplingRequest):
@@ -154,6 +156,7 @@ class ChatRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     mm_processor_kwargs: dict | None = None  # text-only models: no effect
+    media_io_kwargs: dict | None = None      # no media to load: no effect
     structural_tag: str | None = None        # refused
     tools: list | None = None                # refused unless empty
     tool_choice: Any = None                  # refused unless "none"
@@ -191,6 +194,8 @@ def reject_unsupported(req: SamplingRequest) -> None:
         ("kv_transfer_params", req.kv_transfer_params is not None,
          "vLLM's KV-transfer connectors are not spoken here (serve.py --disaggregation moves KV itself)"),
         ("vllm_xargs", req.vllm_xargs, "no custom extension is installed to read them"),
+        ("repetition_detection", req.repetition_detection is not None,
+         "repetition detection is not implemented; stop, stop_token_ids and max_tokens end a sequence"),
         ("guided_whitespace_pattern", req.guided_whitespace_pattern is not None,
          "the grammar engine takes no whitespace pattern; structured_outputs.disable_any_whitespace is the knob"),
         ("prompt_embeds", getattr(req, "prompt_embeds", None) is not None, "prompts are text or token ids here"),

@@ -5661,6 +5661,27 @@ def test_include_stop_str_in_output_keeps_the_stop_string_or_the_stop_tokens_tex
         assert text(stop_token_ids=[ids[k]], include_stop_str_in_output=True) == ref.decode(ids[1:k + 1])
 
 
+def test_return_token_ids_gives_the_prompt_and_output_ids_whole_and_streamed(scripted, ref):
+    ids = ref.encode(SCRIPT).ids
+    body = {"prompt": ids[:1], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with TestClient(build_app(scripted.engine, "scripted")) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        chunks = stream_chunks(http, "/v1/completions", {**body, "stream": True})
+        chat_whole = http.post("/v1/chat/completions", json=chat).json()
+        chat_chunks = stream_chunks(http, "/v1/chat/completions", {**chat, "stream": True})
+    assert whole["prompt_token_ids"] == ids[:1] and whole["token_ids"] == ids[1:7]
+    assert whole["text"] == ref.decode(whole["token_ids"])
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids[:1]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids[1:7]
+    assert chat_whole["prompt_token_ids"] == ref.encode(SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n"
+                                                        "<|im_start|>assistant\n").ids
+    assert chat_chunks[0]["prompt_token_ids"] == chat_whole["prompt_token_ids"]
+    assert [t for c in chat_chunks[1:] for t in c["choices"][0]["token_ids"]] == \
+        chat_whole["choices"][0]["token_ids"] and len(chat_whole["choices"][0]["token_ids"]) == 3
+
+
 def test_allowed_token_ids_sample_only_those_and_skip_special_tokens_false_shows_the_special_ones(tiny_engine, ref):
     allowed = [1, 3, 300, 301, 302]          # <|im_start|>, <repo_name> and three ordinary tokens
     # a high temperature spreads the draws over all five; the seed makes both requests draw the same
@@ -5799,7 +5820,9 @@ REQUEST_FIELD_EXAMPLES = {
     "top_logprobs": {"logprobs": True, "top_logprobs": 2}, "prompt_logprobs": {"prompt_logprobs": 1},
     "return_tokens_as_token_ids": {"completions": {"return_tokens_as_token_ids": True, "logprobs": 1},
                                    "chat": {"return_tokens_as_token_ids": True, "logprobs": True}},
-    "echo": {"echo": True},
+    "echo": {"echo": True}, "return_token_ids": {"return_token_ids": True},
+    "repetition_detection": {"repetition_detection": {"max_pattern_size": 4}},
+    "media_io_kwargs": {"media_io_kwargs": {}},
     "stream": {"stream": True}, "stream_options": {"stream": True, "stream_options": {}},
     "stream_options.include_usage": {"stream": True, "stream_options": {"include_usage": True}},
     "stream_options.continuous_usage_stats": {"stream": True, "stream_options": {"continuous_usage_stats": True}},
