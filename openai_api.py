@@ -351,7 +351,7 @@ class ChatExchange(Exchange):
     def __init__(self, api: OpenAIProtocol, req: ChatRequest):
         if not req.messages:
             raise APIError(400, "messages must contain at least one message", "messages")
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:     # 0 asks for nothing (vLLM accepts it)
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
         self.object_name = "chat.completion.chunk" if req.stream else "chat.completion"
         prompt = api.token_ids(render_chat(api, req), req, bool(req.add_special_tokens))
