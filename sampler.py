@@ -5,7 +5,7 @@ and one vectorized function that turns a batch of logits into next tokens.
 
 Owns: validation of every sampling field (an InvalidRequest that names the field and the
 allowed range); in this order, as vLLM applies them: the grammar mask (structured_output.py
-compiles it), min_tokens, logit_bias, repetition / frequency / presence penalties, then
+compiles it), allowed_token_ids and bad_words, min_tokens, logit_bias, repetition / frequency / presence penalties, then
 temperature, top-k / top-p / min-p and the draw; per-request seeds; logprobs.
 Does not touch sequences or stop conditions: the engine applies those to what this returns.
 Each processor runs only on the rows that use it, so a batch of plain requests pays nothing.
@@ -363,13 +363,15 @@ def top_p_reference(x, top_p):
 def apply_allowed_and_bad_words(logits, states):
     """allowed_token_ids: every other id goes to -inf. bad_words: a word's last token goes to -inf
     where the output already ends with the tokens before it (a one-token word: always)."""
-    for i, s in enumerate(states):
+    for i in [i for i, s in enumerate(states) if s.params.allowed_token_ids or s.bad_words_token_ids]:
+        s = states[i]
         if s.params.allowed_token_ids:
             ids = s.params.allowed_token_ids_tensor.to(logits.device)
             kept = logits[i, ids]                                      # [a]
             logits[i].fill_(float("-inf")).index_copy_(0, ids, kept)
-        banned = [ids[-1] for ids in s.bad_words_token_ids
-                  if len(ids) == 1 or s.output_token_ids[len(s.output_token_ids) - len(ids) + 1:] == ids[:-1]]
+        out = s.output_token_ids or []
+        banned = [word[-1] for word in s.bad_words_token_ids
+                  if len(word) == 1 or (len(out) >= len(word) - 1 and out[len(out) - len(word) + 1:] == word[:-1])]
         if banned:
             logits[i, banned] = float("-inf")
 

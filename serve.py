@@ -410,7 +410,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"prompts x n of one request (default {d.max_seqs_per_request}; at most --max-waiting)")
     r.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
                    help=f"logit_bias entries (default {d.max_logit_bias}, OpenAI's)")
-    r.add_argument("--max-stop-strings", type=int, default=d.max_stop, help=f"stop strings, and bad_words (default {d.max_stop})")
+    r.add_argument("--max-stop-strings", type=int, default=d.max_stop,
+                   help=f"stop strings, and bad_words (default {d.max_stop})")
     r.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
                    help=f"characters of one stop string (default {d.max_stop_chars})")
     r.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
