@@ -4933,6 +4933,27 @@ async def run_clients(url, prompts, max_tokens, hang_ups):
 
 
 @pytest.mark.slow
+def test_a_client_built_for_vllm_runs_unchanged_through_the_openai_sdk(client, offline):
+    """What benchmarking clients built for vLLM send on every request: continuous usage stats in
+    stream_options and vLLM's sampling extras; and OpenAI's bookkeeping fields, accepted."""
+    prompt = "The capital of France is"
+    full = greedy_text(offline, prompt, 16)
+    stop = next(ch for ch in ",. " if ch in full)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                       stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True,
+                                                                "skip_special_tokens": True, "min_tokens": 1})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:full.index(stop) + 1]
+    assert all(c.usage is not None for c in chunks) and not chunks[-1].choices
+    assert chunks[-2].usage.completion_tokens == chunks[-1].usage.completion_tokens
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=4, temperature=0, store=False,
+                                       metadata={"run": "bench"}, service_tier="auto", user="u1",
+                                       extra_body={"top_k": 1, "ignore_eos": True, "chat_template_kwargs": {},
+                                                   "request_id": "r1"})
+    assert r.id == "chatcmpl-r1" and r.usage.completion_tokens == 4
+
+
 def test_64_streams_with_disconnects_complete_and_free_every_block(server, offline):
     max_tokens = 12
     prompts = [f"Question {i}: what is {i} plus {3 * i}? Answer:" for i in range(64)]
