@@ -285,6 +285,8 @@ class RequestLimits:
     max_stop_chars: int = 256           # characters of one stop string (also what a stream holds back)
     max_stop_token_ids: int = 256
     max_grammar_bytes: int = 64 << 10   # a JSON schema, regex, grammar or choice list, as JSON text
+    # a request's own chat_template runs in the jinja sandbox, but its loops cost what they like (vLLM's flag)
+    trust_request_chat_template: bool = False
 
     def check(self, req: SamplingRequest, num_prompts: int) -> None:
         def need(ok, field, message):
@@ -306,6 +308,9 @@ class RequestLimits:
         need(len(req.stop_token_ids or ()) <= self.max_stop_token_ids, "stop_token_ids",
              f"stop_token_ids has {len(req.stop_token_ids or ())} ids; at most {self.max_stop_token_ids} "
              f"(--max-stop-token-ids)")
+        if getattr(req, "chat_template", None) is not None and not self.trust_request_chat_template:
+            raise refuse("chat_template", "this server renders only the model's chat template; start it with "
+                                          "--trust-request-chat-template to allow a request's own")
         field = structured_field(req)
         spec = getattr(req, field)
         size = 0 if spec is None else len(json.dumps(spec))

@@ -419,6 +419,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--max-grammar-bytes", type=int, default=d.max_grammar_bytes,
                    help=f"a structured-output schema, regex, grammar or choice list as JSON "
                         f"(default {d.max_grammar_bytes})")
+    r.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own chat_template (vLLM's flag; default: 400 naming it)")
     r.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a structured-output grammar may take to compile (off the engine's loop); "
                         "then 400 (default 10)")
@@ -427,7 +429,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(args.max_seqs_per_request, args.max_logit_bias, args.max_stop_strings, args.max_stop_chars,
-                         args.max_stop_token_ids, args.max_grammar_bytes)
+                         args.max_stop_token_ids, args.max_grammar_bytes, args.trust_request_chat_template)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -5747,6 +5747,7 @@ def test_bad_words_never_appear_as_the_tokens_that_write_them(tiny_engine, ref):
 
 
 def test_chat_template_fields_render_the_prompt_written_by_hand(tiny_engine, ref):
+    from openai_request import RequestLimits
     ask = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
     user_turn = SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n"
     custom = "{{ greeting }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{{ documents[0].title }}"
@@ -5758,7 +5759,8 @@ def test_chat_template_fields_render_the_prompt_written_by_hand(tiny_engine, ref
           "documents": [{"title": "T", "text": "x"}]}, "Hello[user]HiT"),
     ]
     base = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "prompt_logprobs": 0}
-    with TestClient(build_app(tiny_engine, "tiny")) as http:
+    trusting = RequestLimits(trust_request_chat_template=True)
+    with TestClient(build_app(tiny_engine, "tiny", limits=trusting)) as http:
         for fields, text in cases:
             r = http.post("/v1/chat/completions", json={**base, **fields}).json()
             want = ref.encode(text).ids
@@ -5879,7 +5881,7 @@ REQUEST_FIELD_EXAMPLES = {
 }
 # A refused field's off value asks for nothing, and is accepted.
 REFUSED_FIELDS_OFF = {"tools": [], "tool_choice": "none", "use_beam_search": False, "modalities": ["text"],
-                      "function_call": "none", "logits_processors": [], "suffix": ""}
+                      "function_call": "none", "logits_processors": [], "suffix": "", "chat_template": None}
 
 
 def docs_request_fields() -> list[tuple[str, str, str]]:
