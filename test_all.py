@@ -5885,6 +5885,23 @@ REFUSED_FIELDS_OFF = {"tools": [], "tool_choice": "none", "use_beam_search": Fal
                       "function_call": "none", "logits_processors": [], "suffix": "", "chat_template": None}
 
 
+# The fields of vLLM's ChatCompletionRequest and CompletionRequest (vllm/entrypoints/openai/protocol.py,
+# the guided_* generation and the newer structured_outputs one): each must be a row of the table.
+VLLM_SHARED_FIELDS = """model frequency_penalty logit_bias logprobs max_tokens n presence_penalty response_format seed stop
+    stream stream_options temperature top_p user best_of use_beam_search top_k min_p repetition_penalty
+    length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens
+    spaces_between_special_tokens truncate_prompt_tokens prompt_logprobs allowed_token_ids echo add_special_tokens
+    guided_json guided_regex guided_choice guided_grammar guided_decoding_backend guided_whitespace_pattern
+    structured_outputs priority request_id logits_processors return_tokens_as_token_ids return_token_ids cache_salt
+    kv_transfer_params vllm_xargs repetition_detection""".split()
+VLLM_FIELDS = {
+    "chat": VLLM_SHARED_FIELDS + """messages top_logprobs max_completion_tokens tools tool_choice reasoning_effort
+        include_reasoning parallel_tool_calls bad_words add_generation_prompt continue_final_message documents
+        chat_template chat_template_kwargs mm_processor_kwargs media_io_kwargs structural_tag""".split(),
+    "completions": VLLM_SHARED_FIELDS + ["prompt", "prompt_embeds", "suffix"],
+}
+
+
 def docs_request_fields() -> list[tuple[str, str, str]]:
     """(field, endpoints, status) of each row of docs/request-fields.md."""
     text = Path(HERE, "docs", "request-fields.md").read_text(encoding="utf-8")
@@ -5900,6 +5917,7 @@ def test_every_request_field_of_the_docs_table_gets_its_documented_outcome(tiny_
     for endpoint, schema in (("completions", CompletionRequest), ("chat", ChatRequest)):   # no field undocumented
         documented = {f for f, where, _ in rows if where in ("both", endpoint)}
         assert documented == set(schema.model_fields) | {f"stream_options.{f}" for f in StreamOptions.model_fields}
+        assert set(VLLM_FIELDS[endpoint]) <= documented, set(VLLM_FIELDS[endpoint]) - documented
     with TestClient(build_app(tiny_engine, "tiny")) as http:
         for field, where, status in rows:
             for endpoint in (("completions", "chat") if where == "both" else (where,)):
