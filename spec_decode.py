@@ -281,9 +281,10 @@ class StepCosts:
     """Does a verify step pay at this batch size, on this machine, now? Measured online: per bucket
     of running rows (1, 2, 4, 8, ...), an exponential average of the tokens per second of decode-only
     steps with drafts and without (a step's wall time, plus the proposing that fed it). Speculation
-    runs in a bucket while its rate is at least the plain one; the side not chosen is probed every
-    PROBE_EVERY steps (a bucket's first decode step is plain, its second speculates), so a change of
-    acceptance or of batch moves the choice back. What a step costs is the engine's to say: this
+    runs in a bucket while its rate is at least the plain one. A bucket's first decode step is plain,
+    its next speculates; every PROBE_EVERY steps the side not chosen is forgotten and measured
+    afresh (its old figure may come from another workload), so a change of acceptance or of batch
+    moves the choice back. What a step costs is the engine's to say: this
     only compares what it is told (no device figures are written in here)."""
     PROBE_EVERY = 32
     WEIGHT = 0.25                     # the latest step's share of a bucket's rate
@@ -307,9 +308,10 @@ class StepCosts:
             return plain is not None                              # measure plain first, then speculative
         self.last_gain = spec / plain
         choice = spec >= plain
-        if n % self.PROBE_EVERY == 0:
-            choice = not choice                                   # keep the other side's figure fresh
-        self.num_steps_off += not choice and spec < plain
+        if n % self.PROBE_EVERY == 0:                             # forget the side not chosen: measured afresh
+            self.rates[b][not choice] = None                      # (a probe in which no row drafts probes on)
+            return not choice
+        self.num_steps_off += not choice
         return choice
 
     def observe(self, num_rows: int, speculated: bool, seconds: float, num_tokens: int):

@@ -4653,6 +4653,14 @@ def test_step_costs_speculate_only_where_a_verify_step_pays_and_probe_the_other_
     assert [i for i, c in enumerate(sixteen) if c] == [1, 31, 63]
     assert costs.bucket(9) == costs.bucket(16) == 16 and costs.bucket(1) == 1
     assert costs.num_steps_off == 64 - 2 - 2 and costs.last_gain == pytest.approx(0.5)
+    # a stale figure (the workload changed: 16 rows now emit 80 tokens a verify step) is re-measured at
+    # the next probe, and a probe whose step drafted nothing probes on until a verify step is seen
+    assert [costs.allows(16) for _ in range(31)] == [False] * 31        # decisions 65 to 95
+    assert costs.allows(16) is True                                      # decision 96: the probe
+    costs.observe(16, False, 0.005, 16)                                  # nobody drafted: a plain step
+    assert costs.allows(16) is True
+    costs.observe(16, True, 0.025, 80)                                   # 3,200 tok/s: as good as plain
+    assert costs.allows(16) is True and costs.last_gain == pytest.approx(1.0)
 
 
 def test_spec_decode_stats_count_drafts_and_acceptance_length():
