@@ -34,8 +34,9 @@ from draft_model import DraftModelProposer
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
 from model import resolve_dtype
+from async_engine import OverlapLoop
 from model_runner import ModelRunner
-from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
+from sampler import SamplingParams, SamplingState, make_generator, sample_on_device, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from spec_decode import SpeculativeConfig, Speculator
@@ -72,6 +73,9 @@ class EngineConfig(SchedulerConfig):
     # "gguf": only a GGUF's own Q4_0/Q4_1/Q8_0 blocks, at every batch; "int8": dynamic W8A8 from any
     # float checkpoint, exact int32 sums (batch-invariant too): docs/quantization.md
     quantization: str | None = None
+    # overlapped scheduling (async_engine.py): the host plans step N+1 while the device runs step N.
+    # None = on where a device runs apart from the host (CUDA); off on a CPU, where they are one
+    async_scheduling: bool | None = None
 
     def validate(self):
         super().validate()
@@ -156,12 +160,16 @@ class PromptLimits:
 @dataclass
 class PhaseTimes:
     """Seconds spent in each phase of Engine.step, summed over steps (bench.py reads them).
-    On a GPU `forward` only counts the launch unless the sampler's .tolist() syncs first."""
+    On a GPU `forward` and `sample` count the host's launches; `wait` is the host blocked on the
+    device (reading the sampled ids back), and `device` the device's own time per step, from the
+    first upload to the sampled ids' copy (CUDA events: not a host phase, not in the step's sum)."""
     schedule: float = 0.0
     prepare: float = 0.0                # block copies and building the flat batch tensors
     forward: float = 0.0
     sample: float = 0.0
+    wait: float = 0.0                   # the host waits for the device's sampled ids
     update: float = 0.0                 # append tokens, detokenize, stop checks, outputs
+    device: float = 0.0                 # CUDA only: the device's span of the step, not a host phase
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -170,6 +178,20 @@ class PhaseTimes:
             yield
         finally:
             setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
+
+    @staticmethod
+    def mark(device: torch.device):
+        """A timing event recorded on device's stream now (None off CUDA): a step's start."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add_device_span(self, start, end):
+        """After `end` completed: the device's time from start to end (both events, or None)."""
+        if start is not None and end is not None:
+            self.device += start.elapsed_time(end) / 1e3
 
 
 class Engine:
@@ -234,6 +256,9 @@ class Engine:
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step = self.scheduler.step_counts(ScheduledBatch([], []))
         self.phase_times = PhaseTimes()
+        self.step_start = None                              # the running step's first event (CUDA)
+        use_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.overlap = OverlapLoop(self) if use_async else None    # async_scheduling: async_engine.py
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model.config      # the model's own: under tensor parallelism this rank's heads
@@ -322,6 +347,12 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()   # the sampler edits the model's logits in place: they are inference tensors
     def step(self) -> list[RequestOutput]:
+        if self.overlap is not None:                        # async_scheduling: a two-slot pipeline around
+            return self.overlap.step()                      # the same three calls (async_engine.py)
+        return self.plain_step()
+
+    @torch.inference_mode()
+    def plain_step(self) -> list[RequestOutput]:
         if self.model.batch_invariant != self.config.batch_invariant:   # a model shared by engines (bench.py)
             self.model.set_batch_invariant(self.config.batch_invariant)
         batch = self.schedule()
@@ -341,6 +372,7 @@ class Engine:
         return batch
 
     def run_model(self, batch: ScheduledBatch, extra_rows: list[int]) -> torch.Tensor:
+        self.step_start = self.phase_times.mark(self.device)
         with self.phase_times.phase("prepare"):
             inputs = self.runner.prepare(batch, extra_rows)
         with self.phase_times.phase("forward"):
@@ -353,13 +385,21 @@ class Engine:
         if prompt_rows.rows:
             self.record_prompt_logprobs(logits[num_sampled:], prompt_rows.plan)
             logits = logits[:num_sampled]
+        ready = self.finish_step(batch)                     # the sequences that sample a token now
+        completions, tokens, logprobs = self._sample(logits, ready)
+        return self.apply_tokens(completions, tokens, logprobs)
+
+    def finish_step(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Count the step and mark its scheduled tokens computed; returns the sequences that sample."""
         self.num_steps += 1
         real = batch.num_real_rows
         self.num_prompt_tokens += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
                                       for s, n in zip(batch.seqs[:real], batch.num_tokens[:real]))
-        ready = self.scheduler.finish_step(batch)           # the sequences that sample a token now
-        with self.phase_times.phase("sample"):
-            completions, tokens, logprobs = self._sample(logits, ready)
+        return self.scheduler.finish_step(batch)
+
+    def apply_tokens(self, completions: list[Completion], tokens: list[list[int]], logprobs) -> list[RequestOutput]:
+        """Append each completion's run of tokens (stop checks, detokenizing, retiring the finished)
+        and return the touched requests' outputs."""
         with self.phase_times.phase("update"):
             now, touched = time.monotonic(), {}
             for c, run, lps in zip(completions, tokens, logprobs):
@@ -393,9 +433,14 @@ class Engine:
         if rows != list(range(len(logits))):                # n > 1 repeats rows; else skip the [rows, vocab] copy
             logits = logits[rows]
         if self.speculator:
-            out = self.speculator.sample(logits, completions, self.generator)
+            with self.phase_times.phase("sample"):
+                out = self.speculator.sample(logits, completions, self.generator)
             return completions, out.token_ids, [lp or [None] * len(t) for lp, t in zip(out.logprobs, out.token_ids)]
-        tokens, logprobs = sample(logits, [c.sampling for c in completions], self.generator)
+        with self.phase_times.phase("sample"):
+            sampled = sample_on_device(logits, [c.sampling for c in completions], self.generator)
+        with self.phase_times.phase("wait"):                # the step's one read from the device
+            tokens, logprobs = sampled.read()
+        self.phase_times.add_device_span(self.step_start, sampled.event)
         return completions, [[t] for t in tokens], [[lp] for lp in logprobs]
 
     def prompt_logprob_rows(self, batch: ScheduledBatch) -> "PromptLogprobRows":

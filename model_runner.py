@@ -60,8 +60,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class InputBuffers:
     """Every device input of a step, allocated once at its largest: a step fills leading slices,
     so views keep one address (what a captured graph reads). On a GPU each has a pinned host twin
-    to upload from. Reusing the twin next step is safe: every step ends with the sampler's copy
-    of its tokens to the host, which waits for the stream that ran these uploads."""
+    to upload from. A step rewrites the twins only once the last step's copies out of them ran
+    (an event: under async scheduling the host is a step ahead of the device)."""
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
         i32, i64 = torch.int32, torch.int64
         shapes = dict(input_ids=((max_tokens,), i64), positions=((max_tokens,), i64),
@@ -72,6 +72,18 @@ class InputBuffers:
         self.dev = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in shapes.items()}
         pin = device.type == "cuda"
         self.host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in shapes.items()} if pin else None
+        self.uploaded = None                # CUDA event after the last step's copies
+
+    def reuse_staging(self):
+        """Before a step writes the pinned twins: wait for the copies that last read them."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+
+    def staged(self):
+        """After a step's copies are queued: mark them (on a GPU)."""
+        if self.host is not None:
+            self.uploaded = torch.cuda.Event()
+            self.uploaded.record()
 
     def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.width
@@ -216,6 +228,7 @@ class ModelRunner:
         if not b.fits(len(host.input_ids), rows, width) or 2 + 2 * len(host.input_ids) > len(b.dev["plan"]):
             self.grow(len(host.input_ids), rows, width)
             b = self.buffers
+        b.reuse_staging()
         tables = np.zeros((rows, b.width), dtype=np.int32)             # the buffer's full width: one copy
         tables[:, :width] = host.block_tables
         b.upload("block_tables", tables)
@@ -229,8 +242,10 @@ class ModelRunner:
             context_lens=b.upload("context_lens", host.context_lens),
             query_start_loc=b.upload("query_start_loc", host.query_start_loc), backend=self.attention_backend,
             cuda_plan=plan)
-        return StepInputs(b.upload("input_ids", host.input_ids), b.upload("positions", host.positions), meta,
-                          b.upload("logits_rows", host.logits_rows), len(host.logits_rows))
+        inputs = StepInputs(b.upload("input_ids", host.input_ids), b.upload("positions", host.positions), meta,
+                            b.upload("logits_rows", host.logits_rows), len(host.logits_rows))
+        b.staged()
+        return inputs
 
     def grow(self, num_tokens: int, num_seqs: int, width: int):
         """Buffers too small for this step (a context past max_model_len, more rows than max_num_seqs):

@@ -151,6 +151,12 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
     """logits: [num_seqs, vocab] float32, one row per completion (modified in place).
     generator: the engine's stream for unseeded rows. Returns (tokens list[int],
     logprobs list[dict[int, float] | None]): logprobs are the model's, before any processing."""
+    return sample_on_device(logits, states, generator).read()
+
+
+def sample_on_device(logits, states: list[SamplingState], generator: torch.Generator | None = None) -> "Sampled":
+    """sample() up to its one read from the device: the tokens stay there (async_engine.py feeds
+    them to the next step's inputs) and their copy to the host starts without waiting."""
     params = [s.params for s in states]
     want = [p.logprobs for p in params]
     raw_logprobs = logits.log_softmax(dim=-1) if any(w is not None for w in want) else None   # [num_seqs, vocab]
@@ -165,20 +171,47 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
         tokens = greedy(logits)                                        # [num_seqs] greedy rows
         if rows:
             tokens[rows] = draw(logits[rows], [states[i] for i in rows], generator)
-    if raw_logprobs is None:
-        return tokens.tolist(), [None] * len(states)            # the step's one read from the device
-    return packed_logprobs(raw_logprobs, tokens, want)
+    packed = None if raw_logprobs is None else pack_logprobs(raw_logprobs, tokens, want)
+    return Sampled(tokens, packed, want)
 
 
-def packed_logprobs(logprobs, tokens, want: list[int | None]):
-    """sample()'s answer when logprobs are asked, from the device in one copy: each row's token, its
-    logprob and the top max(want) (value, id) pairs, packed as float64 (ids are exact). -> (tokens,
-    logprobs per row as top_logprobs gives them)."""
+class Sampled:
+    """A step's sampled tokens on the device [num_seqs] (and packed logprobs when asked), on their
+    way to the host in one copy: started at construction (non_blocking into pinned memory on a
+    GPU, with an event), read by read()."""
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor | None, want: list[int | None]):
+        self.tokens, self.want = tokens, want
+        out = tokens if packed is None else packed                     # [num_seqs] or [num_seqs, 2 + 2 * top_n]
+        self.event = None
+        if out.device.type == "cuda":
+            self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out, non_blocking=True)
+            self.event = torch.cuda.Event(enable_timing=True)   # also ends the step's device span
+            self.event.record()
+        else:
+            self.host = out
+
+    def read(self):
+        """(tokens list[int], logprobs per row as top_logprobs gives them, or None): the step's one
+        read from the device, which waits for it."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self.host.dim() == 1:
+            return self.host.tolist(), [None] * len(self.want)
+        return unpack_logprobs(self.host.tolist(), self.want)
+
+
+def pack_logprobs(logprobs, tokens, want: list[int | None]) -> torch.Tensor:
+    """float64 [num_rows, 2 + 2 * top_n]: each row's token, its logprob and the top max(want)
+    (value, id) pairs, so one copy brings them all (ids are exact in float64)."""
     top_n = max(max(w or 0 for w in want if w is not None), 1)
     top_vals, top_ids = logprobs.topk(top_n, dim=-1)                  # [num_rows, top_n]
     chosen = logprobs.gather(1, tokens.unsqueeze(1))                   # [num_rows, 1]
-    rows = torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_vals.double(), top_ids.double()],
-                     dim=1).tolist()                                   # [num_rows, 2 + 2 * top_n]
+    return torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_vals.double(), top_ids.double()], dim=1)
+
+
+def unpack_logprobs(rows: list[list[float]], want: list[int | None]):
+    """pack_logprobs' rows, read -> (tokens, logprobs per row as top_logprobs gives them)."""
+    top_n = (len(rows[0]) - 2) // 2 if rows else 0
     token_list, out = [int(r[0]) for r in rows], []
     for r, tok, w in zip(rows, token_list, want):
         if w is None:

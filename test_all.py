@@ -1345,6 +1345,72 @@ def test_seeded_samples_do_not_depend_on_the_batch(tiny, case):
         assert_samples_under(tiny[1], prompt, c.index, c.seq.token_ids[len(prompt):], params, case)
 
 
+# ---- async scheduling (async_engine.py): the plain loop's tokens, one step late ----------------------
+# batch_invariant: the overlapped loop computes rows the plain one does not (a finished row's extra
+# token) and preempts at other steps, so float32 logprobs would differ in the last bits otherwise
+ASYNC_POOLS = {   # a small pool: preemption by recompute, or by swap
+    "recompute": dict(kv_cache_memory=12 * TINY_BLOCK_BYTES, batch_invariant=True),
+    "swap": dict(kv_cache_memory=12 * TINY_BLOCK_BYTES, preemption_mode="swap", swap_space=64 * TINY_BLOCK_BYTES,
+                 batch_invariant=True),
+}
+
+
+def async_workload(stop_text: str, stop_id: int) -> list:
+    """16 requests: greedy and seeded rows with logprobs, max_tokens=1, n=2, a stop string, a stop id
+    (EOS's path), a grammar, a victim aborted mid-stream, and prompts that hit the prefix cache."""
+    from structured_output import StructuredOutputsParams as SO
+    base = [list(range(100 + 37 * i, 100 + 37 * i + 18 + i % 5)) for i in range(10)]   # 18..22 tokens
+    prompts = base + [base[0] + [900, 901], base[1] + list(range(950, 960)), base[0] + [7], base[2] * 2,
+                      base[3][:17], base[4] + [42]]
+    seeded = dict(temperature=0.9, ignore_eos=True)
+    params = [greedy(20, logprobs=2), SamplingParams(max_tokens=20, top_p=0.9, seed=7, logprobs=1, **seeded),
+              greedy(1), SamplingParams(n=2, max_tokens=16, seed=3, **seeded),
+              greedy(24, stop=[stop_text]), SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_id]),
+              SamplingParams(max_tokens=6, temperature=0, structured_outputs=SO(choice=["yes", "no"])),
+              SamplingParams(max_tokens=40, seed=11, **seeded),
+              SamplingParams(max_tokens=30, top_k=5, seed=5, **seeded), greedy(28)]
+    params += [greedy(12 + 3 * i) if i % 2 else SamplingParams(max_tokens=15, min_p=0.1, seed=i, **seeded)
+               for i in range(6)]
+    return [("victim" if i == 7 else f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+
+def run_async_workload(llm, workload) -> dict:
+    """Step until done; the victim is aborted once 3 of its tokens were streamed. -> the last output per request."""
+    eng, seen = llm.engine, {}
+    for rid, prompt, params in workload:
+        eng.add_request(rid, prompt, params)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id] = out
+        if "victim" in eng.requests and "victim" in seen and len(seen["victim"].outputs[0].token_ids) >= 3:
+            eng.abort_request("victim")
+    return {rid: [(c.token_ids, c.logprobs, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+            for rid, out in seen.items()}
+
+
+@pytest.mark.parametrize("pool", ASYNC_POOLS)
+def test_async_scheduling_gives_the_plain_loops_tokens_and_logprobs(tiny, pool):
+    plain = tiny_llm(tiny, async_scheduling=False, max_num_batched_tokens=48, **ASYNC_POOLS[pool])
+    prompts = [prompt for _, prompt, _ in async_workload("", 0)[4:6]]
+    probe = plain.generate(prompts, greedy(24))            # a stop text and a stop id that r4 and r5 meet
+    stop_id = probe[1].outputs[0].token_ids[6]
+    stop_text = plain.engine.tokenizer.decode([probe[0].outputs[0].token_ids[5]]).strip() or "e"
+    workload = async_workload(stop_text, stop_id)
+    want = run_async_workload(plain, workload)
+    overlapped = tiny_llm(tiny, async_scheduling=True, max_num_batched_tokens=48, **ASYNC_POOLS[pool])
+    eng = overlapped.engine
+    got = run_async_workload(overlapped, workload)
+    assert got == want
+    assert eng.overlap.num_overlapped > 20 and eng.overlap.pending is not None     # it did overlap steps
+    assert eng.scheduler.num_preemptions > 0 and eng.blocks.hit_rate() > 0
+    if pool == "swap":
+        assert eng.blocks.num_swapped_out > 0
+    assert want["r4"][0][3:] == ("stop", stop_text) and want["r5"][0][3:] == ("stop", stop_id)
+    assert len(want["r2"][0][0]) == 1 and len(want["r3"]) == 2 and want["r6"][0][2] in ("yes", "no")
+    assert 3 <= len(want["victim"][0][0]) < 40
+    assert eng.overlap.num_plain > 0                    # the grammar's and the fork's steps ran the plain loop
+
+
 # ---- bad input: a clear error naming the field, nothing disturbed --------------------------------
 
 @pytest.mark.parametrize("prompt,params,message", [
