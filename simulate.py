@@ -148,7 +148,7 @@ def step_clock(args):
     gpu, model, tp = GPUS[args.gpu], MODELS[args.model], args.tensor_parallel_size
     check_tensor_parallel(model, tp)
     timing = dict(host=host_overhead(args.host_overhead), graphs=not args.enforce_eager,
-                  link=resolve_link(args.tp_link, gpu))
+                  link=resolve_link(args.tp_link, gpu), overlap=args.async_scheduling)
     block_bytes = model.kv_bytes_per_token * args.block_size
 
     def clock(rows, swapped=0):
@@ -330,6 +330,8 @@ def add_engine_args(p):
                         "GPU run (fit_host_overhead says which fields it reads)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode steps pay every launch (graphs replay decode-only steps)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the host plans each step while the GPU runs the last: a step is max(host, GPU) + a sync")
 
 
 def check_engine_args(p, args):

@@ -6763,6 +6763,22 @@ def test_fitted_host_overhead_reproduces_the_h100_run():
             "schedule": 0, "prepare": 0, "forward": 0.025, "sample": 0, "update": 0}}}}})
 
 
+def test_async_scheduling_costs_the_longer_of_host_and_device_plus_a_sync():
+    host = cm.HostOverhead(per_step_s=1e-3, per_seq_s=1e-5)
+    rows = [(1, 512)] * 16
+    device = cm.step_time(H100, cm.MODELS["llama-3-8b"], rows, host=cm.HostOverhead())   # the GPU's part alone
+    plain = cm.step_time(H100, cm.MODELS["llama-3-8b"], rows, host=host)
+    overlapped = cm.step_time(H100, cm.MODELS["llama-3-8b"], rows, host=host, overlap=True)
+    assert plain == pytest.approx(1e-3 + 16e-5 + device)                                 # by hand
+    assert overlapped == pytest.approx(max(1e-3 + 16e-5, device) + cm.OVERLAP_SYNC_S)
+    run, fit = cm.H100_GRAPHS_2026_11_27, cm.HOST_OVERHEADS["nanoserve-h100-graphs"]
+    for b, d in run.items():                      # the graph run's host phases (0.42 ms at 1, 1.31 ms at 64)
+        assert fit.time(SMOLLM2, b, 1, graph=True) == (pytest.approx(d["host_s"]), 0.0)
+    # its batch-64 step, overlapped: max(1.31, 2.90 - 1.31) + the sync = 1.64 ms, against 2.90 ms plain
+    d = run[64]
+    assert max(d["host_s"], d["step_s"] - d["host_s"]) + cm.OVERLAP_SYNC_S == pytest.approx(1.64e-3)
+
+
 def test_tp_sweep_finds_where_the_batch1_step_stops_shrinking(capsys):
     rows = [{"tp": 1, "fits": False}, {"tp": 2, "fits": True, "batch1_ms": 30, "tok_s_per_gpu": 10},
             {"tp": 4, "fits": True, "batch1_ms": 20, "tok_s_per_gpu": 30}, {"tp": 8, "fits": True, "batch1_ms": 18,
