@@ -142,6 +142,9 @@ class EngineCore:
         self.engine, self.conn, self.grammar_timeout = engine, conn, grammar_timeout
         self.transfer, self.role = transfer, role     # role: both | prefill (hands requests off) | decode
         self.compiling: list[Compiling] = []
+        if role == "prefill" and engine.overlap is not None:   # a hand-off needs the first token on the host
+            log.info("async_scheduling off: a prefill core hands each request off after its first token")
+            engine.overlap = None
 
     def run(self) -> None:
         """Serve until the front end sends Stop or hangs up; then abort whatever is left."""
