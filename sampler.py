@@ -188,7 +188,7 @@ class Sampled:
             self.event = torch.cuda.Event(enable_timing=True)   # also ends the step's device span
             self.event.record()
         else:
-            self.host = out
+            self.host = out.cpu()
 
     def read(self):
         """(tokens list[int], logprobs per row as top_logprobs gives them, or None): the step's one
@@ -238,8 +238,10 @@ def greedy(logits):
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on `device`: on a GPU one copy from pinned memory that does not wait."""
-    if device.type != "cuda":
+    if device.type == "cpu":
         return host
+    if device.type != "cuda":                                          # meta (the tests' recording device)
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
@@ -318,12 +320,10 @@ def apply_top_k_top_p_min_p(x, params, filters=None):
     top-k, top-p over what top-k kept, min-p. No row pays for a filter it did not ask for, and
     nothing sorts the whole vocabulary on CPU. filters: row_filters already on x's device."""
     vocab = x.shape[1]
-    host = row_filters(params, vocab)                                  # [k, 3]
-    top_k, top_p, min_p = host[:, 0].long(), host[:, 1], host[:, 2]
-    # decided on these host copies (no device sync); the math uses device copies
-    width = int(top_k[top_k < vocab].max()) if bool((top_k < vocab).any()) else 0
-    any_top_p, any_min_p = bool((top_p < 1).any()), bool((min_p > 0).any())
-    dev = upload(host, x.device) if filters is None else filters
+    # decided on the params (no device sync, no tensor op); the math uses device copies
+    width = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
+    any_top_p, any_min_p = any(p.top_p < 1 for p in params), any(p.min_p > 0 for p in params)
+    dev = upload(row_filters(params, vocab), x.device) if filters is None else filters   # [k, 3]
     top_k, top_p, min_p = dev[:, 0].long(), dev[:, 1].contiguous(), dev[:, 2]
     if width:
         # each row's k-th best logit is its floor (ties with it stay, as in vLLM); rows without

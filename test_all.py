@@ -3225,6 +3225,35 @@ def test_recording_mode_catches_a_host_read_and_a_cross_device_copy():
     assert "aten::index with a boolean mask" in rec.reads_back and "aten::_to_copy across devices" in rec.reads_back
 
 
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=1)],
+                         ids=["greedy", "top_p"])
+def test_gpu_path_step_makes_one_copy_each_way(emulated_binding, params):
+    """On `meta` under the recording mode: a decode step's inputs go up in one host->device copy and
+    its forward reads nothing back; sampling brings the ids down in one device->host copy (the last
+    op: meta has no data to give, so it raises there) and, for rows that draw, sends their per-row
+    numbers up in one copy. No scalar read anywhere."""
+    from sampler import SamplingState, make_generator, sample_on_device
+    lib = fake_cuda_ops("nanoserve_cuda_emu")
+    try:
+        net = random_llama("meta", torch.bfloat16, vocab_size=49152, num_hidden_layers=2)
+        runner = make_runner(net, "cuda_emu", device="meta", num_blocks=64)
+        with torch.no_grad(), RecordOps() as step:
+            inputs = runner.prepare(decode_batch([5, 17, 40, 100, 33, 2, 64, 90]))
+            logits = M.Llama.forward.__wrapped__(runner.model, inputs.input_ids, inputs.positions,
+                                                 runner.kv_pool.kv_caches, inputs.meta, inputs.logits_rows)
+    finally:
+        lib._destroy()
+    assert step.reads_back == ["aten::copy_ across devices"]                 # the packed upload
+    states = [SamplingState(SamplingParams(**params), [1], 49152, make_generator(params.get("seed"), i), {2})
+              for i in range(8)]
+    with torch.no_grad(), RecordOps() as sampling:
+        with pytest.raises(NotImplementedError, match="meta"):
+            sample_on_device(logits.float(), states)
+    uploads = 1 if params["temperature"] > 0 else 0
+    assert sampling.reads_back == ["aten::_to_copy across devices"] * (uploads + 1), sampling.reads_back
+
+
 def run_decode(runner, batch, bucket=None):
     """One decode step through the runner, padded to a bucket's fixed grid when given (what a graph
     replays: model_runner.py captures only on a real GPU)."""
