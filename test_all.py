@@ -2584,7 +2584,7 @@ EMU_FLAGS = ["-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-
 
 
 @pytest.mark.cuda_emu
-@pytest.mark.parametrize("source", ["paged_attention_cuda.cu", "fused_cuda.cu"])
+@pytest.mark.parametrize("source", ["paged_attention_cuda.cu", "fused_cuda.cu", "sampling_cuda.cu"])
 def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path, source):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -2597,6 +2597,78 @@ def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path, sourc
     assert result.returncode == 0, result.stdout + result.stderr
     spills = [line for line in result.stderr.splitlines() if "spill" in line]   # -Xptxas -v, per kernel
     assert spills and all(line.endswith(" 0 bytes spill stores, 0 bytes spill loads") for line in spills), spills
+
+
+@pytest.fixture(scope="module")
+def emulated_sampler(tmp_path_factory):
+    """csrc/sampling_cuda.cu built by the host compiler against cuda_emu.h (plain pointers: no torch),
+    as a function of (logits [rows, vocab] float32, params [rows, 5]) -> (tokens [rows], kept [rows, vocab])."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to build the CUDA emulation")
+    so = tmp_path_factory.mktemp("sampling_emu") / "sampling_emu.so"
+    subprocess.run([cxx, *EMU_FLAGS, "-x", "c++", str(CSRC / "sampling_cuda.cu"), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.sample_launch.restype = ctypes.c_char_p
+
+    def run(logits, params):
+        rows, vocab = logits.shape
+        out, kept = torch.full((rows,), -1, dtype=torch.int64), torch.zeros(rows, vocab, dtype=torch.uint8)
+        err = lib.sample_launch(ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(logits.stride(0)), rows, vocab,
+                                ctypes.c_void_p(params.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                ctypes.c_void_p(kept.data_ptr()), None)
+        assert err is None, err
+        return out, kept.bool()
+    return run
+
+
+def filters_reference(x, top_k, top_p, min_p):
+    """The token set sampler.apply_top_k_top_p_min_p keeps of x [vocab] (temperature applied), with
+    top-p sorted stably in float64: equal logits in index order, the kernel's tie rule."""
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if top_k < len(x):
+        keep &= x >= x.topk(top_k).values[-1]
+    if top_p < 1:
+        vals, order = x.double().masked_fill(~keep, float("-inf")).sort(descending=True, stable=True)
+        probs = vals.softmax(0)
+        keep[order[(probs.cumsum(0) - probs) >= top_p]] = False
+    if min_p > 0:
+        keep &= x >= x.max() + torch.tensor(min_p).log()
+    return keep
+
+
+@pytest.mark.cuda_emu
+def test_emulated_sampling_kernel_keeps_the_references_tokens_and_draws_its_token(emulated_sampler):
+    """csrc/sampling_cuda.cu (no sort) against the sort-based reference, on tie-heavy logits (whole
+    numbers: many equal values at every boundary) with masked tokens, for k = 1, 50, vocab and p =
+    0.01, 0.9, 1 (min_p 0 and 0.05): the same token set. With the same uniforms it draws the token
+    sampler.inverse_cdf draws from the reference's set."""
+    from sampler import inverse_cdf
+    g = torch.Generator().manual_seed(0)
+    vocab = 1000
+    combos = [(k, p, mp) for k in (1, 50, vocab) for p in (0.01, 0.9, 1.0) for mp in (0.0, 0.05)]
+    x = (torch.randn(len(combos), vocab, generator=g) * 2).round()             # [rows, vocab] many ties
+    x[:, ::7] = float("-inf")
+    temps = torch.rand(len(combos), generator=g) + 0.5
+    u = torch.rand(len(combos), generator=g)
+    params = torch.tensor([[1 / t, k, p, mp, uu] for (k, p, mp), t, uu in zip(combos, temps.tolist(), u.tolist())],
+                          dtype=torch.float32)                                 # [rows, 5]
+    tokens, kept = emulated_sampler(x, params)
+    for r, (k, p, mp) in enumerate(combos):
+        z = x[r] * params[r, 0]                                                 # float32, as sampler.draw scales
+        want = filters_reference(z, k, p, mp)
+        assert torch.equal(kept[r], want), (k, p, mp, (kept[r] ^ want).nonzero().flatten().tolist())
+        probs = (z - z.max()).exp().masked_fill(~want, 0.0)
+        assert tokens[r].item() == inverse_cdf(probs.unsqueeze(0), u[r:r + 1]).item(), (k, p, mp)
+    assert kept[[i for i, c in enumerate(combos) if c[0] == 1 and c[1] == 1.0]].sum(1).tolist() >= [1, 1]
+    # a whole SmolLM2-sized row, and a row with every token masked (token 0, nothing kept)
+    big = torch.randn(2, 49152, generator=g) * 3
+    big[1] = float("-inf")
+    tokens, kept = emulated_sampler(big, torch.tensor([[1.0, 49152, 0.9, 0.0, 0.3]] * 2))
+    want = filters_reference(big[0], 49152, 0.9, 0.0)
+    assert torch.equal(kept[0], want) and not kept[1].any() and tokens[1].item() == 0
+    assert tokens[0].item() == inverse_cdf((big[0] - big[0].max()).exp().masked_fill(~want, 0).unsqueeze(0),
+                                           torch.tensor([0.3])).item()
 
 
 def torch_build_flags():
