@@ -258,6 +258,8 @@ def draw(x, states, generator):
     host = torch.cat([1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32),
                       row_filters(params, x.shape[1]), uniforms(states, generator).unsqueeze(1)], dim=1)   # [k, 5]
     rows = upload(host, x.device)
+    if x.is_cuda and hasattr(torch.ops.nanoserve_cuda, "sample"):    # built with the CUDA attention backend
+        return torch.ops.nanoserve_cuda.sample(x.contiguous(), rows)   # csrc/sampling_cuda.cu: one launch, no sort
     inv_temp, filters, u = rows[:, :1], rows[:, 1:4], rows[:, 4]                                   # [k, 1], [k, 3], [k]
     scale_later = any(p.temperature != 1 for p in params)             # decided on the host: no device sync
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):

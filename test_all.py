@@ -2671,6 +2671,18 @@ def test_emulated_sampling_kernel_keeps_the_references_tokens_and_draws_its_toke
                                            torch.tensor([0.3])).item()
 
 
+@pytest.mark.cuda_emu
+def test_emulated_binding_sample_op_draws_the_kernels_tokens(emulated_binding, emulated_sampler):
+    # the op sampler.draw calls on a GPU (torch.ops.nanoserve_cuda.sample): the binding's checks and plumbing
+    ops, _ = emulated_binding
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 500, generator=g)
+    params = torch.tensor([[1.0, 500, 0.9, 0.0, 0.5], [2.0, 5, 1.0, 0.0, 0.9], [0.5, 500, 1.0, 0.2, 0.1]])
+    assert torch.equal(ops.sample(x, params), emulated_sampler(x, params)[0])
+    with pytest.raises(RuntimeError, match=r"params must be float32 \[rows, 5\]"):
+        ops.sample(x, params[:, :4].contiguous())
+
+
 def torch_build_flags():
     from torch.utils import cpp_extension
     return ([f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
@@ -2709,7 +2721,7 @@ def emulated_binding(tmp_path_factory):
     so = out / "nanoserve_cuda_emu.so"
     libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-ltorch", "-ltorch_cpu", "-lc10"]
     sources = [["paged_attention_cuda_binding.cpp"], ["-x", "c++", "paged_attention_cuda.cu"],
-               ["-x", "c++", "fused_cuda.cu"]]
+               ["-x", "c++", "fused_cuda.cu"], ["-x", "c++", "sampling_cuda.cu"]]
     compiles = [subprocess.Popen([cxx, *EMU_FLAGS, "-DNANOSERVE_CUDA_EMU", *torch_build_flags(), "-c",
                                   *src[:-1], str(CSRC / src[-1]), "-o", str(out / f"{i}.o")])
                 for i, src in enumerate(sources)]          # one per core: the two files build side by side
