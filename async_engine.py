@@ -77,7 +77,7 @@ class OverlapLoop:
             return "speculative decoding (drafts are proposed from the last token on the host)"
         if e.config.scheduler_mode == "static":
             return "scheduler_mode is 'static' (the baseline)"
-        if e.tp is not None:
+        if e.config.tensor_parallel_size > 1:
             return "tensor parallelism (the ranks get token ids from the host)"
         if e.exporting or e.importing:
             return "requests are handed between engines"
