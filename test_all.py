@@ -5650,10 +5650,13 @@ def test_a_fault_mid_step_fails_its_requests_and_leaks_nothing(tiny, where):
     eng.check_invariants()
 
 
-def test_preemption_over_http_with_n_samples_gives_the_offline_engines_tokens(tiny):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "async"])
+def test_preemption_over_http_with_n_samples_gives_the_offline_engines_tokens(tiny, async_scheduling):
     """A KV pool too small for everyone: samples are preempted, recomputed and resumed, streams hang
-    up; every completed answer still carries exactly the tokens the offline engine gives alone."""
-    eng = tiny_llm(tiny, kv_cache_memory=12 * TINY_BLOCK_BYTES, max_num_seqs=6).engine
+    up; every completed answer still carries exactly the tokens the offline engine gives alone (the
+    plain loop, offline), also with the engine core's steps overlapped (async_engine.py)."""
+    eng = tiny_llm(tiny, kv_cache_memory=12 * TINY_BLOCK_BYTES, max_num_seqs=6,
+                   async_scheduling=async_scheduling).engine
     offline_tiny = tiny_llm(tiny)
     bodies = [{"prompt": TINY_PROMPTS[i], "max_tokens": 24, "n": 2, "temperature": 1.0, "seed": i,
                "ignore_eos": True} for i in range(5)]
@@ -5674,6 +5677,7 @@ def test_preemption_over_http_with_n_samples_gives_the_offline_engines_tokens(ti
         answers = [a.result(timeout=300) for a in answers]
         [h.result(timeout=300) for h in leavers]
     assert eng.scheduler.num_preemptions > 0
+    assert not async_scheduling or eng.overlap.num_overlapped > 0
     assert 0 < most <= 6                                                  # 14 samples asked for, max_num_seqs=6
     for answer, want in zip(answers, expected):
         assert answer.status_code == 200
