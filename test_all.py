@@ -3556,6 +3556,31 @@ def test_gpu_engine_preempts_and_swaps_without_losing_tokens(expected_32):
 
 
 @pytest.mark.gpu
+def test_gpu_async_scheduling_and_the_sampling_kernel(expected_32):
+    """On a GPU: overlapped and plain steps both give transformers' greedy tokens (with preemption on a
+    9-block pool and stop-free rows), and torch.ops.nanoserve_cuda.sample draws, from the same uniforms,
+    the token sampler.inverse_cdf draws from the sort-based reference's kept set."""
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device for torch {torch.__version__}: async scheduling on a GPU not run")
+    from sampler import inverse_cdf
+    for overlap in (True, False):
+        llm = LLM(device="cuda", dtype="float32", kv_cache_memory=9 * 737280, max_num_batched_tokens=64,
+                  async_scheduling=overlap)
+        assert token_ids(llm.generate(PROMPTS[:6], greedy(32))) == expected_32, overlap
+        assert (llm.engine.overlap is not None) == overlap and llm.engine.phase_times.device > 0
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 49152, generator=g) * 2).round()
+    combos = [(1, 1.0), (50, 0.9), (49152, 0.9), (49152, 0.01), (50, 1.0), (49152, 1.0)]
+    u = torch.rand(6, generator=g)
+    params = torch.tensor([[1.0, k, p, 0.0, uu] for (k, p), uu in zip(combos, u.tolist())])
+    got = torch.ops.nanoserve_cuda.sample(x.cuda(), params.cuda()).cpu()
+    for r, (k, p) in enumerate(combos):
+        keep = filters_reference(x[r], k, p, 0.0)
+        want = inverse_cdf((x[r] - x[r].max()).exp().masked_fill(~keep, 0).unsqueeze(0), u[r:r + 1]).item()
+        assert got[r].item() == want, (k, p)
+
+
+@pytest.mark.gpu
 def test_gpu_engine_seeded_sampling_replays_under_transformers(gpu_llm, hf_smollm):
     """The uniforms come from each request's CPU generator on any device, so a seed gives the
     token the sampler picks from transformers' logits; top-k/top-p, penalties and logit_bias run
