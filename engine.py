@@ -13,6 +13,8 @@ Engine.step() is the loop body, three calls in the order data flows (as nano-vll
 With speculative_config (spec_decode.py), a decode row also carries drafts: postprocess verifies
 them (spec_decode.Speculator.sample), rolls the cache back (Scheduler.accept_drafts), appends the
 accepted run token by token, then proposes the next step's drafts.
+With async_scheduling (on with CUDA), step() hands over to async_engine.py, which runs the same
+calls in a two-slot pipeline: step N+1 is planned and launched before step N's outputs are processed.
 llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from
 engine_core.py, in a process of its own. Owns requests and their outputs (sequence.py holds the
 records); validates input once, at the edge (add_request).
