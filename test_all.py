@@ -2887,6 +2887,86 @@ def test_emulated_cuda_fused_ops_match_their_references(emulated_binding, dtype)
     torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
 
 
+# (id, dtype, hidden, columns of the tensor x is a view of, x's first column, kernel that must run):
+# whole 16-byte pieces at aligned addresses take the vector kernel, anything else the scalar one
+NORM_LAYOUTS = [
+    ("llama-4096", torch.bfloat16, 4096, 4096, 0, "norm_vec"),
+    ("smollm2-576", torch.bfloat16, 576, 576, 0, "norm_vec"),          # 72 pieces: 96 threads, 24 idle
+    ("fp16-576-strided", torch.float16, 576, 3 * 576, 576, "norm_vec"),  # a row of a wider tensor
+    ("float32-576", torch.float32, 576, 576, 0, "norm_vec"),
+    ("hidden-100", torch.bfloat16, 100, 100, 0, "norm"),                 # not whole pieces
+    ("stride-4100", torch.bfloat16, 4096, 4100, 0, "norm"),              # rows 4100 apart: not 16-byte aligned
+    ("offset-1", torch.bfloat16, 576, 600, 1, "norm"),                   # the view starts mid-piece
+    ("hidden-32768", torch.bfloat16, 32768, 32768, 0, "norm"),           # past 512 threads x 4 pieces
+]
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("name, dtype, hidden, width, first, kernel", NORM_LAYOUTS, ids=[c[0] for c in NORM_LAYOUTS])
+def test_emulated_cuda_norm_reads_16_byte_pieces_where_the_layout_allows(emulated_binding, name, dtype, hidden, width,
+                                                                         first, kernel):
+    """RMSNorm and residual add + RMSNorm in place (out is x) against fused_ops.py's references, on
+    each layout the vector kernel must take or leave; the launch log says which kernel ran."""
+    ops, lib = emulated_binding
+    tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
+    g = torch.Generator().manual_seed(hidden + width)
+    rows = 2 if hidden > 1024 else 5
+    wide = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+    x = wide[:, first:first + hidden]
+    residual = torch.randn(rows, hidden, generator=g).to(dtype)
+    for weight in (torch.rand(hidden, generator=g) + 0.5, (torch.rand(hidden, generator=g) + 0.5).to(dtype)):
+        lib.cuda_emu_take_launch_log()
+        torch.testing.assert_close(FO.rms_norm(x, weight, 1e-5, fused=ops)[0], FO.rms_norm_reference(x, weight, 1e-5),
+                                   **tol)
+        got_x, got_res = wide.clone()[:, first:first + hidden], residual.clone()   # x's layout
+        FO.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)             # in place: the norm lands in x
+        assert set(launches(lib)) == {kernel}
+        want, want_res = FO.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+        assert torch.equal(got_res, want_res)                            # one rounded add
+        torch.testing.assert_close(got_x, want, **tol)
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dtype, inter, width, kernel", [
+    (torch.bfloat16, 14336, 2 * 14336, "silu_and_mul_vec"),          # Llama-3-8B: 1,792 pieces a row, 7 blocks
+    (torch.float32, 1536, 2 * 1536 + 4, "silu_and_mul_vec"),          # SmolLM2, rows 3076 floats apart
+    (torch.bfloat16, 1536, 2 * 1536 + 4, "silu_and_mul"),             # rows 3076 bf16 apart: not aligned
+    (torch.float16, 100, 200, "silu_and_mul"),                        # not whole pieces
+])
+def test_emulated_cuda_silu_and_mul_reads_16_byte_pieces_where_the_layout_allows(emulated_binding, dtype, inter, width,
+                                                                                 kernel):
+    ops, lib = emulated_binding
+    tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
+    gate_up = (torch.randn(2, width, generator=torch.Generator().manual_seed(inter)) * 6).to(dtype)[:, :2 * inter]
+    lib.cuda_emu_take_launch_log()
+    torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+    assert set(launches(lib)) == {kernel}
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("q_dtype, kv_dtype, kernel", [
+    (torch.bfloat16, torch.bfloat16, "reshape_and_cache_vec"),
+    (torch.float16, torch.float16, "reshape_and_cache_vec"),
+    (torch.float32, torch.bfloat16, "kernel"),                          # a cast on the way: one element a thread
+])
+def test_emulated_cuda_reshape_and_cache_writes_strided_qkv_views(emulated_binding, q_dtype, kv_dtype, kernel):
+    """K and V as views of the fused qkv output (rows of 4 + 2 + 2 heads), pad slots skipped, against
+    the reference scatter."""
+    ops, lib = emulated_binding
+    heads, kv_heads, head_dim = 4, 2, 64
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(3)).to(q_dtype)
+    key = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(5, kv_heads, head_dim)
+    value = qkv[:, (heads + kv_heads) * head_dim:].view(5, kv_heads, head_dim)
+    slots = torch.tensor([6, -1, 0, 11, -1])
+    caches = [torch.zeros(3, 4, kv_heads, head_dim, dtype=kv_dtype) for _ in range(2)]
+    expected = [torch.zeros_like(c) for c in caches]
+    lib.cuda_emu_take_launch_log()
+    ops.reshape_and_cache(key, value, *caches, slots)
+    assert set(launches(lib)) == {kernel}
+    pa.reshape_and_cache_reference(key, value, *expected, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_emulated_cuda_reshape_and_cache_skips_pad_slots(emulated_binding, kv_dtype):

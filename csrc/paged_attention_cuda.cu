@@ -22,7 +22,8 @@
 //   prefill_kernel       one thread block per (prefill item = tile of query rows, KV head); K/V
 //                        chunks staged in shared memory and reused by every query of the tile.
 //                        Not launched in a pure-decode step.
-//   reshape_and_cache_kernel  the fused KV write; slot -1 means "do not cache this row".
+//   reshape_and_cache_kernel  the fused KV write; slot -1 means "do not cache this row". Its _vec
+//                        twin moves 16-byte pieces when the cache has the keys' dtype.
 // Queries and new K/V rows may be strided views (rows of the fused qkv output): only the row
 // stride is free, the heads of a row are contiguous. Only plain pointers and ints cross the
 // boundary (the extern "C" functions at the end), so this file needs only the CUDA toolkit;
@@ -429,14 +430,35 @@ __global__ void prefill_kernel(Params p) {
 // ---- the fused KV write -------------------------------------------------------------------
 
 template <typename Q, typename KV>
-__global__ void reshape_and_cache_kernel(const Q* key, const Q* value, KV* key_cache, KV* value_cache,
-                                         const int64_t* slot_mapping, int row, int64_t key_stride,
+__global__ void reshape_and_cache_kernel(const Q* __restrict__ key, const Q* __restrict__ value,
+                                         KV* __restrict__ key_cache, KV* __restrict__ value_cache,
+                                         const int64_t* __restrict__ slot_mapping, int row, int64_t key_stride,
                                          int64_t value_stride) {
   const int64_t slot = slot_mapping[blockIdx.x];
   if (slot < 0) return;                                        // -1: padding row, not cached
   for (int i = threadIdx.x; i < row; i += blockDim.x) {
     key_cache[slot * row + i] = from_float<KV>(to_float(key[int64_t(blockIdx.x) * key_stride + i]));
     value_cache[slot * row + i] = from_float<KV>(to_float(value[int64_t(blockIdx.x) * value_stride + i]));
+  }
+}
+
+// The same write for a cache of the keys' own dtype, 16 bytes a thread: thread t loads piece t of
+// the token's K and V rows (both loads issued before either store), then stores both. One pass while
+// the row has at most 1,024 pieces (8 KV heads x 128 in bf16: 128).
+template <typename T>
+__global__ void reshape_and_cache_vec_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                             T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                             const int64_t* __restrict__ slot_mapping, int row, int64_t key_stride,
+                                             int64_t value_stride) {
+  constexpr int V = 16 / sizeof(T);
+  const int64_t slot = slot_mapping[blockIdx.x];
+  if (slot < 0) return;                                        // -1: padding row, not cached
+  for (int i = threadIdx.x * V; i < row; i += blockDim.x * V) {
+    alignas(16) T k[V], v[V];
+    copy16(k, key + int64_t(blockIdx.x) * key_stride + i);
+    copy16(v, value + int64_t(blockIdx.x) * value_stride + i);
+    copy16(key_cache + slot * row + i, k);
+    copy16(value_cache + slot * row + i, v);
   }
 }
 
@@ -490,9 +512,22 @@ void dispatch_kv(int kv_dtype, const Params& p, int num_seqs, int num_prefill, c
   if (kv_dtype == kFloat16) launch_attention<Q, f16>(p, num_seqs, num_prefill, stream);
 }
 
+// 16-byte pieces when the cache has the keys' dtype and every row starts 16-byte aligned; else
+// one element a thread (a cast on the way, or a view of odd offset).
 template <typename Q, typename KV>
 void launch_cache(const void* key, const void* value, void* key_cache, void* value_cache, const int64_t* slots,
                   int num_tokens, int row, int64_t key_stride, int64_t value_stride, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(Q);
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const bool vec = std::is_same_v<Q, KV> && row % V == 0 && key_stride % V == 0 && value_stride % V == 0 &&
+                   aligned(key) && aligned(value) && aligned(key_cache) && aligned(value_cache);
+  if (vec && !PLANTED(kTooManyThreads)) {
+    const dim3 block(min(1024, (row / V + kWarpSize - 1) / kWarpSize * kWarpSize));
+    LAUNCH_KERNEL_NAMED("reshape_and_cache_vec", (reshape_and_cache_vec_kernel<Q>), dim3(num_tokens), block, stream,
+                        static_cast<const Q*>(key), static_cast<const Q*>(value), static_cast<Q*>(key_cache),
+                        static_cast<Q*>(value_cache), slots, row, key_stride, value_stride);
+    return;
+  }
   auto* kernel = reshape_and_cache_kernel<Q, KV>;
   const dim3 block(PLANTED(kTooManyThreads) ? 2 * 1024 : kThreads);
   LAUNCH_KERNEL(kernel, dim3(num_tokens), block, stream, static_cast<const Q*>(key), static_cast<const Q*>(value),
