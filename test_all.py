@@ -2636,7 +2636,8 @@ def emulated_launch(lib, partition_size, query, key_cache, value_cache, block_ta
     group = query.shape[1] // num_kv_heads
     q_lens = q_lens or query_start_loc.diff().tolist()
     ctx = context_lens.tolist()
-    ints, max_parts, tiles = pa.plan_cuda_launch(q_lens, ctx, num_kv_heads, group, num_sms, max_parts)
+    ints, max_parts, tiles = pa.plan_cuda_launch(q_lens, ctx, num_kv_heads, group, num_sms, max_parts,
+                                                 block_size=block_size)
     if partition_size > 0:
         ints[0] = partition_size
         max_parts = max((pa.num_parts(c, partition_size) for q, c in zip(q_lens, ctx) if q == 1), default=0)
@@ -2687,9 +2688,10 @@ def test_emulated_cuda_kernel_matches_reference(emulated_binding, name, q_lens, 
 @pytest.mark.cuda_emu
 def test_emulated_cuda_decode_kernels_match_reference_per_head_dim(emulated_binding, group, head_dim, dtype, kernel):
     """Each decode kernel (one block per row x partition x KV head, serving the whole GQA group,
-    K/V tiles double-buffered through cp.async) against the reference. One KV head, 4 rows < 16
-    blocks for 4 fake SMs, so rows split in 128-token parts: 17 ends mid-block, 129 leaves its last
-    part 1 token, 256 ends exactly on a part; a padding row (context 0) gets zeros."""
+    K/V tiles double-buffered through cp.async) against the reference. One KV head, 4 rows x 4
+    parts fill the 16 blocks of 4 fake SMs; the longest row (16 pages) splits in 2 parts of 8 pages,
+    so 17 ends mid-page in one part, 129 (9 pages) splits 4 + 5 pages with its last page holding 1
+    token, 256 splits exactly; a padding row (context 0) gets zeros."""
     _, lib = emulated_binding
     query, kc, vc, tables, ctx, qsl, scale = make_batch([1, 1, 1, 1], [17, 0, 129, 256], num_kv_heads=1, group=group,
                                                         head_dim=head_dim, kv_dtype=dtype, q_dtype=dtype)
@@ -2711,10 +2713,11 @@ def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_binding):
 
 
 @pytest.mark.parametrize("q_lens, ctx_lens, group, decode_grid, reduce_grid, prefill_grid", [
-    # 3 rows x 2 KV heads < 4 blocks x 4 SMs: split in 128 tokens (246 x 2 / 16 -> 128); 200 needs 2
-    # parts, so every row gets 2 decode blocks (the short rows' second exits) and a reduce per (row, head)
+    # 3 rows x 2 KV heads leave room for 2 parts each in the 16-block wave of 4 fake SMs: 200 tokens
+    # (13 pages) split 6 + 7 pages, every row gets 2 decode blocks (the short rows' second exits) and a
+    # reduce per (row, head)
     ([1, 1, 1], [1, 45, 200], 3, (3 * 2, 2, 1), (3, 6, 1), None),
-    # one row of 2000: 2000 x 2 / 16 = 250 -> 256-token partitions, ceil(2000 / 256) = 8
+    # one row of 2000 tokens (125 pages) x 2 KV heads: 8 parts of 15-16 pages fill the wave
     ([1], [2000], 1, (8, 2, 1), (1, 2, 1), None),
     # 8 decode rows x 2 heads fill 16 blocks: no split, no reduce; the row without query tokens
     # gets its decode block too (it exits), and no prefill launch
@@ -2734,24 +2737,76 @@ def test_emulated_cuda_grids_follow_the_plan(emulated_binding, q_lens, ctx_lens,
 
 
 @pytest.mark.parametrize("ctx_lens, num_kv_heads, num_sms, max_parts, partition, grid_parts", [
-    ([100_000], 8, 132, None, 1536, 66),        # one long row: 100000 x 8 / 528 -> 1536 (x 128), 66 parts
-    ([100_000, 10], 8, 132, None, 1536, 66),    # a short row beside it: one part, the grid still 66 per row
-    ([500] * 66, 8, 132, None, 1 << 30, 1),     # 66 rows x 8 heads = 528 blocks already: no split
-    ([0, 1], 1, 16, None, 128, 1),              # at least 128 tokens (4 warps x 32); an empty row gets a block
-    # 40 x 8 = 320 blocks < 528: 40000 x 8 / 528 -> 640, then equal parts: 1000 in 2 x 512, not 640 + 360
-    # (a block's 4 warps take 4 chunks each, not 5), 640 blocks in all (over 4 per SM)
-    ([1000] * 40, 8, 132, None, 512, 2),
-    # a fixed grid of 22 parts per row (bucket_max_parts(3, 8, 132, 8192) = ceil(528 / 24)): 5000 tokens
-    # would split in 128s (5300 x 8 / 528 -> 128), so the partition grows to ceil(5000 / 22) -> 256
-    ([300, 5000, 0], 8, 132, 22, 256, 22),
+    # one long row, 8 KV heads, 528 blocks a wave (132 SMs x 4): 66 parts of 6,250 pages -> 95 pages each
+    ([100_000], 8, 132, None, 95 * 16, 66),
+    ([100_000, 10], 8, 132, None, 190 * 16, 33),   # two rows: 33 parts each, still one wave (was 66: two)
+    ([500] * 66, 8, 132, None, 1 << 30, 1),        # 66 rows x 8 heads = 528 blocks already: no split
+    ([0, 1], 1, 16, None, 1 << 30, 1),             # one page: nothing to split; an empty row gets a block
+    ([1000] * 40, 8, 132, None, 1 << 30, 1),       # 320 blocks: a second part each would be 640 > 528
+    # the two plans the old planner ran in two waves: 64 x 3 x 3 = 576 blocks of 768 tokens (now 2 x
+    # 64 pages, 384 blocks); 64 x 2 x 8 = 1,024 blocks of 640 + 385 tokens (now no split: 512 blocks)
+    ([2048] * 64, 3, 132, None, 1024, 2),
+    ([1025] * 64, 8, 132, None, 1 << 30, 1),
+    # a graph bucket's fixed grid of 22 parts (528 // 24): 5,000 tokens = 313 pages in 21 parts of 15
+    ([300, 5000, 0], 8, 132, 22, 15 * 16, 22),
 ])
 @pytest.mark.unit
 def test_cuda_plan_split_follows_context_and_sm_count(ctx_lens, num_kv_heads, num_sms, max_parts, partition,
                                                      grid_parts):
     if max_parts is not None:
         assert pa.bucket_max_parts(len(ctx_lens), num_kv_heads, num_sms, 8192) == max_parts
-    ints, parts, tiles = pa.plan_cuda_launch([1] * len(ctx_lens), ctx_lens, num_kv_heads, 1, num_sms, max_parts)
+    ints, parts, tiles = pa.plan_cuda_launch([1] * len(ctx_lens), ctx_lens, num_kv_heads, 1, num_sms, max_parts,
+                                             block_size=16)
     assert (ints, parts, tiles) == ([partition, 0], grid_parts, 0)
+    assert not plan_violations(ctx_lens, num_kv_heads, num_sms, pa.BLOCKS_PER_SM, 16, partition, parts)
+
+
+def plan_violations(ctx_lens, num_kv_heads, num_sms, blocks_per_sm, block_size, partition, max_parts):
+    """What a decode plan breaks of the one-wave rules, in words (an empty list: none)."""
+    wave, rows = blocks_per_sm * num_sms, len(ctx_lens)
+    broken = []
+    if rows * num_kv_heads >= wave and max_parts != 1:
+        broken.append(f"split although {rows} rows x {num_kv_heads} KV heads fill the {wave}-block wave")
+    if max_parts > 1 and rows * max_parts * num_kv_heads > wave:
+        broken.append(f"{rows * max_parts * num_kv_heads} blocks: more than one wave of {wave}")
+    if partition != pa.NO_SPLIT and partition % block_size:
+        broken.append(f"partition {partition} is not whole pages of {block_size}")
+    for c in ctx_lens:
+        # the parts as the kernel cuts them (paged_attention.part_pages), counted here independently
+        n, pages = pa.num_parts(c, partition), -(-c // block_size)
+        sizes = [len(range(i * pages // n, (i + 1) * pages // n)) for i in range(n)]
+        if n > max(max_parts, 1):
+            broken.append(f"context {c} needs {n} parts, the grid has {max_parts}")
+        if sum(sizes) != pages or max(sizes) - min(sizes) > 1 or (n > 1 and max(sizes) * block_size > partition):
+            broken.append(f"context {c}: parts of {sizes} pages")
+    return broken
+
+
+@pytest.mark.unit
+def test_cuda_plan_is_one_wave_with_parts_within_a_page_over_random_batches():
+    """Property test of the planner over random batches (rows, KV heads, SMs, occupancy, page size,
+    contexts): one wave when it splits, no split when rows x KV heads fill the GPU, every row's parts
+    within a page of each other, and within a graph bucket one grid for any contexts. The checker
+    itself rejects the old planner's two-wave plans (64 rows of 2,048 tokens x 3 KV heads: 768-token
+    parts, 3 a row; 64 x 1,025 x 8: 640-token parts, 2 a row)."""
+    assert plan_violations([2048] * 64, 3, 132, 4, 16, 768, 3)
+    assert plan_violations([1025] * 64, 8, 132, 4, 16, 640, 2)
+    rng = random.Random(55)
+    for _ in range(400):
+        rows, kv, sms = rng.choice([1, 2, 3, 8, 16, 64, 128]), rng.choice([1, 2, 3, 4, 8]), rng.choice([4, 108, 132])
+        blocks_per_sm, block_size = rng.choice([1, 2, 4]), rng.choice([1, 8, 16, 32])
+        max_model_len = rng.choice([1024, 8192, 131072])
+        ctx = [rng.choice([0, 1, 15, 16, 17, 1025, 2048, rng.randint(0, max_model_len)]) for _ in range(rows)]
+        ints, parts, _ = pa.plan_cuda_launch([1] * rows, ctx, kv, 1, sms, block_size=block_size,
+                                             blocks_per_sm=blocks_per_sm)
+        assert not plan_violations(ctx, kv, sms, blocks_per_sm, block_size, ints[0], parts), (rows, kv, sms, ctx)
+        bucket = rows + rng.choice([0, 1, 5])                 # a graph bucket: rows fill it or leave padding
+        grid = pa.bucket_max_parts(bucket, kv, sms, max_model_len, blocks_per_sm)
+        padded = ctx + [0] * (bucket - rows)                  # padding rows: context 0
+        ints, parts, _ = pa.plan_cuda_launch([1] * bucket, padded, kv, 1, sms, grid, block_size=block_size,
+                                             blocks_per_sm=blocks_per_sm)
+        assert parts == grid, "a bucket's grid must not depend on the contexts"
+        assert not plan_violations(padded, kv, sms, blocks_per_sm, block_size, ints[0], parts), (bucket, kv, ctx)
 
 
 @pytest.mark.cuda_emu

@@ -85,7 +85,9 @@ struct Params {
   float scale;
 };
 
-// Decode items of a row: its context in partitions (a row with no context still gets one).
+// Decode items of a row: its context in partitions (a row with no context still gets one). The
+// planner makes the partition whole pages; part i of n takes pages [i * pages / n, (i + 1) * pages / n),
+// so a row's parts differ by at most one page (paged_attention.part_pages).
 __host__ __device__ __forceinline__ int num_parts(int context_len, int partition_size) {
   return context_len <= partition_size ? 1 : (context_len + partition_size - 1) / partition_size;
 }
@@ -193,7 +195,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) decode_kernel(Params p
   const int q_row = p.query_start_loc[seq], ctx = p.context_lens[seq], partition = *p.partition_size;
   const int parts = num_parts(ctx, partition);
   if (p.query_start_loc[seq + 1] - q_row != 1 || part >= parts) return;   // not decoding, or a spare block
-  const int start = part * partition, end = min(ctx, start + partition);
+  const int64_t pages = (ctx + p.block_size - 1) / p.block_size;   // the row's pages, split evenly
+  const int start = int(part * pages / parts) * p.block_size;
+  const int end = min(ctx, int((part + 1) * pages / parts) * p.block_size);
   const int G = p.group, D = kHeadDim ? kHeadDim : p.head_dim;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const KV* key_cache = static_cast<const KV*>(p.key_cache);
