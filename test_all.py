@@ -3159,6 +3159,38 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_cuda_tensor_core_decode_and_vector_ops_match_references_on_gpu(cuda_backend, dtype):
+    """The tensor-core decode kernel (head_dim 64 and 128, GQA 1 to 8, contexts around page and tile
+    edges, split and unsplit) against the float32 reference, and the fused ops' vector and scalar
+    layouts against fused_ops.py's references, on the GPU."""
+    ctx = [1, 15, 16, 17, 31, 32, 33, 1000, 2048, 4097]
+    for group, head_dim in [(1, 64), (3, 64), (4, 128), (8, 128)]:
+        for rows in (ctx, ctx[-3:]):                           # 10 rows: no split; 3 long rows: split in parts
+            batch = [t.cuda() if isinstance(t, torch.Tensor) else t
+                     for t in make_batch([1] * len(rows), rows, num_kv_heads=2, group=group, head_dim=head_dim,
+                                         kv_dtype=dtype, q_dtype=dtype)]
+            out = pa.paged_attention(*batch, backend="cuda").float()
+            expected = pa.paged_attention_reference(batch[0].float(), *batch[1:])
+            torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=torch.finfo(dtype).eps)
+    ops = torch.ops.nanoserve_cuda
+    tol = dict(rtol=1.6e-2, atol=1.6e-2)
+    for _, _, hidden, width, first, _ in NORM_LAYOUTS:
+        x = (torch.randn(3, width, device="cuda") * 3).to(dtype)[:, first:first + hidden]
+        residual, weight = torch.randn(3, hidden, device="cuda").to(dtype), torch.rand(hidden, device="cuda") + 0.5
+        torch.testing.assert_close(FO.rms_norm(x, weight, 1e-5, fused=ops)[0], FO.rms_norm_reference(x, weight, 1e-5),
+                                   **tol)
+        got_x, got_res = x.clone(), residual.clone()
+        FO.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)
+        want, want_res = FO.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+        assert torch.equal(got_res, want_res)
+        torch.testing.assert_close(got_x, want, **tol)
+    for inter, width in [(14336, 2 * 14336), (1536, 2 * 1536 + 4), (100, 200)]:
+        gate_up = (torch.randn(5, width, device="cuda") * 6).to(dtype)[:, :2 * inter]
+        torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+
+
 # ---- model_runner.py's GPU path without a GPU: host plan, persistent buffers, fixed grids --------
 # The forward the CUDA backend runs (fused CUDA ops, attention planned on the host) is checked three
 # ways on the CPU: on the `meta` device under a recording dispatch mode (what it launches and what it
