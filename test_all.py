@@ -2512,7 +2512,8 @@ def test_cpu_kernels_built_for_avx2_only_match_the_references():
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the launchers' codes
 EMULATED_SMS = pa.EMULATED_SMS
 PLANTED_BUGS = dict(old_prefill_grid=1, too_many_threads=2, shared_over_48kb=3, shared_opt_in=4,
-                    unzeroed_tail=5, global_query=6, last_block_merges=7, no_async_wait=8)   # enum Bug in the .cu
+                    unzeroed_tail=5, global_query=6, last_block_merges=7, no_async_wait=8,
+                    off_by_one_wait=9, ldmatrix_no_trans=10, unaligned_tile=11)   # enum Bug in the .cu
 EMU_FLAGS = ["-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-fno-strict-aliasing",
              "-pthread", "-shared", "-fPIC"]
 
@@ -2892,6 +2893,90 @@ def test_emulation_catches_a_tile_read_before_its_cp_async_wait(emulator):
     emulator.plant_bug(PLANTED_BUGS["no_async_wait"])
     diff, err = emulated_error(emulator, bug_batch())
     assert err is None and diff > 1e-3, f"a missing cp.async wait went unnoticed: max error {diff}"
+
+
+def tensor_core_batch():
+    """bf16 decode rows for the tensor-core kernel (head_dim 64, GQA 4): split and unsplit, tails mid-tile."""
+    return make_batch([1, 1, 1], [300, 45, 17], num_kv_heads=2, group=4, head_dim=64, kv_dtype=torch.bfloat16,
+                      q_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("bug, symptom", [
+    ("off_by_one_wait", "wrong"),        # async_wait<3> in a 3-stage ring: a tile read before it lands
+    ("ldmatrix_no_trans", "wrong"),      # V fed to P.V untransposed
+    ("unaligned_tile", "misaligned"),    # staged rows 8 bytes off their 16-byte pieces
+])
+@pytest.mark.cuda_emu
+def test_emulation_catches_planted_tensor_core_decode_bugs(emulator, bug, symptom):
+    batch = tensor_core_batch()
+    diff, err = emulated_error(emulator, batch)
+    assert err is None and diff < ATOL_BF16_QUERY, (diff, err)       # unplanted: matches
+    assert "decode_mma_d64" in launches(emulator)
+    emulator.plant_bug(PLANTED_BUGS[bug])
+    diff, err = emulated_error(emulator, batch)
+    if symptom == "misaligned":
+        assert err is not None and "misaligned address" in err, err
+    else:
+        assert err is None and diff > 0.1, f"{bug} went unnoticed: max error {diff}"
+
+
+@pytest.fixture(scope="module")
+def tensor_core_selftest(tmp_path_factory):
+    """csrc/tensor_core_selftest.cu against cuda_emu.h (ctypes): one kernel per warp primitive."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to build the CUDA emulation")
+    so = tmp_path_factory.mktemp("tensor_core_selftest") / "selftest.so"
+    subprocess.run([cxx, *EMU_FLAGS, "-x", "c++", str(CSRC / "tensor_core_selftest.cu"), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.mma_selftest_launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    lib.mma_selftest_launch.restype = ctypes.c_char_p
+    lib.ring_selftest_launch.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    lib.ring_selftest_launch.restype = ctypes.c_char_p
+    return lib
+
+
+SELFTEST_NO_TRANS, SELFTEST_MISALIGNED, SELFTEST_WAIT_OFF_BY_ONE = 1, 2, 4   # enum Flag in the .cu
+
+
+def selftest_matmul(lib, dtype, flags=0):
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(16, 16, generator=g).to(dtype) for _ in range(2))
+    c = torch.full((16, 16), float("nan"))
+    err = lib.mma_selftest_launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), DTYPE_CODE[dtype], flags)
+    return c, a.float() @ b.float(), err and err.decode()
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_emulated_mma_and_ldmatrix_give_a_plain_matmul(tensor_core_selftest, dtype):
+    """One warp: A through ldmatrix, B through ldmatrix.trans, two mma.m16n8k16 -> A @ B in float32;
+    B loaded without .trans (the planted transpose bug) gives another product, which is caught."""
+    c, expected, err = selftest_matmul(tensor_core_selftest, dtype)
+    assert err is None, err
+    torch.testing.assert_close(c, expected, rtol=1e-6, atol=1e-5)
+    c, expected, err = selftest_matmul(tensor_core_selftest, dtype, SELFTEST_NO_TRANS)
+    assert err is None and (c - expected).abs().max() > 0.5
+
+
+@pytest.mark.cuda_emu
+def test_emulation_refuses_unaligned_ldmatrix_and_cp_async(tensor_core_selftest):
+    _, _, err = selftest_matmul(tensor_core_selftest, torch.bfloat16, SELFTEST_MISALIGNED)
+    assert err is not None and "misaligned address" in err
+    src, dst = torch.arange(7 * 512 + 16, dtype=torch.uint8), torch.zeros(7 * 512, dtype=torch.uint8)
+    err = tensor_core_selftest.ring_selftest_launch(src.data_ptr(), dst.data_ptr(), 7, SELFTEST_MISALIGNED)
+    assert err is not None and b"misaligned address" in err
+
+
+@pytest.mark.cuda_emu
+def test_emulated_cp_async_ring_gives_a_plain_copy_and_catches_a_short_wait(tensor_core_selftest):
+    """7 tiles through a 3-stage ring: waiting for all but the 2 newest groups copies them exactly;
+    all but 3 (off by one) reads tiles before they land (poison), which the emulator makes visible."""
+    src = torch.randint(0, 255, (7 * 512,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    for flags, same in [(0, True), (SELFTEST_WAIT_OFF_BY_ONE, False)]:
+        dst = torch.zeros_like(src)
+        assert tensor_core_selftest.ring_selftest_launch(src.data_ptr(), dst.data_ptr(), 7, flags) is None
+        assert torch.equal(dst, src) == same
 
 
 @pytest.mark.cuda_emu
