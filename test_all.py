@@ -2709,6 +2709,39 @@ def test_emulated_cuda_decode_kernels_match_reference_per_head_dim(emulated_bind
     torch.testing.assert_close(out[rows].float(), expected, rtol=rtol, atol=atol)
 
 
+# contexts of every residue the 16-token tiles care about (0, 1, 15, 16 = 0, 17 = 1 mod 16) beside a
+# padding row (0) and rows long enough to be split in page-aligned parts whose last page is partial
+TILE_EDGE_CONTEXTS = [1, 15, 16, 17, 32, 33, 47, 0, 300, 401]
+
+
+@pytest.mark.parametrize("head_dim, group, dtype, block_size, ctx_lens", [
+    (64, 1, torch.bfloat16, 16, TILE_EDGE_CONTEXTS),
+    (64, 3, torch.float16, 8, TILE_EDGE_CONTEXTS),          # 8-token pages: parts start mid-tile
+    (128, 4, torch.bfloat16, 32, TILE_EDGE_CONTEXTS),
+    (128, 8, torch.float16, 16, TILE_EDGE_CONTEXTS),
+    (64, 8, torch.bfloat16, 16, [1000]),                    # batch 1: one row split across the wave
+    (128, 3, torch.bfloat16, 16, [(7 * i) % 41 for i in range(128)]),   # batch 128, 0 to 40 tokens
+])
+@pytest.mark.cuda_emu
+def test_emulated_tensor_core_decode_matches_float32_reference(emulated_binding, head_dim, group, dtype, block_size,
+                                                                ctx_lens):
+    """The tensor-core decode kernel through the binding (host plan for 4 fake SMs) against the
+    reference in float32: P is rounded to the KV dtype for the P.V MMA, so within one output ulp."""
+    _, lib = emulated_binding
+    kv_heads = 1 if len(ctx_lens) > 16 else 2
+    query, kc, vc, tables, ctx, qsl, scale = make_batch([1] * len(ctx_lens), ctx_lens, num_kv_heads=kv_heads,
+                                                        group=group, head_dim=head_dim, block_size=block_size,
+                                                        kv_dtype=dtype, q_dtype=dtype)
+    lib.cuda_emu_take_launch_log()
+    out = pa.paged_attention(query, kc, vc, tables, ctx, qsl, scale, backend="cuda_emu")
+    assert f"decode_mma_d{head_dim}" in launches(lib)
+    rows = [i for i, c in enumerate(ctx_lens) if c > 0]
+    assert not out[[i for i, c in enumerate(ctx_lens) if c == 0]].any()      # padding rows: zeros
+    expected = pa.paged_attention_reference(query[rows].float(), kc, vc, tables[rows], ctx[rows],
+                                            torch.arange(len(rows) + 1, dtype=torch.int32), scale)
+    torch.testing.assert_close(out[rows].float(), expected, rtol=2 ** -7, atol=torch.finfo(dtype).eps)
+
+
 @pytest.mark.cuda_emu
 def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_binding):
     batch = make_batch([1, 12], [80, 12], q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
@@ -3248,11 +3281,11 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_cuda_tensor_core_decode_and_vector_ops_match_references_on_gpu(cuda_backend, dtype):
     """The tensor-core decode kernel (head_dim 64 and 128, GQA 1 to 8, contexts around page and tile
-    edges, split and unsplit) against the float32 reference, and the fused ops' vector and scalar
-    layouts against fused_ops.py's references, on the GPU."""
+    edges, split in page-aligned parts) against the float32 reference, and the fused ops' vector and
+    scalar layouts against fused_ops.py's references, on the GPU."""
     ctx = [1, 15, 16, 17, 31, 32, 33, 1000, 2048, 4097]
     for group, head_dim in [(1, 64), (3, 64), (4, 128), (8, 128)]:
-        for rows in (ctx, ctx[-3:]):                           # 10 rows: no split; 3 long rows: split in parts
+        for rows in (ctx, ctx[-3:], [2048] * 300):             # 300 rows x 2 KV heads fill the GPU: no split
             batch = [t.cuda() if isinstance(t, torch.Tensor) else t
                      for t in make_batch([1] * len(rows), rows, num_kv_heads=2, group=group, head_dim=head_dim,
                                          kv_dtype=dtype, q_dtype=dtype)]
