@@ -2519,7 +2519,7 @@ EMU_FLAGS = ["-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-
 
 
 @pytest.mark.cuda_emu
-@pytest.mark.parametrize("source", ["paged_attention_cuda.cu", "fused_cuda.cu"])
+@pytest.mark.parametrize("source", ["paged_attention_cuda.cu", "fused_cuda.cu", "tensor_core_selftest.cu"])
 def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path, source):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -2532,6 +2532,22 @@ def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path, sourc
     assert result.returncode == 0, result.stdout + result.stderr
     spills = [line for line in result.stderr.splitlines() if "spill" in line]   # -Xptxas -v, per kernel
     assert spills and all(line.endswith(" 0 bytes spill stores, 0 bytes spill loads") for line in spills), spills
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("source, instruction", [("paged_attention_cuda.cu", "HMMA"), ("fused_cuda.cu", "LDG.E.128")])
+def test_cuda_kernels_compile_to_tensor_cores_and_16_byte_loads(tmp_path, source, instruction):
+    """sm_90 SASS: the decode kernel's MMAs are tensor-core HMMA instructions, and the fused ops' 16-byte
+    pieces are single 128-bit global loads."""
+    nvcc = shutil.which("nvcc")
+    cuobjdump = shutil.which("cuobjdump") or (nvcc and shutil.which("cuobjdump", path=str(Path(nvcc).parent)))
+    if nvcc is None or not cuobjdump:
+        pytest.skip("nvcc or cuobjdump not found: SASS not inspected")
+    cubin = tmp_path / "kernel.cubin"
+    subprocess.run([nvcc, "-cubin", "-o", str(cubin), "-std=c++17", "-O3", "-arch=sm_90", str(CSRC / source)],
+                   check=True)
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert instruction in sass
 
 
 def torch_build_flags():
@@ -3307,6 +3323,36 @@ def test_cuda_tensor_core_decode_and_vector_ops_match_references_on_gpu(cuda_bac
     for inter, width in [(14336, 2 * 14336), (1536, 2 * 1536 + 4), (100, 200)]:
         gate_up = (torch.randn(5, width, device="cuda") * 6).to(dtype)[:, :2 * inter]
         torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_tensor_core_fragments_give_a_plain_matmul_on_gpu(cuda_backend, tmp_path, dtype):
+    """csrc/tensor_core_selftest.cu built by nvcc: the GPU's own mma.sync / ldmatrix fragment layouts
+    give A @ B, as the emulator's do (test_emulated_mma_and_ldmatrix_give_a_plain_matmul), and the
+    3-stage cp.async ring copies exactly: the emulator's model of each, confirmed on the hardware."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found: the self-test kernels cannot be built")
+    so = tmp_path / "selftest.so"
+    major, minor = torch.cuda.get_device_capability()
+    subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-O3", f"-arch=sm_{major}{minor}", "-o",
+                    str(so), str(CSRC / "tensor_core_selftest.cu")], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.mma_selftest_launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    lib.mma_selftest_launch.restype = ctypes.c_char_p
+    lib.ring_selftest_launch.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    lib.ring_selftest_launch.restype = ctypes.c_char_p
+    a, b = (torch.randn(16, 16, device="cuda").to(dtype) for _ in range(2))
+    c = torch.full((16, 16), float("nan"), device="cuda")
+    assert lib.mma_selftest_launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), DTYPE_CODE[dtype], 0) is None
+    torch.cuda.synchronize()
+    torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-4)
+    src = torch.randint(0, 255, (7 * 512,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    assert lib.ring_selftest_launch(src.data_ptr(), dst.data_ptr(), 7, 0) is None
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)
 
 
 # ---- model_runner.py's GPU path without a GPU: host plan, persistent buffers, fixed grids --------
