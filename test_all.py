@@ -3118,6 +3118,29 @@ def test_emulated_cuda_norm_reads_16_byte_pieces_where_the_layout_allows(emulate
 
 
 @pytest.mark.cuda_emu
+@pytest.mark.parametrize("dtype, heads, head_dim, pad, kernel", [
+    (torch.bfloat16, 6, 64, 0, "rope_vec"),        # SmolLM2-like q + k heads, rows of qkv
+    (torch.float16, 6, 128, 16, "rope_vec"),       # rows 16 elements wider than the heads
+    (torch.float32, 6, 64, 4, "rope_vec"),
+    (torch.bfloat16, 6, 8, 0, "rope"),             # half a head is 4 elements: not a whole piece
+    (torch.bfloat16, 6, 64, 4, "rope"),            # rows 4 bf16 apart from whole pieces
+])
+def test_emulated_cuda_rope_reads_16_byte_pieces_where_the_layout_allows(emulated_binding, dtype, heads, head_dim, pad,
+                                                                          kernel):
+    ops, lib = emulated_binding
+    tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
+    width = (heads + 2) * head_dim
+    wide = torch.randn(5, width + pad, generator=torch.Generator().manual_seed(head_dim)).to(dtype)
+    freqs = torch.randint(0, 4096, (5, 1)).float() * M.rope_inv_freq(M.ModelConfig(head_dim=head_dim))
+    got, want = wide.clone()[:, :width], wide.clone()[:, :width]                 # rows width + pad apart
+    lib.cuda_emu_take_launch_log()
+    FO.rope_(got, freqs.cos(), freqs.sin(), heads, head_dim, fused=ops)
+    assert set(launches(lib)) == {kernel}
+    FO.rope_(want, freqs.cos(), freqs.sin(), heads, head_dim)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.cuda_emu
 @pytest.mark.parametrize("dtype, inter, width, kernel", [
     (torch.bfloat16, 14336, 2 * 14336, "silu_and_mul_vec"),          # Llama-3-8B: 1,792 pieces a row, 7 blocks
     (torch.float32, 1536, 2 * 1536 + 4, "silu_and_mul_vec"),          # SmolLM2, rows 3076 floats apart
@@ -3323,6 +3346,15 @@ def test_cuda_tensor_core_decode_and_vector_ops_match_references_on_gpu(cuda_bac
     for inter, width in [(14336, 2 * 14336), (1536, 2 * 1536 + 4), (100, 200)]:
         gate_up = (torch.randn(5, width, device="cuda") * 6).to(dtype)[:, :2 * inter]
         torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+    for head_dim, pad in [(128, 0), (64, 4), (8, 0)]:                 # rope: vector, then scalar layouts
+        width = 8 * head_dim
+        wide = torch.randn(5, width + pad, device="cuda").to(dtype)
+        freqs = torch.randint(0, 4096, (5, 1), device="cuda").float() * M.rope_inv_freq(
+            M.ModelConfig(head_dim=head_dim)).cuda()
+        got, want = wide.clone()[:, :width], wide.clone()[:, :width]
+        FO.rope_(got, freqs.cos(), freqs.sin(), 6, head_dim, fused=ops)
+        FO.rope_(want, freqs.cos(), freqs.sin(), 6, head_dim)
+        torch.testing.assert_close(got, want, **tol)
 
 
 @pytest.mark.gpu

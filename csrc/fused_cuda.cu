@@ -8,7 +8,8 @@
 //                        every load issued before any store; norm_kernel, one element at a time, takes
 //                        rows that are not whole pieces at 16-byte aligned addresses.
 //   rope_kernel          rotate-half RoPE in place on the first num_heads heads (q, then k) of each
-//                        qkv row, cos/sin float32 [num_tokens, head_dim / 2].
+//                        qkv row, cos/sin float32 [num_tokens, head_dim / 2]; rope_vec_kernel in
+//                        16-byte pieces where head_dim / 2, the stride and the addresses allow.
 //   silu_and_mul_kernel  out = silu(gate) * up for gate_up = [gate | up], on a (rows, pieces) grid:
 //                        16-byte pieces (the _vec kernel) where sizes and addresses allow, else elements.
 // Rows may be strided (qkv and the norms' inputs are rows of wider tensors); elements of a row are
@@ -148,6 +149,36 @@ __global__ void rope_kernel(T* qkv, int64_t stride, const float* __restrict__ co
   }
 }
 
+// The same rotation, 16 bytes at a time: thread k of a row takes elements 8k.. (4k.. in float32) of
+// both halves of one head, with their cos and sin (float32: two 16-byte pieces each), loads all four
+// (six) pieces before storing two. One pass while num_heads x head_dim / 2 pieces fit 1,024 threads.
+template <typename T>
+__global__ void rope_vec_kernel(T* qkv, int64_t stride, const float* __restrict__ cos, const float* __restrict__ sin,
+                                int num_heads, int head_dim) {
+  constexpr int V = 16 / sizeof(T);
+  const int half = head_dim / 2, per_head = half / V;
+  T* row = qkv + int64_t(blockIdx.x) * stride;
+  for (int k = threadIdx.x; k < num_heads * per_head; k += blockDim.x) {
+    T* x = row + (k / per_head) * head_dim;
+    const int i = k % per_head * V;
+    Pack<T, V> x1, x2;
+    Pack<float, V> c, s;
+    x1.load(x + i);
+    x2.load(x + i + half);
+    c.load(cos + int64_t(blockIdx.x) * half + i);
+    s.load(sin + int64_t(blockIdx.x) * half + i);
+    Pack<T, V> y1, y2;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float a = to_float(x1.v[j]), b = to_float(x2.v[j]);
+      y1.v[j] = from_float<T>(a * c.v[j] - b * s.v[j]);
+      y2.v[j] = from_float<T>(b * c.v[j] + a * s.v[j]);
+    }
+    y1.store(x + i);
+    y2.store(x + i + half);
+  }
+}
+
 __device__ __forceinline__ float silu_mul(float gate, float up) { return gate / (1.f + expf(-gate)) * up; }
 
 // Grid (rows, pieces / kSiluThreads): thread i of a row loads its 16-byte piece of gate and of up,
@@ -231,15 +262,33 @@ extern "C" const char* rms_norm_launch(const void* x, int64_t x_stride, void* re
   return last_error();
 }
 
+template <typename T>
+void launch_rope(void* qkv, int64_t stride, const float* cos, const float* sin, int rows, int num_heads, int head_dim,
+                 cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  const int half = head_dim / 2;
+  const bool vec = half % V == 0 && stride % V == 0 && half % 4 == 0 && aligned16(qkv) && aligned16(cos) &&
+                   aligned16(sin);
+  T* x = static_cast<T*>(qkv);
+  if (vec) {
+    const int pieces = num_heads * half / V;
+    const dim3 block(min(1024, (pieces + 31) / 32 * 32));
+    LAUNCH_KERNEL_NAMED("rope_vec", rope_vec_kernel<T>, dim3(rows), block, stream, x, stride, cos, sin, num_heads,
+                        head_dim);
+  } else {
+    LAUNCH_KERNEL_NAMED("rope", rope_kernel<T>, dim3(rows), dim3(kThreads), stream, x, stride, cos, sin, num_heads,
+                        head_dim);
+  }
+}
+
 extern "C" const char* rope_launch(void* qkv, int64_t stride, const float* cos, const float* sin, int rows,
                                    int num_heads, int head_dim, int dtype, void* stream) {
   if (!valid_dtype(dtype)) return "unsupported dtype";
   if (rows == 0) return nullptr;
-  [[maybe_unused]] const auto s = static_cast<cudaStream_t>(stream);   // the emulator runs on no stream
-  const dim3 grid(rows), block(kThreads);
-  if (dtype == kFloat32) LAUNCH_KERNEL(rope_kernel<float>, grid, block, s, static_cast<float*>(qkv), stride, cos, sin, num_heads, head_dim);
-  if (dtype == kBFloat16) LAUNCH_KERNEL(rope_kernel<bf16>, grid, block, s, static_cast<bf16*>(qkv), stride, cos, sin, num_heads, head_dim);
-  if (dtype == kFloat16) LAUNCH_KERNEL(rope_kernel<f16>, grid, block, s, static_cast<f16*>(qkv), stride, cos, sin, num_heads, head_dim);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (dtype == kFloat32) launch_rope<float>(qkv, stride, cos, sin, rows, num_heads, head_dim, s);
+  if (dtype == kBFloat16) launch_rope<bf16>(qkv, stride, cos, sin, rows, num_heads, head_dim, s);
+  if (dtype == kFloat16) launch_rope<f16>(qkv, stride, cos, sin, rows, num_heads, head_dim, s);
   return last_error();
 }
 
