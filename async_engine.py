@@ -17,7 +17,7 @@ back in the pool already, which is safe: the device finishes N+1 before any late
 reuses them (one stream), and the slot N+1 wrote lies past every token the block's next owner
 or the prefix cache holds.
 What needs the host's copy of one token before the next step is planned (grammars, penalties,
-min_tokens, prompt logprobs, the fork of n > 1 samples, speculative decoding, the static baseline,
+min_tokens, bad_words, prompt logprobs, the fork of n > 1 samples, speculative decoding, the static baseline,
 tensor parallelism) runs Engine.plain_step for that step, after the pending step is postprocessed,
 and says why once. Owns only the pending step; the requests, queues and blocks are Engine's.
 """
@@ -155,6 +155,8 @@ def host_bound(req) -> str | None:
         return "a request has penalties (counts of its tokens)"
     if p.min_tokens:
         return "a request has min_tokens"
+    if p.bad_words:
+        return "a request has bad_words (banned after its last tokens)"
     if p.prompt_logprobs is not None:
         return "a request asks for prompt logprobs"
     if p.n > 1 and req.completions[1].seq is None:
