@@ -35,7 +35,7 @@ from cpu_linear import cpu_linear_path
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, bytes_per_block, parse_memory
 from model import resolve_dtype
-from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
+from sampler import SamplingParams, SamplingState, bad_words_token_ids, make_generator, sample, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from structured_output import GrammarCompiler, StructuredOutputsParams
@@ -280,8 +280,8 @@ class Engine:
                       None if params.prompt_logprobs is None else [None], cache_salt)
         for i in range(params.n):             # each of n samples: its own seed stream, counts and grammar state
             state = self.sampling_state(params, ids, i)
-            req.completions.append(Completion(i, None, IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True),
-                                              state))
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            req.completions.append(Completion(i, None, detok, state))
         seq = Sequence(next(self.seq_ids), list(ids), len(ids), params.max_tokens, priority, now, request=req)
         req.completions[0].seq = seq                # samples 1..n-1 fork from it after its prefill
         self.requests[request_id] = req
@@ -294,11 +294,12 @@ class Engine:
         return self.grammars
 
     def sampling_state(self, params: SamplingParams, prompt_ids: list[int], index: int) -> SamplingState:
-        """Sample `index` of a request: its seed stream, penalty counts and grammar (compiled here)."""
+        """Sample `index` of a request: its seed stream, penalty counts, grammar (compiled here) and
+        bad words (as the token sequences that would write them)."""
         structured = params.structured_outputs
         grammar = None if structured is None else self.grammar_compiler().compile(structured)
         return SamplingState(params, prompt_ids, self.model_config.vocab_size, make_generator(params.seed, index),
-                             self.eos_token_ids, grammar)
+                             self.eos_token_ids, grammar, bad_words_token_ids(params.bad_words, self.tokenizer.encode))
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
@@ -459,6 +460,8 @@ class Engine:
         grammar_ended = c.sampling.grammar is not None and c.sampling.grammar.is_finished
         can_stop = seq.num_output_tokens >= p.min_tokens or grammar_ended
         if can_stop and (token in p.stop_token_id_set or (token in self.eos_token_ids and not p.ignore_eos)):
+            if p.include_stop_str_in_output:               # the stop token's text (none if skipped as special)
+                c.text += c.detok.step(token)
             return self._finish(c, "stop", token, now)
         c.text += c.detok.step(token)
         # search only where a new match can start; one token may complete several stop strings,
@@ -467,7 +470,7 @@ class Engine:
                 if (at := c.text.find(stop, max(0, c.emitted_text - len(stop) + 1))) != -1]
         if hits:
             at, i = min(hits)
-            c.text = c.text[:at]
+            c.text = c.text[:at + len(p.stop[i]) if p.include_stop_str_in_output else at]
             return self._finish(c, "stop", p.stop[i], now)
         if grammar_ended:                                   # nothing but EOS could follow
             return self._finish(c, "stop", None, now)

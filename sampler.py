@@ -5,7 +5,7 @@ and one vectorized function that turns a batch of logits into next tokens.
 
 Owns: validation of every sampling field (an InvalidRequest that names the field and the
 allowed range); in this order, as vLLM applies them: the grammar mask (structured_output.py
-compiles it), min_tokens, logit_bias, repetition / frequency / presence penalties, then
+compiles it), allowed_token_ids and bad_words, min_tokens, logit_bias, repetition / frequency / presence penalties, then
 temperature, top-k / top-p / min-p and the draw; per-request seeds; logprobs.
 Does not touch sequences or stop conditions: the engine applies those to what this returns.
 Each processor runs only on the rows that use it, so a batch of plain requests pays nothing.
@@ -49,6 +49,11 @@ class SamplingParams:
     logprobs: int | None = None          # return the top-N logprobs of every sampled token
     prompt_logprobs: int | None = None   # and of every prompt token (top-N plus the token itself)
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None   # only these may be sampled
+    bad_words: list[str] | None = None           # never completed (each as it tokenizes, with and without a space)
+    include_stop_str_in_output: bool = False     # keep the stop string (or stop token's text) that ended the output
+    skip_special_tokens: bool = True             # special tokens leave no text
+    spaces_between_special_tokens: bool = True   # byte-level BPE puts none either way, as vLLM's fast detokenizer
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -72,6 +77,11 @@ class SamplingParams:
     def stop_hold_chars(self) -> int:
         """Characters of streamed text held back because they could still begin a stop string."""
         return max((len(s) - 1 for s in self.stop), default=0)
+
+    @functools.cached_property
+    def allowed_token_ids_tensor(self) -> torch.Tensor:
+        """[a] int64 ids of allowed_token_ids."""
+        return torch.tensor(sorted(set(self.allowed_token_ids or ())), dtype=torch.int64)
 
     @property
     def uses_penalties(self) -> bool:
@@ -110,10 +120,29 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
         need(all(isinstance(t, int) and 0 <= t < vocab for t in self.stop_token_ids),
              "stop_token_ids", f"token ids in [0, {vocab})")
+        need(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+             and all(isinstance(t, int) and 0 <= t < vocab for t in self.allowed_token_ids)), "allowed_token_ids",
+             f"a non-empty list of token ids in [0, {vocab})")
+        need(self.bad_words is None or (isinstance(self.bad_words, list) and all(
+            isinstance(w, str) and w.strip() for w in self.bad_words)), "bad_words", "a list of non-blank strings")
         if self.structured_outputs is not None:
             need(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                  "a StructuredOutputsParams")
             self.structured_outputs.validate()
+
+
+def bad_words_token_ids(words: list[str] | None, encode) -> list[list[int]]:
+    """Each bad word as the token sequences that would write it, as vLLM builds them: the word
+    alone (at the start of a text) and with a leading space (mid-text), the latter only where the
+    space makes a different first token of the same length. encode: text -> ids, no special tokens."""
+    out = []
+    for word in words or ():
+        alone = encode(word.lstrip())
+        out.append(alone)
+        spaced = encode(" " + word.lstrip())
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return out
 
 
 def make_generator(seed: int | None, index: int = 0):
@@ -128,9 +157,13 @@ class SamplingState:
     `append` (one scalar update per token), never recounted; tensors exist only when used."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int,
-                 generator: torch.Generator | None, end_ids: set[int], grammar=None):
+                 generator: torch.Generator | None, end_ids: set[int], grammar=None,
+                 bad_words_token_ids: list[list[int]] | None = None):
         self.params, self.generator, self.grammar = params, generator, grammar
         self.num_output_tokens = 0
+        # bad words: their token sequences, and the output so far to match their heads against
+        self.bad_words_token_ids = bad_words_token_ids or []
+        self.output_token_ids = [] if self.bad_words_token_ids else None
         self.output_counts = self.in_prompt = None
         if params.uses_penalties:
             self.output_counts = torch.zeros(vocab_size, dtype=torch.int32)          # [vocab]
@@ -141,6 +174,8 @@ class SamplingState:
 
     def append(self, token: int):
         self.num_output_tokens += 1
+        if self.output_token_ids is not None:
+            self.output_token_ids.append(token)
         if self.output_counts is not None:
             self.output_counts[token] += 1
         if self.grammar is not None:
@@ -155,6 +190,7 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
     want = [p.logprobs for p in params]
     raw_logprobs = logits.log_softmax(dim=-1) if any(w is not None for w in want) else None   # [num_seqs, vocab]
     apply_grammar_masks(logits, [s.grammar for s in states])
+    apply_allowed_and_bad_words(logits, states)
     apply_min_tokens(logits, states)
     apply_logit_bias(logits, params)
     apply_penalties(logits, states)
@@ -322,6 +358,22 @@ def top_p_reference(x, top_p):
     # a top_p = 1 row would lose its tail where the float cumsum rounds past 1
     drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
     return torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
+
+
+def apply_allowed_and_bad_words(logits, states):
+    """allowed_token_ids: every other id goes to -inf. bad_words: a word's last token goes to -inf
+    where the output already ends with the tokens before it (a one-token word: always)."""
+    for i in [i for i, s in enumerate(states) if s.params.allowed_token_ids or s.bad_words_token_ids]:
+        s = states[i]
+        if s.params.allowed_token_ids:
+            ids = s.params.allowed_token_ids_tensor.to(logits.device)
+            kept = logits[i, ids]                                      # [a]
+            logits[i].fill_(float("-inf")).index_copy_(0, ids, kept)
+        out = s.output_token_ids or []
+        banned = [word[-1] for word in s.bad_words_token_ids
+                  if len(word) == 1 or (len(out) >= len(word) - 1 and out[len(out) - len(word) + 1:] == word[:-1])]
+        if banned:
+            logits[i, banned] = float("-inf")
 
 
 def apply_min_tokens(logits, states):

@@ -406,7 +406,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"prompts x n of one request (default {d.max_seqs_per_request}; at most --max-waiting)")
     r.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
                    help=f"logit_bias entries (default {d.max_logit_bias}, OpenAI's)")
-    r.add_argument("--max-stop-strings", type=int, default=d.max_stop, help=f"stop strings (default {d.max_stop})")
+    r.add_argument("--max-stop-strings", type=int, default=d.max_stop,
+                   help=f"stop strings, and bad_words (default {d.max_stop})")
     r.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
                    help=f"characters of one stop string (default {d.max_stop_chars})")
     r.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
@@ -414,6 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--max-grammar-bytes", type=int, default=d.max_grammar_bytes,
                    help=f"a structured-output schema, regex, grammar or choice list as JSON "
                         f"(default {d.max_grammar_bytes})")
+    r.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own chat_template (vLLM's flag; default: 400 naming it)")
     r.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a structured-output grammar may take to compile (off the engine's loop); "
                         "then 400 (default 10)")
@@ -422,7 +425,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(args.max_seqs_per_request, args.max_logit_bias, args.max_stop_strings, args.max_stop_chars,
-                         args.max_stop_token_ids, args.max_grammar_bytes)
+                         args.max_stop_token_ids, args.max_grammar_bytes, args.trust_request_chat_template)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

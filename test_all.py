@@ -4621,6 +4621,28 @@ def test_speculation_under_a_grammar_gives_the_plain_outputs(tiny):
     assert s.spec_decode_num_accepted_tokens >= 5 and outs[0].metrics.num_accepted_tokens > 0
 
 
+def test_speculation_under_allowed_token_ids_and_bad_words_gives_the_plain_outputs(tiny):
+    # self-drafts propose the unconstrained greedy tokens, which these rules forbid: verification must
+    # apply them at every drafted position (bad words against the output as the drafts extend it)
+    plain_llm = tiny_llm(tiny)
+    first = plain_llm.generate(TINY_PROMPTS[:2], greedy(20))
+    tok = plain_llm.engine.tokenizer
+    ids = first[1].outputs[0].token_ids
+    # a two-token word, banned only where the output already ends with its first token
+    pairs = [w for a, b in zip(ids[2:], ids[3:]) if (w := tok.decode([a, b])).strip()
+             and [a, b] in sampler.bad_words_token_ids([w], tok.encode)]
+    params = [greedy(20, allowed_token_ids=sorted(set(first[0].outputs[0].token_ids[::2]))),
+              greedy(20, bad_words=pairs[:1])]
+    assert pairs, tok.decode(ids)
+    expected = plain_llm.generate(TINY_PROMPTS[:2], params)
+    spec = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, k=4))
+    outs = spec.generate(TINY_PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert set(outs[0].outputs[0].token_ids) <= set(params[0].allowed_token_ids)
+    assert outs[1].outputs[0].token_ids != first[1].outputs[0].token_ids
+    assert spec.engine.stats().spec_decode_num_draft_tokens > 0
+
+
 def test_the_engine_stops_drafting_at_disable_by_batch_size(tiny):
     llm = tiny_llm(tiny, speculative_config=tiny_self_draft(tiny, disable_by_batch_size=3))
     llm.generate(TINY_SPEC_PROMPTS[6:9], greedy(12))      # 3 rows run together from the first token to the last
@@ -5011,6 +5033,27 @@ async def run_clients(url, prompts, max_tokens, hang_ups):
 
 
 @pytest.mark.slow
+def test_a_client_built_for_vllm_runs_unchanged_through_the_openai_sdk(client, offline):
+    """What benchmarking clients built for vLLM send on every request: continuous usage stats in
+    stream_options and vLLM's sampling extras; and OpenAI's bookkeeping fields, accepted."""
+    prompt = "The capital of France is"
+    full = greedy_text(offline, prompt, 16)
+    stop = next(ch for ch in ",. " if ch in full)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                       stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True,
+                                                                "skip_special_tokens": True, "min_tokens": 1})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:full.index(stop) + 1]
+    assert all(c.usage is not None for c in chunks) and not chunks[-1].choices
+    assert chunks[-2].usage.completion_tokens == chunks[-1].usage.completion_tokens
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=4, temperature=0, store=False,
+                                       metadata={"run": "bench"}, service_tier="auto", user="u1",
+                                       extra_body={"top_k": 1, "ignore_eos": True, "chat_template_kwargs": {},
+                                                   "request_id": "r1"})
+    assert r.id == "chatcmpl-r1" and r.usage.completion_tokens == 4
+
+
 def test_64_streams_with_disconnects_complete_and_free_every_block(server, offline):
     import httpx
     max_tokens = 12
@@ -5682,6 +5725,347 @@ def test_disconnect_while_being_added_leaks_nothing(tiny):
     conn.send(Stop())
     core.join(30)
     assert not core.is_alive()
+
+
+# ----------------------------------------------------------------------------- vLLM's request fields, tiny models
+# Every field vLLM's clients send, each against an oracle: HF tokenizers (`ref`), the tiny model's
+# transformers twin, the scripted model's hand-written text, and docs/request-fields.md's table.
+
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    return tiny_llm(tiny).engine
+
+
+def stream_chunks(http, path, body) -> list[dict]:
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def answer_ids(choice) -> list[int]:
+    """A choice's token ids, from logprobs asked with return_tokens_as_token_ids."""
+    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+
+
+def prompt_ids_of(prompt_logprobs) -> list[int]:
+    """The prompt's ids from prompt_logprobs=0 entries (each holds the token itself); the first has none."""
+    assert prompt_logprobs[0] is None and all(len(e) == 1 for e in prompt_logprobs[1:])
+    return [int(next(iter(e))) for e in prompt_logprobs[1:]]
+
+
+def test_continuous_usage_counts_each_choices_tokens_so_far_and_ends_at_the_final_usage(tiny_engine):
+    from starlette.testclient import TestClient
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = {"temperature": 1, "seed": 3, "ignore_eos": True, "stream": True, "stream_options": options}
+    with TestClient(build_app(tiny_engine, "tiny")) as http:
+        completions = stream_chunks(http, "/v1/completions", {"prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 6,
+                                                              "logprobs": 0, **common})
+        chat = stream_chunks(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, "logprobs": True,
+                                                            **common})
+    for chunks, new_tokens in ((completions, lambda c: len(c["logprobs"]["tokens"])),
+                               (chat, lambda c: len(c["logprobs"]["content"]) if c["logprobs"] else 0)):
+        *choices, last = chunks
+        assert last["choices"] == [] and "usage" in last
+        seen, prompt_of = collections.Counter(), {}
+        for chunk in choices:
+            [choice] = chunk["choices"]
+            i, u = choice["index"], chunk["usage"]
+            seen[i] += new_tokens(choice)
+            prompt_of[i] = u["prompt_tokens"]
+            assert u["completion_tokens"] == seen[i] and u["total_tokens"] == u["prompt_tokens"] + seen[i]
+        assert last["usage"]["completion_tokens"] == sum(seen.values())
+        prompts = set(prompt_of.items()) if chunks is chat else {(i, [3, 2][i // 2]) for i in range(4)}
+        assert set(prompt_of.items()) == prompts
+        assert last["usage"]["prompt_tokens"] == (prompt_of[0] if chunks is chat else 5)
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[0]["usage"]["completion_tokens"] == 0
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_or_the_stop_tokens_text(scripted, ref):
+    from starlette.testclient import TestClient
+    ids = ref.encode(SCRIPT).ids
+    rest = SCRIPT[len(ref.decode(ids[:1])):]          # what the scripted model writes after its first token
+    k = next(j for j in range(2, len(ids)) if ref.decode([ids[j]]).strip().isalpha())
+    word = ref.decode([ids[k]]).strip()
+    body = {"prompt": ids[:1], "max_tokens": 19, "temperature": 0}
+    with TestClient(build_app(scripted.engine, "scripted")) as http:
+        def text(**kw):
+            return http.post("/v1/completions", json={**body, **kw}).json()["choices"][0]["text"]
+        streamed = "".join(c["choices"][0]["text"] for c in stream_chunks(
+            http, "/v1/completions", {**body, "stop": [word], "include_stop_str_in_output": True, "stream": True}))
+        assert text(stop=[word]) == rest[:rest.index(word)]
+        assert text(stop=[word], include_stop_str_in_output=True) == rest[:rest.index(word) + len(word)] == streamed
+        assert text(stop_token_ids=[ids[k]]) == ref.decode(ids[1:k])
+        assert text(stop_token_ids=[ids[k]], include_stop_str_in_output=True) == ref.decode(ids[1:k + 1])
+
+
+def test_return_token_ids_gives_the_prompt_and_output_ids_whole_and_streamed(scripted, ref):
+    from starlette.testclient import TestClient
+    ids = ref.encode(SCRIPT).ids
+    body = {"prompt": ids[:1], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with TestClient(build_app(scripted.engine, "scripted")) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        chunks = stream_chunks(http, "/v1/completions", {**body, "stream": True})
+        chat_whole = http.post("/v1/chat/completions", json=chat).json()
+        chat_chunks = stream_chunks(http, "/v1/chat/completions", {**chat, "stream": True})
+    assert whole["prompt_token_ids"] == ids[:1] and whole["token_ids"] == ids[1:7]
+    assert whole["text"] == ref.decode(whole["token_ids"])
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids[:1]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids[1:7]
+    assert chat_whole["prompt_token_ids"] == ref.encode(SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n"
+                                                        "<|im_start|>assistant\n").ids
+    assert chat_chunks[0]["prompt_token_ids"] == chat_whole["prompt_token_ids"]
+    assert [t for c in chat_chunks[1:] for t in c["choices"][0]["token_ids"]] == \
+        chat_whole["choices"][0]["token_ids"] and len(chat_whole["choices"][0]["token_ids"]) == 3
+
+
+def test_allowed_token_ids_sample_only_those_and_skip_special_tokens_false_shows_the_special_ones(tiny_engine, ref):
+    from starlette.testclient import TestClient
+    allowed = [1, 3, 300, 301, 302]          # <|im_start|>, <repo_name> and three ordinary tokens
+    # a high temperature spreads the draws over all five; the seed makes both requests draw the same
+    body = {"prompt": "Hello", "max_tokens": 24, "temperature": 50, "seed": 7, "n": 3, "ignore_eos": True,
+            "allowed_token_ids": allowed, "logprobs": 1, "return_tokens_as_token_ids": True}
+    with TestClient(build_app(tiny_engine, "tiny")) as http:
+        shown = http.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()["choices"]
+        hidden = http.post("/v1/completions", json=body).json()["choices"]
+    drawn = set()
+    for a, b in zip(shown, hidden):
+        ids = answer_ids(a)
+        assert len(ids) == 24 and set(ids) <= set(allowed) and answer_ids(b) == ids
+        assert all(t.startswith("token_id:") for top in a["logprobs"]["top_logprobs"] for t in top)
+        assert a["text"] == ref.decode(ids, skip_special_tokens=False)
+        assert b["text"] == ref.decode(ids, skip_special_tokens=True)
+        drawn |= set(ids)
+    assert {1, 3} & drawn and "<|im_start|>" in "".join(a["text"] for a in shown)
+
+
+def test_bad_words_never_appear_as_the_tokens_that_write_them(tiny_engine, ref):
+    from starlette.testclient import TestClient
+    body = {"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True}
+
+    def writings(word):   # vLLM's rule: the word alone, and with a space where that is as long and differs
+        alone, spaced = ref.encode(word.lstrip()).ids, ref.encode(" " + word.lstrip()).ids
+        return [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+
+    def contains(ids, seq):
+        return any(ids[i:i + len(seq)] == seq for i in range(len(ids)))
+    with TestClient(build_app(tiny_engine, "tiny")) as http:
+        plain = answer_ids(http.post("/v1/completions", json=body).json()["choices"][0])
+        words = [w for t in plain if (w := ref.decode([t]).strip()).isalpha()
+                 and any(contains(plain, seq) for seq in writings(w))]
+        pairs = [w for a, b in zip(plain, plain[1:]) if (w := ref.decode([a, b]).strip()).isalpha()
+                 and len(ref.encode(w).ids) == 2 and any(contains(plain, seq) for seq in writings(w))]
+        bad = words[:1] + pairs[:1]
+        assert words, ref.decode(plain)
+        banned = answer_ids(http.post("/v1/completions", json={**body, "bad_words": bad}).json()["choices"][0])
+    assert banned != plain
+    for word in bad:
+        assert not any(contains(banned, seq) for seq in writings(word)), (word, ref.decode(banned))
+
+
+def test_chat_template_fields_render_the_prompt_written_by_hand(tiny_engine, ref):
+    from starlette.testclient import TestClient
+    from openai_request import RequestLimits
+    ask = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    user_turn = SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n"
+    custom = "{{ greeting }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{{ documents[0].title }}"
+    cases = [  # (request fields, the prompt text by hand)
+        ({"messages": ask, "continue_final_message": True}, user_turn + "<|im_start|>assistant\nThe answer is"),
+        ({"messages": ask[:1], "add_generation_prompt": False}, user_turn),
+        ({"messages": ask[:1]}, user_turn + "<|im_start|>assistant\n"),
+        ({"messages": ask[:1], "chat_template": custom, "chat_template_kwargs": {"greeting": "Hello"},
+          "documents": [{"title": "T", "text": "x"}]}, "Hello[user]HiT"),
+    ]
+    base = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "prompt_logprobs": 0}
+    trusting = RequestLimits(trust_request_chat_template=True)
+    with TestClient(build_app(tiny_engine, "tiny", limits=trusting)) as http:
+        for fields, text in cases:
+            r = http.post("/v1/chat/completions", json={**base, **fields}).json()
+            want = ref.encode(text).ids
+            assert r["usage"]["prompt_tokens"] == len(want) and prompt_ids_of(r["prompt_logprobs"]) == want[1:], text
+        # echo: the continued message comes back in front of its continuation
+        plain = http.post("/v1/chat/completions", json={**base, **cases[0][0]}).json()
+        echoed = http.post("/v1/chat/completions", json={**base, **cases[0][0], "echo": True}).json()
+        assert echoed["choices"][0]["message"]["content"] == "The answer is" + plain["choices"][0]["message"]["content"]
+        both = http.post("/v1/chat/completions", json={**base, **cases[0][0], "add_generation_prompt": True})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_prompt_logprobs_of_a_truncated_prompt_match_transformers_on_its_last_k_tokens(tiny, tiny_engine):
+    from starlette.testclient import TestClient
+    ids, k, top = list(range(100, 140)), 8, 3
+    with TestClient(build_app(tiny_engine, "tiny")) as http:
+        r = http.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": k, "prompt_logprobs": top,
+                                               "max_tokens": 1}).json()
+    kept, entries = ids[-k:], r["choices"][0]["prompt_logprobs"]
+    assert r["usage"]["prompt_tokens"] == k and len(entries) == k and entries[0] is None
+    with torch.no_grad():
+        logprobs = tiny[1](torch.tensor([kept])).logits[0].float().log_softmax(-1)     # [k, vocab]
+    for j in range(1, k):
+        row = logprobs[j - 1]
+        assert {int(t) for t in entries[j]} == set(row.topk(top).indices.tolist()) | {kept[j]}
+        for t, e in entries[j].items():
+            rank = int((row > row[int(t)]).sum()) + 1
+            assert abs(e["logprob"] - row[int(t)].item()) < 1e-4 and e["rank"] == (rank if rank <= top else None)
+
+
+def test_add_special_tokens_puts_the_tokenizers_bos_in_front_where_it_has_one(tiny, tmp_path, ref):
+    from starlette.testclient import TestClient
+    model_dir = tmp_path / "tiny-bos"
+    shutil.copytree(tiny[0], model_dir)
+    spec = json.loads((model_dir / "gguf_tokenizer.json").read_text(encoding="utf-8"))
+    (model_dir / "gguf_tokenizer.json").write_text(json.dumps({**spec, "add_bos_token": True}), encoding="utf-8")
+    text, bos = "Hello there", "<|im_start|>"
+    n, chat = len(ref.encode(text).ids), len(ref.encode(SMOL_SYSTEM + "<|im_start|>user\nHello there<|im_end|>\n"
+                                                         "<|im_start|>assistant\n").ids)
+    with TestClient(build_app(tiny_llm((model_dir, tiny[1])).engine, "tiny")) as http:
+        def answer(path, **body):
+            return http.post(path, json={"max_tokens": 1, **body}).json()
+        echoed = answer("/v1/completions", prompt=text, echo=True)      # vLLM's completions default: add them
+        assert echoed["usage"]["prompt_tokens"] == n + 1 and echoed["choices"][0]["text"].startswith(bos + text)
+        assert answer("/v1/completions", prompt=text, add_special_tokens=False)["usage"]["prompt_tokens"] == n
+        messages = [{"role": "user", "content": text}]
+        assert answer("/v1/chat/completions", messages=messages)["usage"]["prompt_tokens"] == chat
+        assert answer("/v1/chat/completions", messages=messages, add_special_tokens=True)["usage"]["prompt_tokens"] \
+            == chat + 1
+
+
+def test_guided_aliases_constrain_the_output_as_structured_outputs_does(tiny_engine):
+    from starlette.testclient import TestClient
+    pytest.importorskip("llguidance", reason="structured outputs need llguidance")
+    cases = [({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+             ({"guided_regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),
+             ({"guided_json": {"enum": ["red", "green"]}}, lambda t: json.loads(t) in ("red", "green")),
+             ({"guided_json": json.dumps({"enum": [1, 2]})}, lambda t: json.loads(t) in (1, 2)),
+             ({"guided_grammar": 'start: "ab" | "cd"'}, lambda t: t in ("ab", "cd"))]
+    with TestClient(build_app(tiny_engine, "tiny")) as http:
+        for fields, ok in cases:
+            r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 12, "temperature": 1,
+                                                        "seed": 1, **fields}).json()
+            choice = r["choices"][0]
+            assert choice["finish_reason"] == "stop" and ok(choice["message"]["content"]), (fields, r)
+        both = http.post("/v1/completions", json={"prompt": "Hi", "guided_regex": "a", "guided_choice": ["b"]})
+        assert both.status_code == 400 and both.json()["error"]["param"] in ("guided_regex", "guided_choice")
+
+
+# The body each row of docs/request-fields.md's table adds to a plain request, chosen to draw the documented
+# outcome: 200 for honoured and no-effect fields, a 400 naming the field for refused ones.
+REQUEST_FIELD_EXAMPLES = {
+    "model": {"model": "tiny"}, "prompt": {}, "messages": {}, "max_tokens": {"max_tokens": 2},
+    "max_completion_tokens": {"max_completion_tokens": 2}, "temperature": {"temperature": 0.5},
+    "top_p": {"top_p": 0.9}, "top_k": {"top_k": 5}, "min_p": {"min_p": 0.1}, "n": {"n": 2}, "best_of": {"best_of": 1},
+    "stop": {"stop": ["\n"]}, "stop_token_ids": {"stop_token_ids": [2]},
+    "include_stop_str_in_output": {"include_stop_str_in_output": True}, "ignore_eos": {"ignore_eos": True},
+    "min_tokens": {"min_tokens": 1}, "seed": {"seed": 1}, "frequency_penalty": {"frequency_penalty": 0.5},
+    "presence_penalty": {"presence_penalty": 0.5}, "repetition_penalty": {"repetition_penalty": 1.1},
+    "logit_bias": {"logit_bias": {"5": 1.0}}, "allowed_token_ids": {"allowed_token_ids": [5, 6]},
+    "bad_words": {"bad_words": ["the"]},
+    "logprobs": {"completions": {"logprobs": 2}, "chat": {"logprobs": True}},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 2}, "prompt_logprobs": {"prompt_logprobs": 1},
+    "return_tokens_as_token_ids": {"completions": {"return_tokens_as_token_ids": True, "logprobs": 1},
+                                   "chat": {"return_tokens_as_token_ids": True, "logprobs": True}},
+    "echo": {"echo": True}, "return_token_ids": {"return_token_ids": True},
+    "repetition_detection": {"repetition_detection": {"max_pattern_size": 4}},
+    "media_io_kwargs": {"media_io_kwargs": {}},
+    "stream": {"stream": True}, "stream_options": {"stream": True, "stream_options": {}},
+    "stream_options.include_usage": {"stream": True, "stream_options": {"include_usage": True}},
+    "stream_options.continuous_usage_stats": {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+    "stream_options.include_obfuscation": {"stream": True, "stream_options": {"include_obfuscation": False}},
+    "skip_special_tokens": {"skip_special_tokens": False},
+    "spaces_between_special_tokens": {"spaces_between_special_tokens": False},
+    "add_special_tokens": {"add_special_tokens": True}, "truncate_prompt_tokens": {"truncate_prompt_tokens": 4},
+    "response_format": {"response_format": {"type": "text"}},
+    "structured_outputs": {"structured_outputs": {"choice": ["a", "b"]}},
+    "guided_json": {"guided_json": {"enum": ["a", "b"]}}, "guided_regex": {"guided_regex": "[ab]"},
+    "guided_choice": {"guided_choice": ["a", "b"]}, "guided_grammar": {"guided_grammar": 'start: "a" | "b"'},
+    "guided_decoding_backend": {"guided_decoding_backend": "xgrammar"},
+    "guided_whitespace_pattern": {"guided_whitespace_pattern": " *"}, "structural_tag": {"structural_tag": "{}"},
+    "priority": {"priority": 0}, "cache_salt": {"cache_salt": "salt"}, "request_id": {"request_id": "abc"},
+    "user": {"user": "u"}, "add_generation_prompt": {"add_generation_prompt": False},
+    "continue_final_message": {"continue_final_message": True},
+    "chat_template": {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+    "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
+    "documents": {"documents": [{"title": "t", "text": "x"}]}, "mm_processor_kwargs": {"mm_processor_kwargs": {}},
+    "suffix": {"suffix": "!"}, "prompt_embeds": {"prompt_embeds": "AAAA"},
+    "use_beam_search": {"use_beam_search": True}, "length_penalty": {"length_penalty": 1.5},
+    "logits_processors": {"logits_processors": ["my_module.Processor"]},
+    "kv_transfer_params": {"kv_transfer_params": {}},
+    "vllm_xargs": {"vllm_xargs": {"a": 1}}, "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    "tool_choice": {"tool_choice": "auto"}, "parallel_tool_calls": {"parallel_tool_calls": False},
+    "functions": {"functions": [{"name": "f"}]}, "function_call": {"function_call": "auto"},
+    "reasoning_effort": {"reasoning_effort": "low"}, "include_reasoning": {"include_reasoning": False},
+    "store": {"store": True}, "metadata": {"metadata": {"k": "v"}}, "service_tier": {"service_tier": "auto"},
+    "prompt_cache_key": {"prompt_cache_key": "k"}, "safety_identifier": {"safety_identifier": "s"},
+    "prediction": {"prediction": {"type": "content", "content": "x"}},
+    "modalities": {"modalities": ["text", "audio"]}, "audio": {"audio": {"voice": "alloy", "format": "wav"}},
+    "web_search_options": {"web_search_options": {}}, "verbosity": {"verbosity": "low"},
+}
+# A refused field's off value asks for nothing, and is accepted.
+REFUSED_FIELDS_OFF = {"tools": [], "tool_choice": "none", "use_beam_search": False, "modalities": ["text"],
+                      "function_call": "none", "logits_processors": [], "suffix": "", "chat_template": None}
+
+
+# The fields of vLLM's ChatCompletionRequest and CompletionRequest (vllm/entrypoints/openai/protocol.py,
+# the guided_* generation and the newer structured_outputs one): each must be a row of the table.
+VLLM_SHARED_FIELDS = """model frequency_penalty logit_bias logprobs max_tokens n presence_penalty response_format seed stop
+    stream stream_options temperature top_p user best_of use_beam_search top_k min_p repetition_penalty
+    length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens
+    spaces_between_special_tokens truncate_prompt_tokens prompt_logprobs allowed_token_ids echo add_special_tokens
+    guided_json guided_regex guided_choice guided_grammar guided_decoding_backend guided_whitespace_pattern
+    structured_outputs priority request_id logits_processors return_tokens_as_token_ids return_token_ids cache_salt
+    kv_transfer_params vllm_xargs repetition_detection""".split()
+VLLM_FIELDS = {
+    "chat": VLLM_SHARED_FIELDS + """messages top_logprobs max_completion_tokens tools tool_choice reasoning_effort
+        include_reasoning parallel_tool_calls bad_words add_generation_prompt continue_final_message documents
+        chat_template chat_template_kwargs mm_processor_kwargs media_io_kwargs structural_tag""".split(),
+    "completions": VLLM_SHARED_FIELDS + ["prompt", "prompt_embeds", "suffix"],
+}
+
+
+def docs_request_fields() -> list[tuple[str, str, str]]:
+    """(field, endpoints, status) of each row of docs/request-fields.md."""
+    text = Path(HERE, "docs", "request-fields.md").read_text(encoding="utf-8")
+    return re.findall(r"^\| `([\w.]+)` \| (both|chat|completions) \| (honoured|no effect|refused) \|", text, re.M)
+
+
+def test_every_request_field_of_the_docs_table_gets_its_documented_outcome(tiny_engine):
+    from starlette.testclient import TestClient
+    from openai_request import ChatRequest, CompletionRequest, StreamOptions
+    rows = docs_request_fields()
+    assert len(rows) == len({f for f, _, _ in rows}) and {f for f, _, _ in rows} == set(REQUEST_FIELD_EXAMPLES)
+    bases = {"completions": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+             "chat": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})}
+    for endpoint, schema in (("completions", CompletionRequest), ("chat", ChatRequest)):   # no field undocumented
+        documented = {f for f, where, _ in rows if where in ("both", endpoint)}
+        assert documented == set(schema.model_fields) | {f"stream_options.{f}" for f in StreamOptions.model_fields}
+        assert set(VLLM_FIELDS[endpoint]) <= documented, set(VLLM_FIELDS[endpoint]) - documented
+    with TestClient(build_app(tiny_engine, "tiny")) as http:
+        for field, where, status in rows:
+            for endpoint in (("completions", "chat") if where == "both" else (where,)):
+                path, base = bases[endpoint]
+                example = REQUEST_FIELD_EXAMPLES[field]
+                example = example.get(endpoint, example) if set(example) == {"completions", "chat"} else example
+                r = http.post(path, json={**base, **example})
+                if status == "refused":
+                    assert r.status_code == 400 and r.json()["error"]["param"] == field.split(".")[0], \
+                        (field, endpoint, r.text)
+                    if field in REFUSED_FIELDS_OFF:
+                        off = http.post(path, json={**base, field: REFUSED_FIELDS_OFF[field]})
+                        assert off.status_code == 200, (field, endpoint, off.text)
+                else:
+                    assert r.status_code == 200, (field, endpoint, r.text)
+                if field == "request_id":
+                    assert r.json()["id"].endswith("-abc")
+        unknown = http.post("/v1/chat/completions", json={**bases["chat"][1], "no_such_field": 1})
+        assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unsupported_field"
+        assert unknown.json()["error"]["param"] == "no_such_field"
 
 
 # ----------------------------------------------------------------------------- connections and shutdown, tiny model

@@ -131,7 +131,7 @@ def import_request(engine: Engine, h: Handoff) -> list[int]:
             state.append(token)
         if ch.generator_state is not None:
             state.generator.set_state(ch.generator_state)
-        detok = IncrementalDetokenizer(engine.tokenizer, skip_special_tokens=True)
+        detok = IncrementalDetokenizer(engine.tokenizer, skip_special_tokens=params.skip_special_tokens)
         detok._pending = ch.detok_pending
         seq = Sequence(next(engine.seq_ids), ids + ch.token_ids, len(ids), params.max_tokens, h.priority,
                        h.metrics.arrival_time, request=req)
