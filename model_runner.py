@@ -222,7 +222,7 @@ class ModelRunner:
         plan = None
         if self.cuda:
             ints, parts, tiles = pa.plan_cuda_launch(host.q_lens, host.context_lens.tolist(), self.num_kv_heads,
-                                                     self.group, self.num_sms, max_parts)
+                                                     self.group, self.num_sms, max_parts, block_size=self.block_size)
             plan = CudaPlan(b.upload("plan", np.asarray(ints, dtype=np.int32)), parts, tiles)
         meta = AttentionMetadata(
             slot_mapping=b.upload("slot_mapping", host.slot_mapping), block_tables=b.dev["block_tables"][:rows],

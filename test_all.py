@@ -2603,13 +2603,14 @@ def test_cpu_kernels_built_for_avx2_only_match_the_references():
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the launchers' codes
 EMULATED_SMS = pa.EMULATED_SMS
 PLANTED_BUGS = dict(old_prefill_grid=1, too_many_threads=2, shared_over_48kb=3, shared_opt_in=4,
-                    unzeroed_tail=5, global_query=6, last_block_merges=7, no_async_wait=8)   # enum Bug in the .cu
+                    unzeroed_tail=5, global_query=6, last_block_merges=7, no_async_wait=8,
+                    off_by_one_wait=9, ldmatrix_no_trans=10, unaligned_tile=11)   # enum Bug in the .cu
 EMU_FLAGS = ["-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-fno-strict-aliasing",
              "-pthread", "-shared", "-fPIC"]
 
 
 @pytest.mark.cuda_emu
-@pytest.mark.parametrize("source", ["paged_attention_cuda.cu", "fused_cuda.cu"])
+@pytest.mark.parametrize("source", ["paged_attention_cuda.cu", "fused_cuda.cu", "tensor_core_selftest.cu"])
 def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path, source):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -2622,6 +2623,22 @@ def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path, sourc
     assert result.returncode == 0, result.stdout + result.stderr
     spills = [line for line in result.stderr.splitlines() if "spill" in line]   # -Xptxas -v, per kernel
     assert spills and all(line.endswith(" 0 bytes spill stores, 0 bytes spill loads") for line in spills), spills
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("source, instruction", [("paged_attention_cuda.cu", "HMMA"), ("fused_cuda.cu", "LDG.E.128")])
+def test_cuda_kernels_compile_to_tensor_cores_and_16_byte_loads(tmp_path, source, instruction):
+    """sm_90 SASS: the decode kernel's MMAs are tensor-core HMMA instructions, and the fused ops' 16-byte
+    pieces are single 128-bit global loads."""
+    nvcc = shutil.which("nvcc")
+    cuobjdump = shutil.which("cuobjdump") or (nvcc and shutil.which("cuobjdump", path=str(Path(nvcc).parent)))
+    if nvcc is None or not cuobjdump:
+        pytest.skip("nvcc or cuobjdump not found: SASS not inspected")
+    cubin = tmp_path / "kernel.cubin"
+    subprocess.run([nvcc, "-cubin", "-o", str(cubin), "-std=c++17", "-O3", "-arch=sm_90", str(CSRC / source)],
+                   check=True)
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert instruction in sass
 
 
 def torch_build_flags():
@@ -2727,7 +2744,8 @@ def emulated_launch(lib, partition_size, query, key_cache, value_cache, block_ta
     group = query.shape[1] // num_kv_heads
     q_lens = q_lens or query_start_loc.diff().tolist()
     ctx = context_lens.tolist()
-    ints, max_parts, tiles = pa.plan_cuda_launch(q_lens, ctx, num_kv_heads, group, num_sms, max_parts)
+    ints, max_parts, tiles = pa.plan_cuda_launch(q_lens, ctx, num_kv_heads, group, num_sms, max_parts,
+                                                 block_size=block_size)
     if partition_size > 0:
         ints[0] = partition_size
         max_parts = max((pa.num_parts(c, partition_size) for q, c in zip(q_lens, ctx) if q == 1), default=0)
@@ -2769,18 +2787,19 @@ def test_emulated_cuda_kernel_matches_reference(emulated_binding, name, q_lens, 
 
 
 @pytest.mark.parametrize("group, head_dim, dtype, kernel", [
-    (1, 64, torch.bfloat16, "decode_d64"),        # head_dim 64 and 128, queries and cache in bf16 or fp16:
-    (4, 64, torch.float16, "decode_d64"),         # their own kernels
-    (8, 128, torch.bfloat16, "decode_d128"),
+    (1, 64, torch.bfloat16, "decode_mma_d64"),    # head_dim 64 and 128, queries and cache in bf16 or fp16:
+    (4, 64, torch.float16, "decode_mma_d64"),     # the tensor-core kernels
+    (8, 128, torch.bfloat16, "decode_mma_d128"),
     (3, 96, torch.float16, "decode"),             # any other multiple of 32: the generic kernel
     (3, 128, torch.float32, "decode"),            # and float32 (its rows of 128: 8-row tiles, not 16)
 ])
 @pytest.mark.cuda_emu
 def test_emulated_cuda_decode_kernels_match_reference_per_head_dim(emulated_binding, group, head_dim, dtype, kernel):
     """Each decode kernel (one block per row x partition x KV head, serving the whole GQA group,
-    K/V tiles double-buffered through cp.async) against the reference. One KV head, 4 rows < 16
-    blocks for 4 fake SMs, so rows split in 128-token parts: 17 ends mid-block, 129 leaves its last
-    part 1 token, 256 ends exactly on a part; a padding row (context 0) gets zeros."""
+    K/V tiles double-buffered through cp.async) against the reference. One KV head, 4 rows x 4
+    parts fill the 16 blocks of 4 fake SMs; the longest row (16 pages) splits in 2 parts of 8 pages,
+    so 17 ends mid-page in one part, 129 (9 pages) splits 4 + 5 pages with its last page holding 1
+    token, 256 splits exactly; a padding row (context 0) gets zeros."""
     _, lib = emulated_binding
     query, kc, vc, tables, ctx, qsl, scale = make_batch([1, 1, 1, 1], [17, 0, 129, 256], num_kv_heads=1, group=group,
                                                         head_dim=head_dim, kv_dtype=dtype, q_dtype=dtype)
@@ -2791,8 +2810,43 @@ def test_emulated_cuda_decode_kernels_match_reference_per_head_dim(emulated_bind
     rows = [0, 2, 3]
     expected = pa.paged_attention_reference(query[rows].float(), kc, vc, tables[rows], ctx[rows],   # in float32
                                             torch.arange(4, dtype=torch.int32), scale)
-    rtol = 0 if dtype == torch.float32 else 2 ** -7       # 16-bit: only the output's rounding (<= 2^-9 of it)
-    torch.testing.assert_close(out[rows].float(), expected, rtol=rtol, atol=2e-5)
+    # 16-bit: the output's rounding, and the tensor-core kernels round P to the KV dtype for the P.V MMA
+    # (as FlashAttention does): within one unit in the last place of an output near 1
+    rtol, atol = (0, 2e-5) if dtype == torch.float32 else (2 ** -7, torch.finfo(dtype).eps)
+    torch.testing.assert_close(out[rows].float(), expected, rtol=rtol, atol=atol)
+
+
+# contexts of every residue the 16-token tiles care about (0, 1, 15, 16 = 0, 17 = 1 mod 16) beside a
+# padding row (0) and rows long enough to be split in page-aligned parts whose last page is partial
+TILE_EDGE_CONTEXTS = [1, 15, 16, 17, 32, 33, 47, 0, 300, 401]
+
+
+@pytest.mark.parametrize("head_dim, group, dtype, block_size, ctx_lens", [
+    (64, 1, torch.bfloat16, 16, TILE_EDGE_CONTEXTS),
+    (64, 3, torch.float16, 8, TILE_EDGE_CONTEXTS),          # 8-token pages: parts start mid-tile
+    (128, 4, torch.bfloat16, 32, TILE_EDGE_CONTEXTS),
+    (128, 8, torch.float16, 16, TILE_EDGE_CONTEXTS),
+    (64, 8, torch.bfloat16, 16, [1000]),                    # batch 1: one row split across the wave
+    (128, 3, torch.bfloat16, 16, [(7 * i) % 41 for i in range(128)]),   # batch 128, 0 to 40 tokens
+])
+@pytest.mark.cuda_emu
+def test_emulated_tensor_core_decode_matches_float32_reference(emulated_binding, head_dim, group, dtype, block_size,
+                                                                ctx_lens):
+    """The tensor-core decode kernel through the binding (host plan for 4 fake SMs) against the
+    reference in float32: P is rounded to the KV dtype for the P.V MMA, so within one output ulp."""
+    _, lib = emulated_binding
+    kv_heads = 1 if len(ctx_lens) > 16 else 2
+    query, kc, vc, tables, ctx, qsl, scale = make_batch([1] * len(ctx_lens), ctx_lens, num_kv_heads=kv_heads,
+                                                        group=group, head_dim=head_dim, block_size=block_size,
+                                                        kv_dtype=dtype, q_dtype=dtype)
+    lib.cuda_emu_take_launch_log()
+    out = pa.paged_attention(query, kc, vc, tables, ctx, qsl, scale, backend="cuda_emu")
+    assert f"decode_mma_d{head_dim}" in launches(lib)
+    rows = [i for i, c in enumerate(ctx_lens) if c > 0]
+    assert not out[[i for i, c in enumerate(ctx_lens) if c == 0]].any()      # padding rows: zeros
+    expected = pa.paged_attention_reference(query[rows].float(), kc, vc, tables[rows], ctx[rows],
+                                            torch.arange(len(rows) + 1, dtype=torch.int32), scale)
+    torch.testing.assert_close(out[rows].float(), expected, rtol=2 ** -7, atol=torch.finfo(dtype).eps)
 
 
 @pytest.mark.cuda_emu
@@ -2802,10 +2856,11 @@ def test_emulated_cuda_kernel_keeps_bfloat16_queries(emulated_binding):
 
 
 @pytest.mark.parametrize("q_lens, ctx_lens, group, decode_grid, reduce_grid, prefill_grid", [
-    # 3 rows x 2 KV heads < 4 blocks x 4 SMs: split in 128 tokens (246 x 2 / 16 -> 128); 200 needs 2
-    # parts, so every row gets 2 decode blocks (the short rows' second exits) and a reduce per (row, head)
+    # 3 rows x 2 KV heads leave room for 2 parts each in the 16-block wave of 4 fake SMs: 200 tokens
+    # (13 pages) split 6 + 7 pages, every row gets 2 decode blocks (the short rows' second exits) and a
+    # reduce per (row, head)
     ([1, 1, 1], [1, 45, 200], 3, (3 * 2, 2, 1), (3, 6, 1), None),
-    # one row of 2000: 2000 x 2 / 16 = 250 -> 256-token partitions, ceil(2000 / 256) = 8
+    # one row of 2000 tokens (125 pages) x 2 KV heads: 8 parts of 15-16 pages fill the wave
     ([1], [2000], 1, (8, 2, 1), (1, 2, 1), None),
     # 8 decode rows x 2 heads fill 16 blocks: no split, no reduce; the row without query tokens
     # gets its decode block too (it exits), and no prefill launch
@@ -2825,23 +2880,75 @@ def test_emulated_cuda_grids_follow_the_plan(emulated_binding, q_lens, ctx_lens,
 
 
 @pytest.mark.parametrize("ctx_lens, num_kv_heads, num_sms, max_parts, partition, grid_parts", [
-    ([100_000], 8, 132, None, 1536, 66),        # one long row: 100000 x 8 / 528 -> 1536 (x 128), 66 parts
-    ([100_000, 10], 8, 132, None, 1536, 66),    # a short row beside it: one part, the grid still 66 per row
-    ([500] * 66, 8, 132, None, 1 << 30, 1),     # 66 rows x 8 heads = 528 blocks already: no split
-    ([0, 1], 1, 16, None, 128, 1),              # at least 128 tokens (4 warps x 32); an empty row gets a block
-    # 40 x 8 = 320 blocks < 528: 40000 x 8 / 528 -> 640, then equal parts: 1000 in 2 x 512, not 640 + 360
-    # (a block's 4 warps take 4 chunks each, not 5), 640 blocks in all (over 4 per SM)
-    ([1000] * 40, 8, 132, None, 512, 2),
-    # a fixed grid of 22 parts per row (bucket_max_parts(3, 8, 132, 8192) = ceil(528 / 24)): 5000 tokens
-    # would split in 128s (5300 x 8 / 528 -> 128), so the partition grows to ceil(5000 / 22) -> 256
-    ([300, 5000, 0], 8, 132, 22, 256, 22),
+    # one long row, 8 KV heads, 528 blocks a wave (132 SMs x 4): 66 parts of 6,250 pages -> 95 pages each
+    ([100_000], 8, 132, None, 95 * 16, 66),
+    ([100_000, 10], 8, 132, None, 190 * 16, 33),   # two rows: 33 parts each, still one wave (was 66: two)
+    ([500] * 66, 8, 132, None, 1 << 30, 1),        # 66 rows x 8 heads = 528 blocks already: no split
+    ([0, 1], 1, 16, None, 1 << 30, 1),             # one page: nothing to split; an empty row gets a block
+    ([1000] * 40, 8, 132, None, 1 << 30, 1),       # 320 blocks: a second part each would be 640 > 528
+    # the two plans the old planner ran in two waves: 64 x 3 x 3 = 576 blocks of 768 tokens (now 2 x
+    # 64 pages, 384 blocks); 64 x 2 x 8 = 1,024 blocks of 640 + 385 tokens (now no split: 512 blocks)
+    ([2048] * 64, 3, 132, None, 1024, 2),
+    ([1025] * 64, 8, 132, None, 1 << 30, 1),
+    # a graph bucket's fixed grid of 22 parts (528 // 24): 5,000 tokens = 313 pages in 21 parts of 15
+    ([300, 5000, 0], 8, 132, 22, 15 * 16, 22),
 ])
 def test_cuda_plan_split_follows_context_and_sm_count(ctx_lens, num_kv_heads, num_sms, max_parts, partition,
                                                      grid_parts):
     if max_parts is not None:
         assert pa.bucket_max_parts(len(ctx_lens), num_kv_heads, num_sms, 8192) == max_parts
-    ints, parts, tiles = pa.plan_cuda_launch([1] * len(ctx_lens), ctx_lens, num_kv_heads, 1, num_sms, max_parts)
+    ints, parts, tiles = pa.plan_cuda_launch([1] * len(ctx_lens), ctx_lens, num_kv_heads, 1, num_sms, max_parts,
+                                             block_size=16)
     assert (ints, parts, tiles) == ([partition, 0], grid_parts, 0)
+    assert not plan_violations(ctx_lens, num_kv_heads, num_sms, pa.BLOCKS_PER_SM, 16, partition, parts)
+
+
+def plan_violations(ctx_lens, num_kv_heads, num_sms, blocks_per_sm, block_size, partition, max_parts):
+    """What a decode plan breaks of the one-wave rules, in words (an empty list: none)."""
+    wave, rows = blocks_per_sm * num_sms, len(ctx_lens)
+    broken = []
+    if rows * num_kv_heads >= wave and max_parts != 1:
+        broken.append(f"split although {rows} rows x {num_kv_heads} KV heads fill the {wave}-block wave")
+    if max_parts > 1 and rows * max_parts * num_kv_heads > wave:
+        broken.append(f"{rows * max_parts * num_kv_heads} blocks: more than one wave of {wave}")
+    if partition != pa.NO_SPLIT and partition % block_size:
+        broken.append(f"partition {partition} is not whole pages of {block_size}")
+    for c in ctx_lens:
+        # the parts as the kernel cuts them (paged_attention.part_pages), counted here independently
+        n, pages = pa.num_parts(c, partition), -(-c // block_size)
+        sizes = [len(range(i * pages // n, (i + 1) * pages // n)) for i in range(n)]
+        if n > max(max_parts, 1):
+            broken.append(f"context {c} needs {n} parts, the grid has {max_parts}")
+        if sum(sizes) != pages or max(sizes) - min(sizes) > 1 or (n > 1 and max(sizes) * block_size > partition):
+            broken.append(f"context {c}: parts of {sizes} pages")
+    return broken
+
+
+@pytest.mark.unit
+def test_cuda_plan_is_one_wave_with_parts_within_a_page_over_random_batches():
+    """Property test of the planner over random batches (rows, KV heads, SMs, occupancy, page size,
+    contexts): one wave when it splits, no split when rows x KV heads fill the GPU, every row's parts
+    within a page of each other, and within a graph bucket one grid for any contexts. The checker
+    itself rejects the old planner's two-wave plans (64 rows of 2,048 tokens x 3 KV heads: 768-token
+    parts, 3 a row; 64 x 1,025 x 8: 640-token parts, 2 a row)."""
+    assert plan_violations([2048] * 64, 3, 132, 4, 16, 768, 3)
+    assert plan_violations([1025] * 64, 8, 132, 4, 16, 640, 2)
+    rng = random.Random(55)
+    for _ in range(400):
+        rows, kv, sms = rng.choice([1, 2, 3, 8, 16, 64, 128]), rng.choice([1, 2, 3, 4, 8]), rng.choice([4, 108, 132])
+        blocks_per_sm, block_size = rng.choice([1, 2, 4]), rng.choice([1, 8, 16, 32])
+        max_model_len = rng.choice([1024, 8192, 131072])
+        ctx = [rng.choice([0, 1, 15, 16, 17, 1025, 2048, rng.randint(0, max_model_len)]) for _ in range(rows)]
+        ints, parts, _ = pa.plan_cuda_launch([1] * rows, ctx, kv, 1, sms, block_size=block_size,
+                                             blocks_per_sm=blocks_per_sm)
+        assert not plan_violations(ctx, kv, sms, blocks_per_sm, block_size, ints[0], parts), (rows, kv, sms, ctx)
+        bucket = rows + rng.choice([0, 1, 5])                 # a graph bucket: rows fill it or leave padding
+        grid = pa.bucket_max_parts(bucket, kv, sms, max_model_len, blocks_per_sm)
+        padded = ctx + [0] * (bucket - rows)                  # padding rows: context 0
+        ints, parts, _ = pa.plan_cuda_launch([1] * bucket, padded, kv, 1, sms, grid, block_size=block_size,
+                                             blocks_per_sm=blocks_per_sm)
+        assert parts == grid, "a bucket's grid must not depend on the contexts"
+        assert not plan_violations(padded, kv, sms, blocks_per_sm, block_size, ints[0], parts), (bucket, kv, ctx)
 
 
 @pytest.mark.cuda_emu
@@ -2927,6 +3034,90 @@ def test_emulation_catches_a_tile_read_before_its_cp_async_wait(emulator):
     assert err is None and diff > 1e-3, f"a missing cp.async wait went unnoticed: max error {diff}"
 
 
+def tensor_core_batch():
+    """bf16 decode rows for the tensor-core kernel (head_dim 64, GQA 4): split and unsplit, tails mid-tile."""
+    return make_batch([1, 1, 1], [300, 45, 17], num_kv_heads=2, group=4, head_dim=64, kv_dtype=torch.bfloat16,
+                      q_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("bug, symptom", [
+    ("off_by_one_wait", "wrong"),        # async_wait<3> in a 3-stage ring: a tile read before it lands
+    ("ldmatrix_no_trans", "wrong"),      # V fed to P.V untransposed
+    ("unaligned_tile", "misaligned"),    # staged rows 8 bytes off their 16-byte pieces
+])
+@pytest.mark.cuda_emu
+def test_emulation_catches_planted_tensor_core_decode_bugs(emulator, bug, symptom):
+    batch = tensor_core_batch()
+    diff, err = emulated_error(emulator, batch)
+    assert err is None and diff < ATOL_BF16_QUERY, (diff, err)       # unplanted: matches
+    assert "decode_mma_d64" in launches(emulator)
+    emulator.plant_bug(PLANTED_BUGS[bug])
+    diff, err = emulated_error(emulator, batch)
+    if symptom == "misaligned":
+        assert err is not None and "misaligned address" in err, err
+    else:
+        assert err is None and diff > 0.1, f"{bug} went unnoticed: max error {diff}"
+
+
+@pytest.fixture(scope="module")
+def tensor_core_selftest(tmp_path_factory):
+    """csrc/tensor_core_selftest.cu against cuda_emu.h (ctypes): one kernel per warp primitive."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to build the CUDA emulation")
+    so = tmp_path_factory.mktemp("tensor_core_selftest") / "selftest.so"
+    subprocess.run([cxx, *EMU_FLAGS, "-x", "c++", str(CSRC / "tensor_core_selftest.cu"), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.mma_selftest_launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    lib.mma_selftest_launch.restype = ctypes.c_char_p
+    lib.ring_selftest_launch.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    lib.ring_selftest_launch.restype = ctypes.c_char_p
+    return lib
+
+
+SELFTEST_NO_TRANS, SELFTEST_MISALIGNED, SELFTEST_WAIT_OFF_BY_ONE = 1, 2, 4   # enum Flag in the .cu
+
+
+def selftest_matmul(lib, dtype, flags=0):
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(16, 16, generator=g).to(dtype) for _ in range(2))
+    c = torch.full((16, 16), float("nan"))
+    err = lib.mma_selftest_launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), DTYPE_CODE[dtype], flags)
+    return c, a.float() @ b.float(), err and err.decode()
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_emulated_mma_and_ldmatrix_give_a_plain_matmul(tensor_core_selftest, dtype):
+    """One warp: A through ldmatrix, B through ldmatrix.trans, two mma.m16n8k16 -> A @ B in float32;
+    B loaded without .trans (the planted transpose bug) gives another product, which is caught."""
+    c, expected, err = selftest_matmul(tensor_core_selftest, dtype)
+    assert err is None, err
+    torch.testing.assert_close(c, expected, rtol=1e-6, atol=1e-5)
+    c, expected, err = selftest_matmul(tensor_core_selftest, dtype, SELFTEST_NO_TRANS)
+    assert err is None and (c - expected).abs().max() > 0.5
+
+
+@pytest.mark.cuda_emu
+def test_emulation_refuses_unaligned_ldmatrix_and_cp_async(tensor_core_selftest):
+    _, _, err = selftest_matmul(tensor_core_selftest, torch.bfloat16, SELFTEST_MISALIGNED)
+    assert err is not None and "misaligned address" in err
+    src, dst = torch.arange(7 * 512 + 16, dtype=torch.uint8), torch.zeros(7 * 512, dtype=torch.uint8)
+    err = tensor_core_selftest.ring_selftest_launch(src.data_ptr(), dst.data_ptr(), 7, SELFTEST_MISALIGNED)
+    assert err is not None and b"misaligned address" in err
+
+
+@pytest.mark.cuda_emu
+def test_emulated_cp_async_ring_gives_a_plain_copy_and_catches_a_short_wait(tensor_core_selftest):
+    """7 tiles through a 3-stage ring: waiting for all but the 2 newest groups copies them exactly;
+    all but 3 (off by one) reads tiles before they land (poison), which the emulator makes visible."""
+    src = torch.randint(0, 255, (7 * 512,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    for flags, same in [(0, True), (SELFTEST_WAIT_OFF_BY_ONE, False)]:
+        dst = torch.zeros_like(src)
+        assert tensor_core_selftest.ring_selftest_launch(src.data_ptr(), dst.data_ptr(), 7, flags) is None
+        assert torch.equal(dst, src) == same
+
+
 @pytest.mark.cuda_emu
 def test_emulation_enforces_launch_limits(emulator):
     """Over 48 KB of shared memory without an opt-in, or 2,048 threads per block: the launch
@@ -2975,6 +3166,109 @@ def test_emulated_cuda_fused_ops_match_their_references(emulated_binding, dtype)
     torch.testing.assert_close(got, want, **tol)
     gate_up = (torch.randn(9, 2 * 96 + 8, generator=g) * 6).to(dtype)[:, :2 * 96]
     torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+
+
+# (id, dtype, hidden, columns of the tensor x is a view of, x's first column, kernel that must run):
+# whole 16-byte pieces at aligned addresses take the vector kernel, anything else the scalar one
+NORM_LAYOUTS = [
+    ("llama-4096", torch.bfloat16, 4096, 4096, 0, "norm_vec"),
+    ("smollm2-576", torch.bfloat16, 576, 576, 0, "norm_vec"),          # 72 pieces: 96 threads, 24 idle
+    ("fp16-576-strided", torch.float16, 576, 3 * 576, 576, "norm_vec"),  # a row of a wider tensor
+    ("float32-576", torch.float32, 576, 576, 0, "norm_vec"),
+    ("hidden-100", torch.bfloat16, 100, 100, 0, "norm"),                 # not whole pieces
+    ("stride-4100", torch.bfloat16, 4096, 4100, 0, "norm"),              # rows 4100 apart: not 16-byte aligned
+    ("offset-1", torch.bfloat16, 576, 600, 1, "norm"),                   # the view starts mid-piece
+    ("hidden-32768", torch.bfloat16, 32768, 32768, 0, "norm"),           # past 512 threads x 4 pieces
+]
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("name, dtype, hidden, width, first, kernel", NORM_LAYOUTS, ids=[c[0] for c in NORM_LAYOUTS])
+def test_emulated_cuda_norm_reads_16_byte_pieces_where_the_layout_allows(emulated_binding, name, dtype, hidden, width,
+                                                                         first, kernel):
+    """RMSNorm and residual add + RMSNorm in place (out is x) against fused_ops.py's references, on
+    each layout the vector kernel must take or leave; the launch log says which kernel ran."""
+    ops, lib = emulated_binding
+    tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
+    g = torch.Generator().manual_seed(hidden + width)
+    rows = 2 if hidden > 1024 else 5
+    wide = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+    x = wide[:, first:first + hidden]
+    residual = torch.randn(rows, hidden, generator=g).to(dtype)
+    for weight in (torch.rand(hidden, generator=g) + 0.5, (torch.rand(hidden, generator=g) + 0.5).to(dtype)):
+        lib.cuda_emu_take_launch_log()
+        torch.testing.assert_close(FO.rms_norm(x, weight, 1e-5, fused=ops)[0], FO.rms_norm_reference(x, weight, 1e-5),
+                                   **tol)
+        got_x, got_res = wide.clone()[:, first:first + hidden], residual.clone()   # x's layout
+        FO.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)             # in place: the norm lands in x
+        assert set(launches(lib)) == {kernel}
+        want, want_res = FO.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+        assert torch.equal(got_res, want_res)                            # one rounded add
+        torch.testing.assert_close(got_x, want, **tol)
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dtype, heads, head_dim, pad, kernel", [
+    (torch.bfloat16, 6, 64, 0, "rope_vec"),        # SmolLM2-like q + k heads, rows of qkv
+    (torch.float16, 6, 128, 16, "rope_vec"),       # rows 16 elements wider than the heads
+    (torch.float32, 6, 64, 4, "rope_vec"),
+    (torch.bfloat16, 6, 8, 0, "rope"),             # half a head is 4 elements: not a whole piece
+    (torch.bfloat16, 6, 64, 4, "rope"),            # rows 4 bf16 apart from whole pieces
+])
+def test_emulated_cuda_rope_reads_16_byte_pieces_where_the_layout_allows(emulated_binding, dtype, heads, head_dim, pad,
+                                                                          kernel):
+    ops, lib = emulated_binding
+    tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
+    width = (heads + 2) * head_dim
+    wide = torch.randn(5, width + pad, generator=torch.Generator().manual_seed(head_dim)).to(dtype)
+    freqs = torch.randint(0, 4096, (5, 1)).float() * M.rope_inv_freq(M.ModelConfig(head_dim=head_dim))
+    got, want = wide.clone()[:, :width], wide.clone()[:, :width]                 # rows width + pad apart
+    lib.cuda_emu_take_launch_log()
+    FO.rope_(got, freqs.cos(), freqs.sin(), heads, head_dim, fused=ops)
+    assert set(launches(lib)) == {kernel}
+    FO.rope_(want, freqs.cos(), freqs.sin(), heads, head_dim)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dtype, inter, width, kernel", [
+    (torch.bfloat16, 14336, 2 * 14336, "silu_and_mul_vec"),          # Llama-3-8B: 1,792 pieces a row, 7 blocks
+    (torch.float32, 1536, 2 * 1536 + 4, "silu_and_mul_vec"),          # SmolLM2, rows 3076 floats apart
+    (torch.bfloat16, 1536, 2 * 1536 + 4, "silu_and_mul"),             # rows 3076 bf16 apart: not aligned
+    (torch.float16, 100, 200, "silu_and_mul"),                        # not whole pieces
+])
+def test_emulated_cuda_silu_and_mul_reads_16_byte_pieces_where_the_layout_allows(emulated_binding, dtype, inter, width,
+                                                                                 kernel):
+    ops, lib = emulated_binding
+    tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
+    gate_up = (torch.randn(2, width, generator=torch.Generator().manual_seed(inter)) * 6).to(dtype)[:, :2 * inter]
+    lib.cuda_emu_take_launch_log()
+    torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+    assert set(launches(lib)) == {kernel}
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("q_dtype, kv_dtype, kernel", [
+    (torch.bfloat16, torch.bfloat16, "reshape_and_cache_vec"),
+    (torch.float16, torch.float16, "reshape_and_cache_vec"),
+    (torch.float32, torch.bfloat16, "kernel"),                          # a cast on the way: one element a thread
+])
+def test_emulated_cuda_reshape_and_cache_writes_strided_qkv_views(emulated_binding, q_dtype, kv_dtype, kernel):
+    """K and V as views of the fused qkv output (rows of 4 + 2 + 2 heads), pad slots skipped, against
+    the reference scatter."""
+    ops, lib = emulated_binding
+    heads, kv_heads, head_dim = 4, 2, 64
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(3)).to(q_dtype)
+    key = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(5, kv_heads, head_dim)
+    value = qkv[:, (heads + kv_heads) * head_dim:].view(5, kv_heads, head_dim)
+    slots = torch.tensor([6, -1, 0, 11, -1])
+    caches = [torch.zeros(3, 4, kv_heads, head_dim, dtype=kv_dtype) for _ in range(2)]
+    expected = [torch.zeros_like(c) for c in caches]
+    lib.cuda_emu_take_launch_log()
+    ops.reshape_and_cache(key, value, *caches, slots)
+    assert set(launches(lib)) == {kernel}
+    pa.reshape_and_cache_reference(key, value, *expected, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 
 @pytest.mark.cuda_emu
@@ -3110,6 +3404,77 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
     kept = slots >= 0
     pa.reshape_and_cache_reference(key[kept], value[kept], caches[2], caches[3], slots[kept])
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_cuda_tensor_core_decode_and_vector_ops_match_references_on_gpu(cuda_backend, dtype):
+    """The tensor-core decode kernel (head_dim 64 and 128, GQA 1 to 8, contexts around page and tile
+    edges, split in page-aligned parts) against the float32 reference, and the fused ops' vector and
+    scalar layouts against fused_ops.py's references, on the GPU."""
+    ctx = [1, 15, 16, 17, 31, 32, 33, 1000, 2048, 4097]
+    for group, head_dim in [(1, 64), (3, 64), (4, 128), (8, 128)]:
+        for rows in (ctx, ctx[-3:], [700] * 270):              # 270 rows x 2 KV heads fill an H100: no split
+            batch = [t.cuda() if isinstance(t, torch.Tensor) else t
+                     for t in make_batch([1] * len(rows), rows, num_kv_heads=2, group=group, head_dim=head_dim,
+                                         kv_dtype=dtype, q_dtype=dtype)]
+            out = pa.paged_attention(*batch, backend="cuda").float()
+            expected = pa.paged_attention_reference(batch[0].float(), *batch[1:])
+            torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=torch.finfo(dtype).eps)
+    ops = torch.ops.nanoserve_cuda
+    tol = dict(rtol=1.6e-2, atol=1.6e-2)
+    for _, _, hidden, width, first, _ in NORM_LAYOUTS:
+        x = (torch.randn(3, width, device="cuda") * 3).to(dtype)[:, first:first + hidden]
+        residual, weight = torch.randn(3, hidden, device="cuda").to(dtype), torch.rand(hidden, device="cuda") + 0.5
+        torch.testing.assert_close(FO.rms_norm(x, weight, 1e-5, fused=ops)[0], FO.rms_norm_reference(x, weight, 1e-5),
+                                   **tol)
+        got_x, got_res = x.clone(), residual.clone()
+        FO.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)
+        want, want_res = FO.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+        assert torch.equal(got_res, want_res)
+        torch.testing.assert_close(got_x, want, **tol)
+    for inter, width in [(14336, 2 * 14336), (1536, 2 * 1536 + 4), (100, 200)]:
+        gate_up = (torch.randn(5, width, device="cuda") * 6).to(dtype)[:, :2 * inter]
+        torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+    for head_dim, pad in [(128, 0), (64, 4), (8, 0)]:                 # rope: vector, then scalar layouts
+        width = 8 * head_dim
+        wide = torch.randn(5, width + pad, device="cuda").to(dtype)
+        freqs = torch.randint(0, 4096, (5, 1), device="cuda").float() * M.rope_inv_freq(
+            M.ModelConfig(head_dim=head_dim)).cuda()
+        got, want = wide.clone()[:, :width], wide.clone()[:, :width]
+        FO.rope_(got, freqs.cos(), freqs.sin(), 6, head_dim, fused=ops)
+        FO.rope_(want, freqs.cos(), freqs.sin(), 6, head_dim)
+        torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_tensor_core_fragments_give_a_plain_matmul_on_gpu(cuda_backend, tmp_path, dtype):
+    """csrc/tensor_core_selftest.cu built by nvcc: the GPU's own mma.sync / ldmatrix fragment layouts
+    give A @ B, as the emulator's do (test_emulated_mma_and_ldmatrix_give_a_plain_matmul), and the
+    3-stage cp.async ring copies exactly: the emulator's model of each, confirmed on the hardware."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found: the self-test kernels cannot be built")
+    so = tmp_path / "selftest.so"
+    major, minor = torch.cuda.get_device_capability()
+    subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-O3", f"-arch=sm_{major}{minor}", "-o",
+                    str(so), str(CSRC / "tensor_core_selftest.cu")], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.mma_selftest_launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    lib.mma_selftest_launch.restype = ctypes.c_char_p
+    lib.ring_selftest_launch.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    lib.ring_selftest_launch.restype = ctypes.c_char_p
+    a, b = (torch.randn(16, 16, device="cuda").to(dtype) for _ in range(2))
+    c = torch.full((16, 16), float("nan"), device="cuda")
+    assert lib.mma_selftest_launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), DTYPE_CODE[dtype], 0) is None
+    torch.cuda.synchronize()
+    torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-4)
+    src = torch.randint(0, 255, (7 * 512,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    assert lib.ring_selftest_launch(src.data_ptr(), dst.data_ptr(), 7, 0) is None
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)
 
 
 # ---- model_runner.py's GPU path without a GPU: host plan, persistent buffers, fixed grids --------
