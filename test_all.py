@@ -2924,7 +2924,6 @@ def plan_violations(ctx_lens, num_kv_heads, num_sms, blocks_per_sm, block_size, 
     return broken
 
 
-@pytest.mark.unit
 def test_cuda_plan_is_one_wave_with_parts_within_a_page_over_random_batches():
     """Property test of the planner over random batches (rows, KV heads, SMs, occupancy, page size,
     contexts): one wave when it splits, no split when rows x KV heads fill the GPU, every row's parts
