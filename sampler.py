@@ -186,6 +186,12 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
     """logits: [num_seqs, vocab] float32, one row per completion (modified in place).
     generator: the engine's stream for unseeded rows. Returns (tokens list[int],
     logprobs list[dict[int, float] | None]): logprobs are the model's, before any processing."""
+    return sample_on_device(logits, states, generator).read()
+
+
+def sample_on_device(logits, states: list[SamplingState], generator: torch.Generator | None = None) -> "Sampled":
+    """sample() up to its one read from the device: the tokens stay there (async_engine.py feeds
+    them to the next step's inputs) and their copy to the host starts without waiting."""
     params = [s.params for s in states]
     want = [p.logprobs for p in params]
     raw_logprobs = logits.log_softmax(dim=-1) if any(w is not None for w in want) else None   # [num_seqs, vocab]
@@ -201,20 +207,47 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
         tokens = greedy(logits)                                        # [num_seqs] greedy rows
         if rows:
             tokens[rows] = draw(logits[rows], [states[i] for i in rows], generator)
-    if raw_logprobs is None:
-        return tokens.tolist(), [None] * len(states)            # the step's one read from the device
-    return packed_logprobs(raw_logprobs, tokens, want)
+    packed = None if raw_logprobs is None else pack_logprobs(raw_logprobs, tokens, want)
+    return Sampled(tokens, packed, want)
 
 
-def packed_logprobs(logprobs, tokens, want: list[int | None]):
-    """sample()'s answer when logprobs are asked, from the device in one copy: each row's token, its
-    logprob and the top max(want) (value, id) pairs, packed as float64 (ids are exact). -> (tokens,
-    logprobs per row as top_logprobs gives them)."""
+class Sampled:
+    """A step's sampled tokens on the device [num_seqs] (and packed logprobs when asked), on their
+    way to the host in one copy: started at construction (non_blocking into pinned memory on a
+    GPU, with an event), read by read()."""
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor | None, want: list[int | None]):
+        self.tokens, self.want = tokens, want
+        out = tokens if packed is None else packed                     # [num_seqs] or [num_seqs, 2 + 2 * top_n]
+        self.event = None
+        if out.device.type == "cuda":
+            self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out, non_blocking=True)
+            self.event = torch.cuda.Event(enable_timing=True)   # also ends the step's device span
+            self.event.record()
+        else:
+            self.host = out.cpu()
+
+    def read(self):
+        """(tokens list[int], logprobs per row as top_logprobs gives them, or None): the step's one
+        read from the device, which waits for it."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self.host.dim() == 1:
+            return self.host.tolist(), [None] * len(self.want)
+        return unpack_logprobs(self.host.tolist(), self.want)
+
+
+def pack_logprobs(logprobs, tokens, want: list[int | None]) -> torch.Tensor:
+    """float64 [num_rows, 2 + 2 * top_n]: each row's token, its logprob and the top max(want)
+    (value, id) pairs, so one copy brings them all (ids are exact in float64)."""
     top_n = max(max(w or 0 for w in want if w is not None), 1)
     top_vals, top_ids = logprobs.topk(top_n, dim=-1)                  # [num_rows, top_n]
     chosen = logprobs.gather(1, tokens.unsqueeze(1))                   # [num_rows, 1]
-    rows = torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_vals.double(), top_ids.double()],
-                     dim=1).tolist()                                   # [num_rows, 2 + 2 * top_n]
+    return torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_vals.double(), top_ids.double()], dim=1)
+
+
+def unpack_logprobs(rows: list[list[float]], want: list[int | None]):
+    """pack_logprobs' rows, read -> (tokens, logprobs per row as top_logprobs gives them)."""
+    top_n = (len(rows[0]) - 2) // 2 if rows else 0
     token_list, out = [int(r[0]) for r in rows], []
     for r, tok, w in zip(rows, token_list, want):
         if w is None:
@@ -243,8 +276,8 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on `device`: on a GPU one copy from pinned memory that does not wait."""
     if device.type == "cpu":
         return host
-    if device.type != "cuda":
-        return host.to(device)                                         # meta (the tests' recording runs)
+    if device.type != "cuda":                                          # meta (the tests' recording device)
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
@@ -261,6 +294,8 @@ def draw(x, states, generator):
     host = torch.cat([1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32),
                       row_filters(params, x.shape[1]), uniforms(states, generator).unsqueeze(1)], dim=1)   # [k, 5]
     rows = upload(host, x.device)
+    if x.is_cuda and hasattr(torch.ops.nanoserve_cuda, "sample"):    # built with the CUDA attention backend
+        return torch.ops.nanoserve_cuda.sample(x.contiguous(), rows)   # csrc/sampling_cuda.cu: one launch, no sort
     inv_temp, filters, u = rows[:, :1], rows[:, 1:4], rows[:, 4]                                   # [k, 1], [k, 3], [k]
     scale_later = any(p.temperature != 1 for p in params)             # decided on the host: no device sync
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
@@ -323,12 +358,10 @@ def apply_top_k_top_p_min_p(x, params, filters=None):
     top-k, top-p over what top-k kept, min-p. No row pays for a filter it did not ask for, and
     nothing sorts the whole vocabulary on CPU. filters: row_filters already on x's device."""
     vocab = x.shape[1]
-    host = row_filters(params, vocab)                                  # [k, 3]
-    top_k, top_p, min_p = host[:, 0].long(), host[:, 1], host[:, 2]
-    # decided on these host copies (no device sync); the math uses device copies
-    width = int(top_k[top_k < vocab].max()) if bool((top_k < vocab).any()) else 0
-    any_top_p, any_min_p = bool((top_p < 1).any()), bool((min_p > 0).any())
-    dev = upload(host, x.device) if filters is None else filters
+    # decided on the params (no device sync, no tensor op); the math uses device copies
+    width = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
+    any_top_p, any_min_p = any(p.top_p < 1 for p in params), any(p.min_p > 0 for p in params)
+    dev = upload(row_filters(params, vocab), x.device) if filters is None else filters   # [k, 3]
     top_k, top_p, min_p = dev[:, 0].long(), dev[:, 1].contiguous(), dev[:, 2]
     if width:
         # each row's k-th best logit is its floor (ties with it stay, as in vLLM); rows without

@@ -344,6 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", help=f"auto, torch, cpu or cuda (default {default.attention_backend})")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA graphs: run every decode step eagerly (default: graphs on the CUDA backend)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while the device runs step N (default: on with CUDA, off on a CPU)")
     p.add_argument("--kv-cache-dtype", help=f"KV cache dtype, auto = model dtype (default {default.kv_cache_dtype})")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help=f"reuse KV blocks of shared prompt prefixes (default {default.enable_prefix_caching})")
