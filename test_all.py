@@ -1701,11 +1701,11 @@ def gguf_8bit_accuracy(net, hf, tok, hf_greedy_32) -> tuple[float, list[float]]:
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
     ref = math.exp(nll(hf_forward(hf, text)))
     ratios = [math.exp(nll(ragged_forward(net, [text]))) / ref]
-    quantize_rows, g = CL.quantize_rows, torch.Generator()
-    def perturbed(x2, q4):
-        return quantize_rows(x2 * (1 + 2.0 ** -23 * torch.randn(x2.shape, generator=g)), q4)
+    q8, g = CL.gguf_linear_q8, torch.Generator()
+    def perturbed(x2, blocks, bias=None):
+        return q8(x2 * (1 + 2.0 ** -23 * torch.randn(x2.shape, generator=g)), blocks, bias)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(CL, "quantize_rows", perturbed)
+        mp.setattr(CL, "gguf_linear_q8", perturbed)
         for seed in range(GGUF_Q8_PERTURBED_SEEDS):
             g.manual_seed(seed)
             ratios.append(math.exp(nll(ragged_forward(net, [text]))) / ref)
@@ -2492,7 +2492,7 @@ def test_reshape_and_cache_rejects_out_of_range_slots(cpu_backend):
 
 AVX2_FLAGS = ["-march=x86-64-v3"]     # AVX2 + FMA + F16C, no AVX-512: the oldest CPU the kernels target
 AVX512_FLAGS = ["-march=x86-64-v4"]   # AVX-512 F/BW/VL/DQ
-CPU_SOURCES = ["paged_attention_cpu.cpp", "linear_cpu.cpp", "fused_cpu.cpp", "grammar_mask_cpu.cpp"]
+CPU_SOURCES = ["paged_attention_cpu.cpp", "linear_cpu.cpp", "gguf_q8_cpu.cpp", "fused_cpu.cpp", "grammar_mask_cpu.cpp"]
 
 
 def syntax_check(sources, flags):
@@ -2548,6 +2548,9 @@ got = CL.linear(x.bfloat16(), w.bfloat16()).float()
 torch.testing.assert_close(got, torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float()), rtol=8e-3, atol=2e-2)
 gu = torch.randn(5, 64) * 4
 torch.testing.assert_close(FO.silu_and_mul(gu, fused=True), FO.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
+assert torch.ops.nanoserve_linear.gguf_q8_dot().startswith("AVX2")   # no VNNI in this build
+for kind in ("Q4_1", "Q4_0", "Q8_0"):   # the block kernels, 8-bit activations included, against float64
+    T.test_gguf_block_kernel_matches_float64_dequantize_then_matmul(kind)
 import structured_output as so
 bits, logits = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32), torch.randn(4, 1000)
 got, want = logits.clone(), logits.clone()
