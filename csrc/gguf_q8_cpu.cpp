@@ -109,55 +109,69 @@ inline __m128 pair_low(const float* p) {   // (p[0], p[1], 0, 0)
   return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
 }
 
-// One weight row n (its blocks: q lanes, d, mn) against rows [m0, m0 + MR) of the quantized x;
-// out[m, n] = the sums + bias. Each row's operations are the same whatever MR is.
-template <bool Q4, int MR>
+// Weight rows [n0, n0 + NR) (their blocks: q lanes K / 2 or K bytes apart, d and mn nb apart) against
+// rows [m0, m0 + MR) of the quantized x; out[m, n] = the sums + bias[n]. A pair of blocks is unpacked
+// once for MR rows, and x's bytes and scales are loaded once for NR weight rows. The mins' term is
+// added in lanes 0 and 1 of the same 8 float sums. Each row's operations are the same whatever MR
+// and NR are.
+template <bool Q4, int MR, int NR>
 void tile(const int8_t* xq, const float* dx, const float* sx, const uint8_t* q, const float* d, const float* mn,
-          float bias, float* out, int64_t m0, int64_t n, int64_t K, int64_t N) {
-  const int64_t nb = K / 32;
-  __m256 acc[MR];
-  __m128 accm[MR];   // the mins' term, in lanes 0 and 1
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps(), accm[i] = _mm_setzero_ps();
+          const float* bias, float* out, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+  const int64_t nb = K / 32, qrow = Q4 ? K / 2 : K;
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   if constexpr (Q4) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b += 2) {
-      const __m256i v = load32(q + 16 * b);
-      const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      const __m256i w1 = _mm256_unpacklo_epi16(lo, hi), w2 = _mm256_unpackhi_epi16(lo, hi);
-      const __m256 vd = pair_broadcast(d + b);
-      const __m128 vm = pair_low(mn + b);
+      __m256i w1[NR], w2[NR];
+      __m256 vd[NR], vm[NR];
+      for (int j = 0; j < NR; ++j) {
+        const __m256i v = load32(q + j * qrow + 16 * b);
+        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        w1[j] = _mm256_unpacklo_epi16(lo, hi), w2[j] = _mm256_unpackhi_epi16(lo, hi);
+        vd[j] = pair_broadcast(d + j * nb + b), vm[j] = _mm256_zextps128_ps256(pair_low(mn + j * nb + b));
+      }
       for (int i = 0; i < MR; ++i) {
         const int8_t* xr = xq + (m0 + i) * K + 32 * b;
-        const __m256i s = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), w1, load32(xr)), w2, load32(xr + 32));
-        const float* dxr = dx + (m0 + i) * nb + b;
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(vd, pair_broadcast(dxr)), acc[i]);
-        accm[i] = _mm_fmadd_ps(vm, pair_low(sx + (m0 + i) * nb + b), accm[i]);
+        const __m256i x1 = load32(xr), x2 = load32(xr + 32);
+        const __m256 vdx = pair_broadcast(dx + (m0 + i) * nb + b);
+        const __m256 vsx = _mm256_zextps128_ps256(pair_low(sx + (m0 + i) * nb + b));
+        for (int j = 0; j < NR; ++j) {
+          const __m256i s = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), w1[j], x1), w2[j], x2);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(vd[j], vdx), acc[i][j]);
+          acc[i][j] = _mm256_fmadd_ps(vm[j], vsx, acc[i][j]);
+        }
       }
     }
   } else {
     for (int64_t b = 0; b < nb; ++b) {
-      const __m256i v = load32(q + 32 * b), w = _mm256_abs_epi8(v);
-      const __m256 vd = _mm256_broadcast_ss(d + b);
+      __m256i v[NR], w[NR];
+      __m256 vd[NR];
+      for (int j = 0; j < NR; ++j)
+        v[j] = load32(q + j * qrow + 32 * b), w[j] = _mm256_abs_epi8(v[j]), vd[j] = _mm256_broadcast_ss(d + j * nb + b);
       for (int i = 0; i < MR; ++i) {
-        const __m256i xs = _mm256_sign_epi8(load32(xq + (m0 + i) * K + 32 * b), v);
-        const __m256i s = dot_u8s8(_mm256_setzero_si256(), w, xs);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(vd, _mm256_broadcast_ss(dx + (m0 + i) * nb + b)), acc[i]);
+        const __m256i x = load32(xq + (m0 + i) * K + 32 * b);
+        const __m256 vdx = _mm256_broadcast_ss(dx + (m0 + i) * nb + b);
+        for (int j = 0; j < NR; ++j) {
+          const __m256i s = dot_u8s8(_mm256_setzero_si256(), w[j], _mm256_sign_epi8(x, v[j]));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(vd[j], vdx), acc[i][j]);
+        }
       }
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    const float mins = Q4 ? _mm_cvtss_f32(_mm_add_ss(accm[i], _mm_movehdup_ps(accm[i]))) : 0.f;
-    out[(m0 + i) * N + n] = hsum8(acc[i]) + mins + bias;
-  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[(m0 + i) * N + n0 + j] = hsum8(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 
-constexpr int kTileM = 4;   // activation rows per pass over a weight row's blocks
+constexpr int kTileM = 4;   // activation rows per pass over the weight rows' blocks
+constexpr int kTileN = 2;   // weight rows per tile (N is even)
 template <bool Q4>
-using Tile = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const float*, const float*, float,
-                      float*, int64_t, int64_t, int64_t, int64_t);
+using Tile = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const float*, const float*,
+                      const float*, float*, int64_t, int64_t, int64_t, int64_t);
 template <bool Q4, int... MR>
 constexpr std::array<Tile<Q4>, sizeof...(MR)> tiles(std::integer_sequence<int, MR...>) {
-  return {tile<Q4, MR + 1>...};
+  return {tile<Q4, MR + 1, kTileN>...};
 }
 template <bool Q4>   // [rows - 1]
 constexpr auto kTiles = tiles<Q4>(std::make_integer_sequence<int, kTileM>{});
@@ -169,7 +183,7 @@ at::Tensor linear_gguf_q8(const at::Tensor& x, const at::Tensor& qs, const at::T
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = K / 32;
   const bool q4 = mins.has_value();
-  TORCH_CHECK(K % 64 == 0, "need K % 64 == 0");
+  TORCH_CHECK(K % 64 == 0 && N % kTileN == 0, "need K % 64 == 0 and N % 2 == 0");
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (q4 ? K / 2 : K) &&
               qs.scalar_type() == (q4 ? at::kByte : at::kChar), "qs must be uint8 [N, K/2] (Q4_1) or int8 [N, K] (Q8_0), in lanes");
   for (const at::Tensor* t : {&scales, q4 ? &*mins : &scales})
@@ -190,13 +204,12 @@ at::Tensor linear_gguf_q8(const at::Tensor& x, const at::Tensor& qs, const at::T
   const int64_t block = std::max<int64_t>(kTileM, 393216 / K / kTileM * kTileM);   // xq's rows within ~384 KB (L2)
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block);
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n)
+    at::parallel_for(0, N / kTileN, 32, [&](int64_t t0, int64_t t1) {
+      for (int64_t n = t0 * kTileN; n < t1 * kTileN; n += kTileN)
         for (int64_t m = m0; m < m1; m += kTileM) {
           const int rows = int(std::min<int64_t>(kTileM, m1 - m));
-          const float b = bp ? bp[n] : 0.f;
-          if (q4) kTiles<true>[rows - 1](xqp, dxp, sxp, qp + n * (K / 2), dp + n * nb, mp + n * nb, b, op, m, n, K, N);
-          else kTiles<false>[rows - 1](xqp, dxp, sxp, qp + n * K, dp + n * nb, nullptr, b, op, m, n, K, N);
+          if (q4) kTiles<true>[rows - 1](xqp, dxp, sxp, qp + n * (K / 2), dp + n * nb, mp + n * nb, bp, op, m, n, K, N);
+          else kTiles<false>[rows - 1](xqp, dxp, sxp, qp + n * K, dp + n * nb, nullptr, bp, op, m, n, K, N);
         }
     });
   }
