@@ -259,10 +259,12 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None =
 
 # quantization="gguf" at a few rows always sums in float32 (batch-1 logits are the float32
 # engine's up to summation order); from GGUF_Q8_ROWS rows on it could take 8-bit activations where
-# they are faster at start-up (choose_gguf_path). On SmolLM2 they keep 97.3% of greedy top-1
-# agreement and perplexity within 0.3% (test_all.py). They stay off (GGUF_Q8_ACTIVATIONS): on the
-# Zen 1 they measured 0.85-1.1x the float32 sums' time, run to run, and a path picked by a timing at
-# start-up would make a run's tokens depend on that timing.
+# they are faster at start-up (choose_gguf_path). On SmolLM2 they keep 96-98% of greedy top-1
+# agreement and perplexity within 1% (test_all.py). csrc/gguf_q8_cpu.cpp's kernel is now faster than
+# the float32 sums at every row count measured (1-64 rows, both the AVX2 and the AVX512_VNNI build:
+# docs/quantization.md), but they stay off (GGUF_Q8_ACTIVATIONS): they change the tokens, which
+# quantization="gguf"'s tests hold to transformers', and a path picked by a timing at start-up would
+# make a run's tokens depend on that timing.
 GGUF_Q8_ROWS = 16
 GGUF_Q8_ACTIVATIONS = False
 
@@ -283,7 +285,7 @@ def choose_gguf_path(blocks: GGUFBlocks, rows: int = 64, repeats: int = 3) -> tu
     q8 = GGUF_Q8_ACTIVATIONS and best["8-bit activations"] < best["float32 sums"]
     line = (f"from {GGUF_Q8_ROWS} rows {'8-bit activations' if q8 else 'float32 sums'} (measured now at {rows} rows: "
             f"float32 sums {best['float32 sums'] * 1e3:.2f} ms, 8-bit activations {best['8-bit activations'] * 1e3:.2f} ms, "
-            f"AVX2 maddubs, no VNNI kernel{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: no faster on AVX2'})")
+            f"{torch.ops.nanoserve_linear.gguf_q8_dot()}{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: they change the tokens'})")
     return (GGUF_Q8_ROWS if q8 else None), line
 
 
