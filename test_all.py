@@ -2593,6 +2593,14 @@ def test_linear_bfloat16_panels_compile_where_the_cpu_lacks_avx512_bf16():
     syntax_check(["linear_cpu.cpp"], AVX512_FLAGS + ["-mavx512bf16"])
 
 
+def test_gguf_8bit_vnni_kernel_compiles_where_the_cpu_lacks_avx512_vnni():
+    # csrc/gguf_q8_cpu.cpp's vpdpbusd path is #if'd on AVX512_VNNI: where this CPU has it, the block
+    # kernel tests above build and run it; elsewhere (CI's AVX2 EPYCs) this checks that it compiles
+    if {"avx512_vnni", "avx512vl"} <= CL.cpu_flags():
+        pytest.skip("this CPU has AVX512_VNNI: test_gguf_block_kernel_matches_float64_dequantize_then_matmul runs the code")
+    syntax_check(["gguf_q8_cpu.cpp"], AVX512_FLAGS + ["-mavx512vnni"])
+
+
 def test_cpu_kernels_compile_for_avx2_only_cpus():
     # -march=native may have AVX-512; every #if'd AVX-512 path must have an AVX2 twin that
     # compiles. The four files at once: 25-100 s on 2 shared cores (torch's headers), so opt-in
