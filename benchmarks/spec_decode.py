@@ -158,21 +158,21 @@ class StepTimer:
         self.samples = {"plain": [], "verify": []}
         engine.run_model = self.timed
 
-    def timed(self, batch, extra_rows):
-        decode = not extra_rows and all(n == 1 + s.num_spec_tokens and s.num_computed_tokens + 1 == len(s.token_ids)
-                                        for s, n in zip(batch.seqs, batch.num_tokens))
+    def timed(self, batch):
+        decode = batch.seqs and all(n == 1 + s.num_spec_tokens and s.num_computed_tokens + 1 == len(s.token_ids)
+                                    for s, n in zip(batch.seqs, batch.num_tokens))
         if not decode:
-            return self.run_model(batch, extra_rows)
+            return self.run_model(batch)
         kind = "verify" if any(s.spec_token_ids for s in batch.seqs) else "plain"
         if self.engine.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = self.run_model(batch, extra_rows)
+            out = self.run_model(batch)
             end.record()
             self.samples[kind].append((start, end))
             return out
         t0 = time.perf_counter()
-        out = self.run_model(batch, extra_rows)
+        out = self.run_model(batch)
         self.samples[kind].append(1e3 * (time.perf_counter() - t0))
         return out
 
