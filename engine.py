@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+import kv_offload
 import paged_attention
 import parallel
 from cpu_linear import cpu_linear_path
@@ -59,6 +60,11 @@ class EngineConfig(SchedulerConfig):
     kv_cache_dtype: str = "auto"        # auto = the model dtype
     enable_prefix_caching: bool = True
     swap_space: int | str = 0           # bytes of host memory for swapped-out blocks
+    # the prefix cache's tiers below the device (kv_offload.py): evicted blocks go to host memory,
+    # and from there to files under kv_offload_dir, and come back on a hit
+    kv_offload_memory: int | str = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | str = 0
     attention_backend: str = "auto"     # auto | cpu | cuda | torch
     enforce_eager: bool = False         # no CUDA graphs: every decode step runs eagerly (vLLM's name)
     num_threads: int | None = None      # default: all cores (under tensor parallelism: shared by the ranks)
@@ -120,6 +126,7 @@ class EngineStats:
     spec_decode_draft_tokens_last_step: int = 0
     spec_decode_accepted_tokens_last_step: int = 0
     spec_decode_emitted_tokens_last_step: int = 0
+    kv_offload: dict = field(default_factory=dict)   # per tier: hits, bytes, seconds, evictions (kv_offload.py)
 
 
 @dataclass(frozen=True)
@@ -247,6 +254,8 @@ class Engine:
         self.kv_pool = pool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
                             mc.head_dim, kv_dtype, self.device, num_host_blocks)
         self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, num_host_blocks)
+        model_id = f"{os.path.basename(os.path.normpath(str(self.model_dir)))} {c.quantization} {self.model_config}"
+        self.offload = kv_offload.build(c, self.kv_pool, self.blocks, model_id, kv_dtype, self.tp is not None)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
 
@@ -338,6 +347,8 @@ class Engine:
         with self.phase_times.phase("schedule"):
             batch = self.scheduler.schedule()
             self.last_step = self.scheduler.step_counts(batch)
+            if self.offload is not None:
+                self.offload.step_done(batch.block_ops)
         return batch
 
     def run_model(self, batch: ScheduledBatch, extra_rows: list[int]) -> torch.Tensor:
@@ -524,7 +535,8 @@ class Engine:
             prompt_tokens_total=self.num_prompt_tokens, generation_tokens_total=self.num_generation_tokens,
             num_unforked_samples=sum(r.params.n - 1 for r in self.requests.values()
                                      if r.params.n > 1 and r.completions[1].seq is None),
-            **self.last_step, **(self.speculator.engine_stats() if self.speculator else {}))
+            **self.last_step, **(self.speculator.engine_stats() if self.speculator else {}),
+            kv_offload=self.offload.stats() if self.offload is not None else {})
 
 
 @functools.cache

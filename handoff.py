@@ -118,7 +118,7 @@ def import_request(engine: Engine, h: Handoff) -> list[int]:
     if not engine.blocks.can_allocate(holder, len(ids) - holder.num_computed_tokens):
         engine.blocks.free(holder)
         raise EngineError(f"the decode core has no free KV blocks for a {len(ids)}-token prompt")
-    engine.blocks.allocate_slots(holder, len(ids) - holder.num_computed_tokens)
+    engine.kv_pool.run(engine.blocks.allocate_slots(holder, len(ids) - holder.num_computed_tokens))  # tier restores
     engine.importing[h.request_id] = (req, holder)
     return list(range(hits, h.num_blocks))
 
