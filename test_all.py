@@ -1345,6 +1345,188 @@ def test_seeded_samples_do_not_depend_on_the_batch(tiny, case):
         assert_samples_under(tiny[1], prompt, c.index, c.seq.token_ids[len(prompt):], params, case)
 
 
+# ---- kv_offload.py: the prefix cache's host and disk tiers (tiny model) --------------------------
+# Small device pools force evictions; the tiers must bring the blocks back with transformers' tokens,
+# and every fault (bad file, foreign file, full or read-only disk) must cost a recompute, nothing else.
+
+def tier_workload(num_tenants=8, turns=3, system_len=80, seed=0):
+    """A multi-turn chat per tenant: a system prompt of its own (5 blocks), then user turns; each
+    turn's prompt is the previous prompt + its answer + new user tokens."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(100, 40000) for _ in range(system_len)] for _ in range(num_tenants)]
+    return systems, [[rng.randrange(100, 40000) for _ in range(6 + t)] for t in range(turns)]
+
+
+def run_turns(llm, systems, user_turns, max_tokens=4, salt=None):
+    """Every tenant's turns, one request at a time (tenants interleaved), invariants after each."""
+    history, outs = [list(s) for s in systems], []
+    for user in user_turns:
+        for i in range(len(systems)):
+            history[i] += user
+            prompt = history[i] if salt is None else {"prompt_token_ids": history[i], "cache_salt": salt}
+            out = llm.generate(prompt, greedy(max_tokens))[0]
+            history[i] += out.outputs[0].token_ids
+            outs.append(out)
+            llm.engine.check_invariants()
+    return outs
+
+
+def tier_stats(llm):
+    return llm.engine.stats().kv_offload
+
+
+@pytest.mark.slow
+def test_tiers_keep_greedy_tokens_on_a_working_set_four_times_the_device_pool(tiny, tmp_path):
+    systems, turns = tier_workload()
+    pool = 12 * TINY_BLOCK_BYTES                  # 8 tenants x (5 system + 1-2 turn blocks) ~ 4.5x this pool
+    plain = run_turns(tiny_llm(tiny, kv_cache_memory=pool), systems, turns)
+    host = tiny_llm(tiny, kv_cache_memory=pool, kv_offload_memory=64 * TINY_BLOCK_BYTES)
+    disk = tiny_llm(tiny, kv_cache_memory=pool, kv_offload_memory=8 * TINY_BLOCK_BYTES,
+                    kv_offload_dir=str(tmp_path), kv_offload_disk=64 * TINY_BLOCK_BYTES * 2)
+    with_host, with_disk = run_turns(host, systems, turns), run_turns(disk, systems, turns)
+    assert token_ids(with_host) == token_ids(with_disk) == token_ids(plain)
+    for o in plain:
+        assert_greedy_under(tiny[1], o.prompt_token_ids, o.outputs[0].token_ids, "plain")
+    cached = [sum(o.metrics.num_cached_tokens for o in outs) for outs in (plain, with_host, with_disk)]
+    assert cached[1] >= cached[0] + 8 * 2 * 80 - 16 * 16 and cached[2] > cached[0]   # tiers serve the later turns
+    assert tier_stats(host)["host"]["hits"] > 0 and tier_stats(host)["host"]["evictions"] == 0
+    assert tier_stats(disk)["disk"]["hits"] > 0 and tier_stats(disk)["host"]["evictions"] > 0
+    assert tier_stats(disk)["restored_blocks_total"] == tier_stats(disk)["host"]["hits"] + tier_stats(disk)["disk"]["hits"]
+
+
+def evict_with_fillers(llm, n=3, base=20000):
+    """Requests with fresh prompts that push every cached block out of a small device pool."""
+    for k in range(n):
+        llm.generate(list(range(base + 100 * k, base + 100 * k + 70)), greedy(2))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_prefix_restored_from_a_tier_gives_transformers_greedy_tokens(tiny, tmp_path, tier):
+    host_blocks = 32 if tier == "host" else 1     # one host slot: everything moves on to disk
+    llm = tiny_llm(tiny, kv_cache_memory=8 * TINY_BLOCK_BYTES, kv_offload_memory=host_blocks * TINY_BLOCK_BYTES,
+                   kv_offload_dir=str(tmp_path), kv_offload_disk="1MiB")
+    prompt = list(range(3000, 3070))              # 4 full blocks and a tail
+    first = llm.generate(prompt, greedy(8))[0]
+    evict_with_fillers(llm)
+    again = llm.generate(prompt + [5], greedy(8))[0]
+    stats = tier_stats(llm)
+    assert again.metrics.num_cached_tokens == 64 and stats[tier]["hits"] >= 4, stats
+    assert stats["restored_blocks_total"] >= 4
+    assert_greedy_under(tiny[1], prompt, first.outputs[0].token_ids, "computed")
+    assert_greedy_under(tiny[1], prompt + [5], again.outputs[0].token_ids, f"restored from {tier}")
+
+
+def disk_llm(tiny, path, **kw):
+    return tiny_llm(tiny, **{"kv_cache_memory": 8 * TINY_BLOCK_BYTES, "kv_offload_memory": TINY_BLOCK_BYTES,
+                             "kv_offload_dir": str(path), "kv_offload_disk": "1MiB", **kw})
+
+
+def test_a_restart_on_the_disk_tier_serves_the_first_engines_prefix(tiny, tmp_path):
+    prompt = list(range(3000, 3070))
+    first = disk_llm(tiny, tmp_path)
+    expected = first.generate(prompt, greedy(8))[0].outputs[0].token_ids
+    evict_with_fillers(first)                     # the prompt's blocks: device -> host -> disk
+    assert len(list(tmp_path.glob("*.kv"))) >= 4
+    second = disk_llm(tiny, tmp_path)             # a new engine, as after a restart
+    out = second.generate(prompt, greedy(8))[0]
+    assert out.metrics.num_cached_tokens == 64 and tier_stats(second)["disk"]["hits"] == 4
+    assert out.outputs[0].token_ids == expected
+    assert_greedy_under(tiny[1], prompt, out.outputs[0].token_ids, "after restart")
+
+
+def forge_foreign(path):
+    """Rewrite a block file as another model's: a well-formed file (valid checksum), other meta."""
+    import kv_offload, struct, zlib
+    blob = path.read_bytes()
+    n = len(kv_offload.MAGIC)
+    hlen = struct.unpack("<I", blob[n:n + 4])[0]
+    header = json.loads(blob[n + 4:n + 4 + hlen])
+    header["meta"]["model"] = "another-model " + header["meta"]["model"]
+    head = json.dumps(header).encode()
+    body = kv_offload.MAGIC + struct.pack("<I", len(head)) + head + blob[n + 4 + hlen:-4]
+    path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+
+
+DAMAGE = {   # what happens to the files between the two engines, and whether the files must be gone after
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]),
+    "flipped_byte": lambda p: p.write_bytes((lambda b: b[:-100] + bytes([b[-100] ^ 0x40]) + b[-99:])(p.read_bytes())),
+    "other_model": forge_foreign,
+}
+
+
+@pytest.mark.parametrize("fault", [*DAMAGE, "read_only", "full_disk"])
+def test_disk_faults_cost_a_recompute_never_a_wrong_token(tiny, tmp_path, monkeypatch, fault, capsys):
+    import errno, kv_offload
+    prompt = list(range(3000, 3070))
+    first = disk_llm(tiny, tmp_path)
+    expected = first.generate(prompt, greedy(8))[0].outputs[0].token_ids
+    evict_with_fillers(first)
+    files = sorted(tmp_path.glob("*.kv"))
+    assert len(files) >= 4
+    if fault in DAMAGE:
+        for f in files:
+            DAMAGE[fault](f)
+    elif fault == "read_only":                    # (root ignores a directory's mode bits: the kernel's error, faked)
+        def read_only(*a, **k):
+            raise OSError(errno.EROFS, "Read-only file system")
+        monkeypatch.setattr(kv_offload.tempfile, "mkstemp", read_only)
+    else:                                         # the disk fills in the middle of a write
+        real_fdopen = os.fdopen
+        class Full(io.RawIOBase):
+            def __init__(self, fd):
+                self.f = real_fdopen(fd, "wb")
+            def write(self, b):
+                self.f.write(bytes(b)[:100])
+                raise OSError(errno.ENOSPC, "No space left on device")
+            def close(self):
+                self.f.close()
+        monkeypatch.setattr(kv_offload.os, "fdopen", lambda fd, mode: Full(fd))
+    second = disk_llm(tiny, tmp_path)
+    out = second.generate(prompt, greedy(8))[0]
+    assert out.outputs[0].token_ids == expected
+    assert_greedy_under(tiny[1], prompt, out.outputs[0].token_ids, fault)
+    stats = tier_stats(second)
+    if fault in DAMAGE:                           # nothing served from the bad files, which are gone
+        assert out.metrics.num_cached_tokens == 0 and stats["disk"]["hits"] == 0 and stats["disk"]["errors"] > 0
+        assert not (tmp_path / (kv_cache.block_hash(None, prompt[:16], None).hex() + ".kv")).exists()   # met: removed
+    else:                                         # the old files still serve; new evictions cannot be written
+        evict_with_fillers(second, base=30000)    # prompts the first engine never wrote
+        assert stats["disk"]["hits"] == 4 and tier_stats(second)["disk"]["errors"] > 0
+        assert not list(tmp_path.glob(".tmp-*"))  # no half-written file left behind
+        again = second.generate(prompt + [9], greedy(8))[0]   # and it keeps serving
+        assert_greedy_under(tiny[1], prompt + [9], again.outputs[0].token_ids, f"{fault}, later")
+    assert capsys.readouterr().err.count("nanoserve: kv offload:") >= 1
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "colliding"])
+def test_cache_salt_keeps_tenants_apart_in_every_tier(tiny, tmp_path, monkeypatch, hash_fn):
+    if hash_fn == "colliding":
+        monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
+    prompt = list(range(3000, 3070))
+    llm = disk_llm(tiny, tmp_path, kv_offload_disk="4MiB")
+    expected = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, greedy(6))[0].outputs[0].token_ids
+    evict_with_fillers(llm)                       # tenant a's blocks now in the host and disk tiers only
+    other = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-b"}, greedy(6))[0]
+    unsalted = llm.generate(prompt, greedy(6))[0]
+    assert other.metrics.num_cached_tokens == unsalted.metrics.num_cached_tokens == 0     # nothing crosses a salt
+    evict_with_fillers(llm)
+    again = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, greedy(6))[0]
+    if hash_fn == "sha256":   # (colliding keys: later blocks took the few keys there are)
+        assert again.metrics.num_cached_tokens == 64 and tier_stats(llm)["disk"]["hits"] > 0
+    assert all(o.outputs[0].token_ids == expected for o in (other, unsalted, again))
+    assert_greedy_under(tiny[1], prompt, expected, "tenant a")
+
+
+def test_kv_offload_settings_that_cannot_be_honoured_are_refused(tiny, tmp_path):
+    for kw, field_name in [(dict(kv_offload_dir=str(tmp_path), kv_offload_disk="1MiB"), "kv_offload_dir"),
+                           (dict(kv_offload_memory="1MiB", kv_offload_dir=str(tmp_path)), "kv_offload_disk"),
+                           (dict(kv_offload_memory="1MiB", enable_prefix_caching=False), "kv_offload_memory"),
+                           (dict(kv_offload_memory=100), "kv_offload_memory")]:
+        with pytest.raises(InvalidRequest) as e:
+            tiny_llm(tiny, **kw)
+        assert e.value.field == field_name, kw
+
+
 # ---- bad input: a clear error naming the field, nothing disturbed --------------------------------
 
 @pytest.mark.parametrize("prompt,params,message", [
