@@ -40,6 +40,7 @@ from benchmarks import peers as bench_peers
 from benchmarks import report
 from benchmarks import scaleout as bench_scaleout
 from benchmarks import spec_decode as bench_spec_decode
+from benchmarks import tiers as bench_tiers
 from cpu_linear import cpu_linear_path
 from benchmarks.harness import make_engine, md_table, model_dtype, section_header
 
@@ -89,6 +90,8 @@ class Sizes:
     prefix_len: int = 256
     prefix_requests: int = 12
     prefix_out: int = 8
+    tier_tenants: int = 32               # prefix-cache tiers: tenants cycling, each with its own system prompt
+    tier_prefix_len: int = 1000
     conversations: int = 3
     turns: int = 3
     cow_prompt: int = 500
@@ -124,6 +127,7 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               peer_max_num_seqs=8, peer_kv_cache_memory="128MiB", b1_tokens=8, hf_requests=2, hf_batch_sizes=(2,),
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
               kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
+              tier_tenants=8, tier_prefix_len=64,
               cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(20, 28), pressure_prompt_median=16,
               fused_compile=False, fused_rounds=1, gguf_rows=(1, 4), gguf_batches=(1,), int8_rows=(1, 4), int8_batches=(1,), panel_rows=(1, 8),
               panel_batches=(4,), spec_batches=(2,), spec_min_requests=2, spec_out=12, spec_kv_cache_memory="128MiB")
@@ -358,6 +362,14 @@ def targets(results):
         rows.append(("scaleout: cache_aware >= 1.3x round_robin's out tok/s", so["ratios"]["throughput"], 1.3))
         rows.append(("scaleout: disaggregated 1:1 TPOT p99 <= 0.6x colocated (colocated / 1:1 >= 1/0.6)",
                      1 / so["ratios"]["tpot_p99"], 1 / 0.6))
+    t = results.get("tiers")
+    if t:
+        q = t["ratios"]
+        rows.append(("tiers: prefix-hit rate with the host tier >= 0.8", q["hit_rate_host"], 0.8))
+        rows.append(("tiers: TTFT p50 >= 2x better with the host tier (off / host)", q["ttft_p50_off_over_host"], 2.0))
+        rows.append(("tiers: first request after a restart on disk, TTFT p50 >= 3x better than cold",
+                     q["first_ttft_p50_cold_over_disk_restart"], 3.0))
+        rows.append(("tiers: no reuse, out tok/s with the host tier >= 0.97x without", q["no_reuse_tok_s_host_over_off"], 0.97))
     notes = []
     if p and r and "lm_head_params" in r:
         # the most any engine could give on these requests here: every matmul FLOP at the best rate measured
@@ -409,7 +421,7 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "latency": bench_online.bench_latency, "chunked_prefill": bench_online.bench_chunked_prefill,
                "http": bench_online.bench_http, "peers": bench_peers.bench_peers,
                "roofline": bench_hardware.bench_roofline, "kernel": bench_hardware.bench_kernel,
-               "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
+               "prefix": bench_batching.bench_prefix, "tiers": bench_tiers.bench_tiers, "copy_on_write": bench_batching.bench_copy_on_write,
                "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
                "gpu_decode": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
                "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative,

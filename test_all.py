@@ -6996,7 +6996,7 @@ def test_bad_cluster_arguments_are_rejected_naming_the_flag(capsys):
 # ##################################################################################################
 
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
-                  "copy_on_write", "preemption", "hot", "api", "gpu_decode", "parallel", "invariance", "speculative",
+                  "tiers", "copy_on_write", "preemption", "hot", "api", "gpu_decode", "parallel", "invariance", "speculative",
                   "scaleout"]
 
 
