@@ -554,6 +554,59 @@ def test_check_invariants_catches_a_leaked_block():
         blocks.check_invariants([seq])
 
 
+def offload_blocks(num_blocks=4, host_slots=4, disk=None):
+    """A BlockManager over a real (tiny) KVCachePool with a host tier: 1 layer, 1 kv head, head_dim 2."""
+    import kv_offload
+    pool = kv_cache.KVCachePool(1, num_blocks, 4, 1, 2, torch.float32, "cpu")
+    blocks = BlockManager(num_blocks, 4)
+    meta = {"model": "fake", "dtype": "float32", "block_size": 4, "layer_shape": [1, 2, 4, 1, 2]}
+    blocks.offload = kv_offload.Offloader(pool, host_slots * 2 * 4 * 2 * 4, disk, 1 << 20, meta)
+    return blocks, pool
+
+
+@pytest.mark.unit
+def test_evicted_blocks_go_to_the_host_tier_and_come_back_by_a_restore_op():
+    blocks, pool = offload_blocks()
+    a = fake_seq(0, 9, first_token=100)                    # 2 full blocks + 1 token
+    computed(blocks, a)
+    for i, b in enumerate(a.block_table):                  # each block's K/V: a value of its own
+        pool.pool[:, :, b] = 10.0 + i
+    blocks.free(a)
+    c = fake_seq(1, 16, first_token=300)                   # needs all 4 device blocks: a's 2 cached ones evicted
+    blocks.allocate_slots(c, 16)
+    assert blocks.num_evictions == 2 and len(blocks.offload.host.index) == 2
+    blocks.free(c)
+    again = fake_seq(2, 9, first_token=100)
+    assert blocks.num_cached_tokens(again) == 8 and blocks.admission_cost(again, 1) == 3
+    assert blocks.take_cached_prefix(again) == 8
+    ops = blocks.allocate_slots(again, 1)                  # the restore comes with the next ops, before any copy
+    assert [type(op).__name__ for op in ops] == ["Restore"] and list(ops[0].dst) == again.block_table[:2]
+    pool.run(ops)
+    assert [pool.pool[0, 0, b, 0, 0, 0].item() for b in again.block_table[:2]] == [10.0, 11.0]
+    blocks.check_invariants([again])
+
+
+@pytest.mark.unit
+def test_a_tier_hit_needs_the_same_tokens_salt_and_parent():
+    blocks, pool = offload_blocks()
+    a = fake_seq(0, 9, first_token=100)
+    computed(blocks, a)
+    blocks.free(a)
+    blocks.allocate_slots(fake_seq(1, 16, first_token=300), 16)      # a's blocks now only in the host tier
+    other = fake_seq(2, 9, first_token=100)
+    other.token_ids[5] = 1                                 # block 1 differs: only block 0 comes back
+    salted = fake_seq(3, 9, first_token=100, salt="tenant-b")
+    assert blocks.num_cached_tokens(other) == 4 and blocks.num_cached_tokens(salted) == 0
+
+
+@pytest.mark.unit
+def test_check_invariants_catches_a_leaked_host_tier_slot():
+    blocks, _ = offload_blocks()
+    blocks.offload.host.free.popleft()                     # planted: a slot neither free nor holding a block
+    with pytest.raises(AssertionError, match="host tier"):
+        blocks.check_invariants([])
+
+
 # -- scheduler.Scheduler
 
 @pytest.mark.unit
