@@ -3592,6 +3592,26 @@ def gpu_llm():
 
 
 @pytest.mark.gpu
+def test_gpu_tiers_restore_prefixes_with_transformers_greedy_tokens(hf_smollm, tmp_path):
+    """The host tier in pinned memory, the disk tier under it, restores over PCIe: transformers' tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device for torch {torch.__version__}: the tiers over PCIe not run")
+    block = 737280                                             # SmolLM2, float32, 16 tokens
+    llm = LLM(device="cuda", dtype="float32", kv_cache_memory=16 * block, kv_offload_memory=14 * block,
+              kv_offload_dir=str(tmp_path), kv_offload_disk="256MiB")
+    assert llm.engine.offload.host.data.is_pinned()
+    prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 20 + q for i in range(3) for q in QUESTIONS[:2]]
+    outs = []
+    for p in prompts + prompts:                                # the second pass finds its blocks in the tiers
+        outs += llm.generate([p], greedy(8))
+        llm.engine.check_invariants()
+    for o in outs:
+        assert_greedy_under(hf_smollm, o.prompt_token_ids, o.outputs[0].token_ids, o.prompt[:12])
+    tiers = llm.engine.stats().kv_offload
+    assert tiers["host"]["hits"] > 0 and tiers["disk"]["hits"] > 0, tiers
+
+
+@pytest.mark.gpu
 def test_gpu_engine_gives_transformers_greedy_outputs(gpu_llm, hf_greedy_32):
     assert gpu_llm.engine.kv_pool.kv_caches[0][0].is_cuda
     together = token_ids(gpu_llm.generate(PROMPTS, greedy(24)))
