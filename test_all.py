@@ -1551,6 +1551,24 @@ def test_disk_faults_cost_a_recompute_never_a_wrong_token(tiny, tmp_path, monkey
     assert capsys.readouterr().err.count("nanoserve: kv offload:") >= 1
 
 
+def test_two_writers_on_one_disk_tier_leave_only_whole_files(tiny, tmp_path):
+    # data-parallel cores on one machine: two engines write the same blocks into one directory at once
+    prompt = list(range(3000, 3070))
+    writers = [disk_llm(tiny, tmp_path) for _ in range(2)]
+    def serve(llm):
+        for _ in range(3):
+            llm.generate(prompt, greedy(4))
+            evict_with_fillers(llm)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(serve, writers))
+    assert not list(tmp_path.glob(".tmp-*"))
+    reader = disk_llm(tiny, tmp_path)               # a restart: every file it indexes and reads must be whole
+    out = reader.generate(prompt, greedy(8))[0]
+    stats = tier_stats(reader)
+    assert out.metrics.num_cached_tokens == 64 and stats["disk"]["hits"] == 4 and stats["disk"]["errors"] == 0
+    assert_greedy_under(tiny[1], prompt, out.outputs[0].token_ids, "after two writers")
+
+
 @pytest.mark.parametrize("hash_fn", ["sha256", "colliding"])
 def test_cache_salt_keeps_tenants_apart_in_every_tier(tiny, tmp_path, monkeypatch, hash_fn):
     if hash_fn == "colliding":
