@@ -6247,6 +6247,16 @@ def test_simulated_models_have_the_published_parameter_counts():
     assert LLAMA3_8B.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2   # K and V, 32 layers, 8 KV heads, bf16
 
 
+def test_cost_model_restoring_a_prefix_from_a_tier_beats_recompute_only_past_short_contexts():
+    h100, m = cm.GPUS["h100-sxm"], cm.MODELS["llama-3-8b"]
+    r = cm.restore_vs_recompute(h100, m, 4096, h100.pcie_bandwidth)
+    assert r["kv_bytes"] == 4096 * 2 * 32 * 8 * 128 * 2          # K and V, 32 layers, 8 KV heads x 128, bf16: 512 MiB
+    assert r["restore_s"] - cm.step_time(h100, m, [(16, 4096)]) == pytest.approx(r["kv_bytes"] / 50e9)   # over PCIe 5
+    for bandwidth in (h100.pcie_bandwidth, cm.NVME_BANDWIDTH):
+        assert cm.restore_vs_recompute(h100, m, 16, bandwidth)["speedup"] < 1.05   # one block: nothing to win
+        assert cm.restore_vs_recompute(h100, m, 4096, bandwidth)["speedup"] > 1.3
+
+
 def test_simulator_cost_model_matches_hand_computed_step_times():
     # one decode row after 1000 cached tokens, Llama-2-7B on an A100: memory-bound
     weights, kv = 2 * 6_738_415_616, 2 * 32 * 32 * 128 * 2
