@@ -439,7 +439,8 @@ class Offloader:
             self.disk.check_invariants()
 
 
-def build(config, pool, blocks, model_id: str, dtype, tensor_parallel: bool) -> Offloader | None:
+def build(config, pool, blocks, model_id: str, dtype, tensor_parallel: bool,
+          policy: TierPolicy | None = None) -> Offloader | None:
     """Engine's seam: the tiers config asks for (kv_offload_memory, kv_offload_dir, kv_offload_disk),
     hung under `blocks`, or None. Raises InvalidRequest naming the field that cannot be honoured."""
     host = parse_memory(config.kv_offload_memory or 0)
@@ -456,7 +457,7 @@ def build(config, pool, blocks, model_id: str, dtype, tensor_parallel: bool) -> 
          config.kv_offload_disk)
     meta = {"model": model_id, "dtype": str(dtype).removeprefix("torch."), "block_size": config.block_size,
             "layer_shape": [pool.pool.shape[0], pool.pool.shape[1], *pool.pool.shape[3:]]}
-    offloader = Offloader(pool, host, config.kv_offload_dir, disk, meta)
+    offloader = Offloader(pool, host, config.kv_offload_dir, disk, meta, policy)
     need(offloader.host.num_slots > 0, "kv_offload_memory", f"at least one block ({offloader.block_bytes} bytes)",
          config.kv_offload_memory)
     blocks.offload = offloader

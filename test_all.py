@@ -1465,6 +1465,8 @@ def test_a_prefix_restored_from_a_tier_gives_transformers_greedy_tokens(tiny, tm
     stats = tier_stats(llm)
     assert again.metrics.num_cached_tokens == 64 and stats[tier]["hits"] >= 4, stats
     assert stats["restored_blocks_total"] >= 4
+    metrics = "\n".join(serve.kv_offload_lines(stats, 'model_name="m"'))    # what /metrics shows of it
+    assert f'nanoserve:kv_offload_hits_total{{model_name="m",tier="{tier}"}} {stats[tier]["hits"]}' in metrics
     assert_greedy_under(tiny[1], prompt, first.outputs[0].token_ids, "computed")
     assert_greedy_under(tiny[1], prompt + [5], again.outputs[0].token_ids, f"restored from {tier}")
 
