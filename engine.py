@@ -13,6 +13,8 @@ Engine.step() is the loop body, three calls in the order data flows (as nano-vll
 With speculative_config (spec_decode.py), a decode row also carries drafts: postprocess verifies
 them (spec_decode.Speculator.sample), rolls the cache back (Scheduler.accept_drafts), appends the
 accepted run token by token, then proposes the next step's drafts.
+With async_scheduling (on with CUDA), step() hands over to async_engine.py, which runs the same
+calls in a two-slot pipeline: step N+1 is planned and launched before step N's outputs are processed.
 llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from
 engine_core.py, in a process of its own. Owns requests and their outputs (sequence.py holds the
 records); validates input once, at the edge (add_request).
@@ -29,21 +31,20 @@ import torch
 
 import kv_offload
 import paged_attention
-import parallel
+from builder import EngineBuilder
 from cpu_linear import cpu_linear_path
 from draft_model import DraftModelProposer
 from errors import InvalidRequest, need
-from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
+from kv_cache import BlockManager, bytes_per_block, parse_memory
 from model import resolve_dtype
-from model_runner import ModelRunner
-from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
+from async_engine import OverlapLoop
+from sampler import SamplingParams, SamplingState, bad_words_token_ids, make_generator, sample_on_device, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from spec_decode import SpeculativeConfig, Speculator
 from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
-from weights import load_model, read_config
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "PromptLimits", "SamplingParams",
            "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
@@ -78,6 +79,20 @@ class EngineConfig(SchedulerConfig):
     # "gguf": only a GGUF's own Q4_0/Q4_1/Q8_0 blocks, at every batch; "int8": dynamic W8A8 from any
     # float checkpoint, exact int32 sums (batch-invariant too): docs/quantization.md
     quantization: str | None = None
+    # overlapped scheduling (async_engine.py): the host plans step N+1 while the device runs step N.
+    # None = on where a device runs apart from the host (CUDA); off on a CPU, where they are one
+    async_scheduling: bool | None = None
+
+    @classmethod
+    def with_overrides(cls, config: "EngineConfig | None", overrides: dict) -> "EngineConfig":
+        """config (or the defaults) with these fields set, validated; an unknown name is refused."""
+        config = config or cls()
+        for k, v in overrides.items():
+            if k not in {f.name for f in fields(cls)}:
+                raise InvalidRequest(k, f"unknown engine argument {k!r}")
+            setattr(config, k, v)
+        config.validate()
+        return config
 
     def validate(self):
         super().validate()
@@ -163,12 +178,16 @@ class PromptLimits:
 @dataclass
 class PhaseTimes:
     """Seconds spent in each phase of Engine.step, summed over steps (bench.py reads them).
-    On a GPU `forward` only counts the launch unless the sampler's .tolist() syncs first."""
+    On a GPU `forward` and `sample` count the host's launches; `wait` is the host blocked on the
+    device (reading the sampled ids back), and `device` the device's own time per step, from the
+    first upload to the sampled ids' copy (CUDA events: not a host phase, not in the step's sum)."""
     schedule: float = 0.0
     prepare: float = 0.0                # block copies and building the flat batch tensors
     forward: float = 0.0
     sample: float = 0.0
+    wait: float = 0.0                   # the host waits for the device's sampled ids
     update: float = 0.0                 # append tokens, detokenize, stop checks, outputs
+    device: float = 0.0                 # CUDA only: the device's span of the step, not a host phase
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -178,19 +197,36 @@ class PhaseTimes:
         finally:
             setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
 
+    @staticmethod
+    def mark(device: torch.device):
+        """A timing event recorded on device's stream now (None off CUDA): a step's start."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add_device_span(self, start, end):
+        """After `end` completed: the device's time from start to end (both events, or None)."""
+        if start is not None and end is not None:
+            self.device += start.elapsed_time(end) / 1e3
+
 
 class Engine:
-    @parallel.shut_down_on_failure      # a start that fails after the workers started stops them
-    def __init__(self, config: EngineConfig | None = None, *, loaded_model=None, **overrides):
-        """loaded_model: a (model, model_config, model_dir) from weights.load_model to share instead of
+    def __init__(self, config: EngineConfig | None = None, *, builder: EngineBuilder | None = None,
+                 loaded_model=None, **overrides):
+        """builder: makes the model, KV pool and model runner (builder.py; llm.build_engine picks it).
+        loaded_model: a (model, model_config, model_dir) from weights.load_model to share instead of
         loading again (bench.py runs many engines on one set of read-only weights)."""
-        config = config or EngineConfig()
-        for k, v in overrides.items():
-            if k not in {f.name for f in fields(EngineConfig)}:
-                raise InvalidRequest(k, f"unknown engine argument {k!r}")
-            setattr(config, k, v)
-        config.validate()
-        self.config = config
+        self.config = config = EngineConfig.with_overrides(config, overrides)
+        self.builder = builder or EngineBuilder()
+        try:
+            self._build(config, loaded_model)
+        except BaseException:               # a start that fails after the builder started workers stops them
+            self.builder.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, loaded_model):
         torch.set_num_threads(config.num_threads or os.cpu_count())
         self.device = torch.device(config.device if config.device != "auto"
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -201,14 +237,8 @@ class Engine:
         self.dtype = dtype                                  # what ran; bench.py prints it
         _log_once(f"nanoserve: dtype {str(dtype).removeprefix('torch.')} ({why})")
         self.attention_backend = paged_attention.resolve_backend(config.attention_backend, self.device.type)
-        self.tp = None                                      # rank 0's parallel.TPGroup under tensor parallelism
-        if config.tensor_parallel_size > 1:
-            need(loaded_model is None, "loaded_model", "None under tensor parallelism", "a model")
-            model_dir, mc = read_config(config.model)
-            self.tp = parallel.launch(config, model_dir, mc, dtype, self.device, self.attention_backend)
-            _log_once(f"nanoserve: tensor parallel over {self.tp.size} ranks; {self.tp.why_threads}")
-        self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device,
-                                                                                   self.tp, config.quantization)
+        self.model, self.model_config, self.model_dir = self.builder.load_model(config, dtype, self.device,
+                                                                                self.attention_backend, loaded_model)
         need(getattr(self.model, "quantization", None) == config.quantization, "loaded_model",
              f"a model loaded with quantization={config.quantization!r}", getattr(self.model, "quantization", None))
         if self.device.type == "cpu":
@@ -226,7 +256,7 @@ class Engine:
         self._init_kv_cache(dtype)
         runner_args = (self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
                        config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.enforce_eager)
-        self.runner = ModelRunner(*runner_args) if self.tp is None else parallel.DriverRunner(*runner_args, self.tp)
+        self.runner = self.builder.runner(*runner_args)
         self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
         self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
         self.speculator = self._init_speculator(config.speculative_config, dtype)
@@ -241,6 +271,9 @@ class Engine:
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step = self.scheduler.step_counts(ScheduledBatch([], []))
         self.phase_times = PhaseTimes()
+        self.step_start = None                              # the running step's first event (CUDA)
+        use_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.overlap = OverlapLoop(self) if use_async else None    # async_scheduling: async_engine.py
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model.config      # the model's own: under tensor parallelism this rank's heads
@@ -250,12 +283,11 @@ class Engine:
         need(num_blocks >= 2, "kv_cache_memory", f"enough for at least 2 blocks of {per_block} bytes",
              c.kv_cache_memory)
         num_host_blocks = parse_memory(c.swap_space) // per_block
-        pool = KVCachePool if self.tp is None else parallel.DriverKVPool   # rank 0 also sends its block copies
-        self.kv_pool = pool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
-                            mc.head_dim, kv_dtype, self.device, num_host_blocks)
+        self.kv_pool = self.builder.kv_pool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
+                                            mc.head_dim, kv_dtype, self.device, num_host_blocks)
         self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, num_host_blocks)
         model_id = f"{os.path.basename(os.path.normpath(str(self.model_dir)))} {c.quantization} {self.model_config}"
-        self.offload = kv_offload.build(c, self.kv_pool, self.blocks, model_id, kv_dtype, self.tp is not None)
+        self.offload = kv_offload.build(c, self.kv_pool, self.blocks, model_id, kv_dtype, c.tensor_parallel_size > 1)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
 
@@ -285,11 +317,12 @@ class Engine:
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, ids, params, [], RequestMetrics(now, num_prompt_tokens=len(ids)),
                       None if params.prompt_logprobs is None else [None], cache_salt)
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
         for i in range(params.n):             # each of n samples: its own seed stream, counts and grammar state
             state = SamplingState(params, ids, self.model_config.vocab_size, make_generator(params.seed, i),
-                                  self.eos_token_ids, self._grammar(params.structured_outputs))
-            req.completions.append(Completion(i, None, IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True),
-                                              state))
+                                  self.eos_token_ids, self._grammar(params.structured_outputs), bad_words)
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            req.completions.append(Completion(i, None, detok, state))
         seq = Sequence(next(self.seq_ids), list(ids), len(ids), params.max_tokens, priority, now, request=req)
         req.completions[0].seq = seq                # samples 1..n-1 fork from it after its prefill
         self.requests[request_id] = req
@@ -331,6 +364,12 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()   # the sampler edits the model's logits in place: they are inference tensors
     def step(self) -> list[RequestOutput]:
+        if self.overlap is not None:                        # async_scheduling: a two-slot pipeline around
+            return self.overlap.step()                      # the same three calls (async_engine.py)
+        return self.plain_step()
+
+    @torch.inference_mode()
+    def plain_step(self) -> list[RequestOutput]:
         if self.model.batch_invariant != self.config.batch_invariant:   # a model shared by engines (bench.py)
             self.model.set_batch_invariant(self.config.batch_invariant)
         batch = self.schedule()
@@ -352,6 +391,7 @@ class Engine:
         return batch
 
     def run_model(self, batch: ScheduledBatch, extra_rows: list[int]) -> torch.Tensor:
+        self.step_start = self.phase_times.mark(self.device)
         with self.phase_times.phase("prepare"):
             inputs = self.runner.prepare(batch, extra_rows)
         with self.phase_times.phase("forward"):
@@ -364,13 +404,21 @@ class Engine:
         if prompt_rows.rows:
             self.record_prompt_logprobs(logits[num_sampled:], prompt_rows.plan)
             logits = logits[:num_sampled]
+        ready = self.finish_step(batch)                     # the sequences that sample a token now
+        completions, tokens, logprobs = self._sample(logits, ready)
+        return self.apply_tokens(completions, tokens, logprobs)
+
+    def finish_step(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Count the step and mark its scheduled tokens computed; returns the sequences that sample."""
         self.num_steps += 1
         real = batch.num_real_rows
         self.num_prompt_tokens += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
                                       for s, n in zip(batch.seqs[:real], batch.num_tokens[:real]))
-        ready = self.scheduler.finish_step(batch)           # the sequences that sample a token now
-        with self.phase_times.phase("sample"):
-            completions, tokens, logprobs = self._sample(logits, ready)
+        return self.scheduler.finish_step(batch)
+
+    def apply_tokens(self, completions: list[Completion], tokens: list[list[int]], logprobs) -> list[RequestOutput]:
+        """Append each completion's run of tokens (stop checks, detokenizing, retiring the finished)
+        and return the touched requests' outputs."""
         with self.phase_times.phase("update"):
             now, touched = time.monotonic(), {}
             for c, run, lps in zip(completions, tokens, logprobs):
@@ -404,9 +452,14 @@ class Engine:
         if rows != list(range(len(logits))):                # n > 1 repeats rows; else skip the [rows, vocab] copy
             logits = logits[rows]
         if self.speculator:
-            out = self.speculator.sample(logits, completions, self.generator)
+            with self.phase_times.phase("sample"):
+                out = self.speculator.sample(logits, completions, self.generator)
             return completions, out.token_ids, [lp or [None] * len(t) for lp, t in zip(out.logprobs, out.token_ids)]
-        tokens, logprobs = sample(logits, [c.sampling for c in completions], self.generator)
+        with self.phase_times.phase("sample"):
+            sampled = sample_on_device(logits, [c.sampling for c in completions], self.generator)
+        with self.phase_times.phase("wait"):                # the step's one read from the device
+            tokens, logprobs = sampled.read()
+        self.phase_times.add_device_span(self.step_start, sampled.event)
         return completions, [[t] for t in tokens], [[lp] for lp in logprobs]
 
     def prompt_logprob_rows(self, batch: ScheduledBatch) -> "PromptLogprobRows":
@@ -463,6 +516,8 @@ class Engine:
         grammar_ended = c.sampling.grammar is not None and c.sampling.grammar.is_finished
         can_stop = seq.num_output_tokens >= p.min_tokens or grammar_ended
         if can_stop and (token in p.stop_token_id_set or (token in self.eos_token_ids and not p.ignore_eos)):
+            if p.include_stop_str_in_output:               # the stop token's text (none if skipped as special)
+                c.text += c.detok.step(token)
             return self._finish(c, "stop", token, now)
         c.text += c.detok.step(token)
         # search only where a new match can start; one token may complete several stop strings,
@@ -471,7 +526,7 @@ class Engine:
                 if (at := c.text.find(stop, max(0, c.emitted_text - len(stop) + 1))) != -1]
         if hits:
             at, i = min(hits)
-            c.text = c.text[:at]
+            c.text = c.text[:at + len(p.stop[i]) if p.include_stop_str_in_output else at]
             return self._finish(c, "stop", p.stop[i], now)
         if grammar_ended:                                   # nothing but EOS could follow
             return self._finish(c, "stop", None, now)
@@ -512,10 +567,14 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics,
                              prompt_logprobs)
 
+    @property
+    def tp(self):
+        """The tensor-parallel group the builder started (scaleout/parallel.py), or None."""
+        return self.builder.tp
+
     def shutdown(self):
-        """Stop the tensor-parallel workers and leave the group (nothing to do on one rank)."""
-        if self.tp is not None:
-            self.tp.shutdown()
+        """Stop what the builder started: tensor-parallel workers and their group (nothing on one rank)."""
+        self.builder.shutdown()
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self):

@@ -25,9 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from errors import need
-from kv_cache import BlockManager, BlockOp
+from kv_cache import BlockManager, BlockOp, rollback_num_blocks
 from sequence import Sequence, Status
-from spec_decode import rollback_num_blocks
 
 
 @dataclass
@@ -157,6 +156,8 @@ class Scheduler:
         (so no prefix-cache block ever holds one): accept_drafts counts the accepted ones."""
         real = batch.num_real_rows
         for seq, n in zip(batch.seqs[:real], batch.num_tokens[:real]):
+            if seq.status is Status.FINISHED:           # async scheduling: retired while its step ran
+                continue
             seq.num_computed_tokens += n - seq.num_spec_tokens
             self.blocks.cache_full_blocks(seq)
         return [batch.seqs[i] for i in batch.sample_rows]

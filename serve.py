@@ -38,14 +38,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from data_parallel import DataParallelClient, dp_key, run_headless
-from disaggregation import DisaggregatedClient
 from engine import Engine, EngineConfig, InvalidRequest
 from engine_client import ClientGone, EngineClient, Failed, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
     OpenAIProtocol, RequestLimits
-import parallel
-import router
+import launcher
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -250,8 +247,7 @@ def render_metrics(server: OpenAIServer) -> str:
               for reason, count in sorted(client.metrics.finished.items(), key=lambda kv: str(kv[0]))]
     for histogram in (client.metrics.ttft, client.metrics.tpot, client.metrics.e2e):
         lines += histogram.render(labels)
-    if isinstance(client, DataParallelClient):
-        lines += client.metrics_lines(labels)
+    lines += client.metrics_lines(labels)             # a data-parallel client's per-core series; else none
     return "\n".join(lines) + "\n"
 
 
@@ -284,7 +280,7 @@ def build_app(engine: Engine | EngineClient, served_model_name: str, max_waiting
               body_timeout: float = 30.0, metrics_require_key: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine core. serve.py passes the client of a
     core process; tests may pass an Engine, whose core then runs in a thread of this process."""
-    client = engine if isinstance(engine, (EngineClient, DataParallelClient)) else EngineClient.in_thread(engine)
+    client = EngineClient.in_thread(engine) if isinstance(engine, Engine) else engine
     server = OpenAIServer(client, served_model_name, max_waiting, max_request_bytes, limits, body_timeout)
 
     @asynccontextmanager
@@ -367,6 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", help=f"auto, torch, cpu or cuda (default {default.attention_backend})")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA graphs: run every decode step eagerly (default: graphs on the CUDA backend)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while the device runs step N (default: on with CUDA, off on a CPU)")
     p.add_argument("--kv-cache-dtype", help=f"KV cache dtype, auto = model dtype (default {default.kv_cache_dtype})")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help=f"reuse KV blocks of shared prompt prefixes (default {default.enable_prefix_caching})")
@@ -385,7 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ranks that split each layer; under torchrun, its number of processes (default 1)")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine cores, each a full replica with its own KV cache and share of the threads (default 1)")
-    p.add_argument("--routing", choices=router.POLICIES, default="cache_aware",
+    p.add_argument("--routing", choices=launcher.ROUTING_POLICIES, default="cache_aware",
                    help="with --data-parallel-size > 1: which core serves a request (default cache_aware)")
     p.add_argument("--data-parallel-size-local", type=int, default=None,
                    help="engine cores started on this machine (default: all of --data-parallel-size; with "
@@ -437,7 +435,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"prompts x n of one request (default {d.max_seqs_per_request}; at most --max-waiting)")
     r.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
                    help=f"logit_bias entries (default {d.max_logit_bias}, OpenAI's)")
-    r.add_argument("--max-stop-strings", type=int, default=d.max_stop, help=f"stop strings (default {d.max_stop})")
+    r.add_argument("--max-stop-strings", type=int, default=d.max_stop,
+                   help=f"stop strings, and bad_words (default {d.max_stop})")
     r.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
                    help=f"characters of one stop string (default {d.max_stop_chars})")
     r.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
@@ -445,6 +444,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--max-grammar-bytes", type=int, default=d.max_grammar_bytes,
                    help=f"a structured-output schema, regex, grammar or choice list as JSON "
                         f"(default {d.max_grammar_bytes})")
+    r.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own chat_template (vLLM's flag; default: 400 naming it)")
     r.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a structured-output grammar may take to compile (off the engine's loop); "
                         "then 400 (default 10)")
@@ -453,7 +454,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(args.max_seqs_per_request, args.max_logit_bias, args.max_stop_strings, args.max_stop_chars,
-                         args.max_stop_token_ids, args.max_grammar_bytes)
+                         args.max_stop_token_ids, args.max_grammar_bytes, args.trust_request_chat_template)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -552,40 +553,13 @@ async def wait_until(done, timeout: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if parallel.launched_by_torchrun() and int(os.environ["RANK"]) > 0:
-        return parallel.run_worker()        # torchrun's other ranks: only rank 0 serves HTTP
+    if launcher.run_tensor_parallel_worker():       # torchrun's other ranks: only rank 0 serves HTTP
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.headless:
-        try:
-            key = dp_key()
-        except ValueError as exc:
-            sys.exit(f"serve.py: error: {exc}")
-        return run_headless(engine_config(args), args.data_parallel_size_local or 1,
-                            (args.data_parallel_address, args.data_parallel_rpc_port), key, args.grammar_compile_timeout,
-                            args.disaggregation_mode or "both")
+        return launcher.run_headless(engine_config(args), args)
     try:
-        if args.disaggregation_mode is not None:
-            raise ValueError("--disaggregation-mode is for --headless cores; the front end takes --disaggregation")
-        if args.data_parallel_size < 1:
-            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-        if args.data_parallel_size > 1 and (args.tensor_parallel_size or 1) > 1:
-            raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
-        if args.disaggregation is not None:
-            if args.data_parallel_size > 1 or (args.tensor_parallel_size or 1) > 1 or args.speculative_config:
-                raise ValueError("--disaggregation does not combine with --data-parallel-size, "
-                                 "--tensor-parallel-size or --speculative-config yet")
-            client = DisaggregatedClient.from_flags(engine_config(args), args.disaggregation, args.disaggregation_local, (
-                args.data_parallel_address, args.data_parallel_rpc_port), args.grammar_compile_timeout)
-        elif args.data_parallel_size > 1:
-            local = args.data_parallel_size if args.data_parallel_size_local is None else args.data_parallel_size_local
-            if not 0 <= local <= args.data_parallel_size:
-                raise ValueError(f"--data-parallel-size-local must be in [0, --data-parallel-size], got {local}")
-            client = DataParallelClient.in_processes(engine_config(args), args.data_parallel_size, args.routing,
-                                                     args.grammar_compile_timeout, local,
-                                                     (args.data_parallel_address, args.data_parallel_rpc_port),
-                                                     dp_key() if local < args.data_parallel_size else b"")
-        else:
-            client = EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)  # builds the engine there
+        client = launcher.launch_client(engine_config(args), args)
     except ValueError as exc:  # a bad flag value: say which, without a traceback
         sys.exit(f"serve.py: error: {exc}")
     default_name = os.path.basename(os.path.normpath(args.model or "SmolLM2-135M-Instruct")).removesuffix(".gguf")
