@@ -57,8 +57,6 @@ class OverlapLoop:
             _say_once(f"nanoserve: async_scheduling: plain steps while {why}")
             self.num_plain += 1
             return self.drain() + e.plain_step()
-        if e.model.batch_invariant != e.config.batch_invariant:     # a model shared by engines (bench.py)
-            e.model.set_batch_invariant(e.config.batch_invariant)
         batch = e.schedule()
         if not batch.seqs:                                   # everyone was preempted: only the swaps run
             e.kv_pool.run(batch.block_ops)

@@ -17,7 +17,8 @@ With async_scheduling (on with CUDA), step() hands over to async_engine.py, whic
 calls in a two-slot pipeline: step N+1 is planned and launched before step N's outputs are processed.
 llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from
 engine_core.py, in a process of its own. Owns requests and their outputs (sequence.py holds the
-records); validates input once, at the edge (add_request).
+records); validates input once, at the edge (add_request). Its model, KV pool, model runner, scheduler
+and speculator come from a builder (builder.py): the engine never asks how many ranks run them.
 """
 import contextlib
 import functools
@@ -26,6 +27,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,7 +35,6 @@ import kv_offload
 import paged_attention
 from builder import EngineBuilder
 from cpu_linear import cpu_linear_path
-from draft_model import DraftModelProposer
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, bytes_per_block, parse_memory
 from model import resolve_dtype
@@ -41,10 +42,11 @@ from async_engine import OverlapLoop
 from sampler import SamplingParams, SamplingState, bad_words_token_ids, make_generator, sample_on_device, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from spec_decode import SpeculativeConfig, Speculator
-from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:                       # optional parts, loaded by the builder only when a config asks
+    from spec_decode import SpeculativeConfig
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "PromptLimits", "SamplingParams",
            "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
@@ -75,7 +77,7 @@ class EngineConfig(SchedulerConfig):
     # CPU only. Default from vLLM's VLLM_BATCH_INVARIANT=1 or NANOSERVE_BATCH_INVARIANT=1.
     batch_invariant: bool = field(default_factory=lambda: any(
         os.environ.get(v, "0") not in ("", "0") for v in ("VLLM_BATCH_INVARIANT", "NANOSERVE_BATCH_INVARIANT")))
-    speculative_config: dict | SpeculativeConfig | None = None   # vLLM's: {"method": "ngram", ...}
+    speculative_config: "dict | SpeculativeConfig | None" = None   # vLLM's: {"method": "ngram", ...}
     # "gguf": only a GGUF's own Q4_0/Q4_1/Q8_0 blocks, at every batch; "int8": dynamic W8A8 from any
     # float checkpoint, exact int32 sums (batch-invariant too): docs/quantization.md
     quantization: str | None = None
@@ -96,7 +98,9 @@ class EngineConfig(SchedulerConfig):
 
     def validate(self):
         super().validate()
-        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None:          # optional: spec_decode.py loads only when asked for
+            from spec_decode import SpeculativeConfig
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         need(self.speculative_config is None or self.scheduler_mode == "continuous", "speculative_config",
              "None with scheduler_mode 'static' (the baseline does not speculate)", self.speculative_config)
         dtypes = ("auto", "float32", "bfloat16", "float16")
@@ -244,7 +248,7 @@ class Engine:
         if self.device.type == "cpu":
             path = "" if config.quantization else f"{cpu_linear_path(dtype, config.batch_invariant)}; "
             _log_once(f"nanoserve: linear layers {path}{self.model.gguf_log}")
-        self.model.set_batch_invariant(config.batch_invariant)
+        self.model = self.model.with_batch_invariant(config.batch_invariant)   # a shared model is not switched
         self.model.prepare()     # not in the first request (the first after serve.py says it is up)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
@@ -258,13 +262,15 @@ class Engine:
                        config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.enforce_eager)
         self.runner = self.builder.runner(*runner_args)
         self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
-        self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
-        self.speculator = self._init_speculator(config.speculative_config, dtype)
+        self.scheduler = self.builder.scheduler(config, self.blocks)
+        self.speculator = self.builder.speculator(config, dtype, self.device, self.attention_backend, self.blocks,
+                                                  self.model_config.vocab_size, self.max_model_len)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
-        self.exporting: dict[str, Sequence] = {}     # disaggregation (handoff.py): prompts whose blocks are on
-        self.importing: dict[str, tuple[Request, Sequence]] = {}   # their way out, and on their way in
+        # disaggregation (scaleout/handoff.py): prompts whose blocks are on their way out, and on their way in
+        self.exporting: dict[str, Sequence] = {}
+        self.importing: dict[str, tuple[Request, Sequence]] = {}
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
         self.grammars: GrammarCompiler | None = None                   # built at the first structured request
@@ -291,15 +297,6 @@ class Engine:
         if self.device.type == "cpu":
             _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
 
-    def _init_speculator(self, spec: SpeculativeConfig | None, dtype) -> Speculator | None:
-        if spec is None:
-            return None
-        draft = None
-        if spec.method == "draft_model":               # a second model, on a pool of as many blocks as ours
-            draft = DraftModelProposer(spec.model, dtype, self.device, self.attention_backend, self.blocks.num_blocks,
-                                       self.config.block_size, self.model_config.vocab_size)
-        return Speculator(spec, self.max_model_len, draft)
-
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None):
@@ -317,10 +314,8 @@ class Engine:
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, ids, params, [], RequestMetrics(now, num_prompt_tokens=len(ids)),
                       None if params.prompt_logprobs is None else [None], cache_salt)
-        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
         for i in range(params.n):             # each of n samples: its own seed stream, counts and grammar state
-            state = SamplingState(params, ids, self.model_config.vocab_size, make_generator(params.seed, i),
-                                  self.eos_token_ids, self._grammar(params.structured_outputs), bad_words)
+            state = self.sampling_state(params, ids, i)
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             req.completions.append(Completion(i, None, detok, state))
         seq = Sequence(next(self.seq_ids), list(ids), len(ids), params.max_tokens, priority, now, request=req)
@@ -334,8 +329,13 @@ class Engine:
             self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         return self.grammars
 
-    def _grammar(self, structured: StructuredOutputsParams | None):
-        return None if structured is None else self.grammar_compiler().compile(structured)
+    def sampling_state(self, params: SamplingParams, prompt_ids: list[int], index: int) -> SamplingState:
+        """Sample `index` of a request: its seed stream, penalty counts, grammar (compiled here) and
+        bad words (as the token sequences that would write them)."""
+        structured = params.structured_outputs
+        grammar = None if structured is None else self.grammar_compiler().compile(structured)
+        return SamplingState(params, prompt_ids, self.model_config.vocab_size, make_generator(params.seed, index),
+                             self.eos_token_ids, grammar, bad_words_token_ids(params.bad_words, self.tokenizer.encode))
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
@@ -354,7 +354,7 @@ class Engine:
             return
         for c in req.completions:
             if c.seq is not None:
-                self._remove(c.seq)
+                self.remove_sequence(c.seq)
             if c.finish_reason is None:
                 c.finish_reason = "abort"
 
@@ -370,16 +370,8 @@ class Engine:
 
     @torch.inference_mode()
     def plain_step(self) -> list[RequestOutput]:
-        if self.model.batch_invariant != self.config.batch_invariant:   # a model shared by engines (bench.py)
-            self.model.set_batch_invariant(self.config.batch_invariant)
         batch = self.schedule()
-        if not batch.seqs:                                  # everyone was preempted: only the swaps run
-            self.kv_pool.run(batch.block_ops)
-            return []
-        prompt_rows = self.prompt_logprob_rows(batch)       # prompt logprobs: more logits rows of this forward
-        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: an extra forward
-            self.record_prompt_logprobs(self.runner.forward_cached(seq, lo, hi), [(seq.request, lo, hi)])
-        logits = self.run_model(batch, prompt_rows.rows)    # [num_sampled + prompt rows, vocab]
+        logits, prompt_rows = self.run_model(batch)         # [num_sampled + prompt rows, vocab]
         return self.postprocess(batch, logits, prompt_rows)
 
     def schedule(self) -> ScheduledBatch:
@@ -390,16 +382,26 @@ class Engine:
                 self.offload.step_done(batch.block_ops)
         return batch
 
-    def run_model(self, batch: ScheduledBatch, extra_rows: list[int]) -> torch.Tensor:
+    def run_model(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, "PromptLogprobRows"]:
+        """The forward: logits of the rows that sample, then of the prompt-logprob rows that ride on
+        it (prompt_rows says which). A step with no rows (everyone was preempted) runs only its swaps."""
         self.step_start = self.phase_times.mark(self.device)
+        prompt_rows = self.prompt_logprob_rows(batch)
+        if not batch.seqs:
+            self.kv_pool.run(batch.block_ops)
+            return None, prompt_rows
+        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: an extra forward
+            self.record_prompt_logprobs(self.runner.forward_cached(seq, lo, hi), [(seq.request, lo, hi)])
         with self.phase_times.phase("prepare"):
-            inputs = self.runner.prepare(batch, extra_rows)
+            inputs = self.runner.prepare(batch, prompt_rows.rows)
         with self.phase_times.phase("forward"):
-            return self.runner.forward(inputs)
+            return self.runner.forward(inputs), prompt_rows
 
     def postprocess(self, batch: ScheduledBatch, logits, prompt_rows: "PromptLogprobRows") -> list[RequestOutput]:
         """Record prompt logprobs, mark the scheduled tokens computed, sample one token for every
         completion whose sequence finished its chunk, and apply each token."""
+        if not batch.seqs:
+            return []
         num_sampled = len(batch.sample_rows) + sum(batch.seqs[i].num_spec_tokens for i in batch.sample_rows)
         if prompt_rows.rows:
             self.record_prompt_logprobs(logits[num_sampled:], prompt_rows.plan)
@@ -540,11 +542,12 @@ class Engine:
         req = c.seq.request
         req.metrics.num_preemptions += c.seq.num_preemptions
         req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, c.seq.num_cached_tokens)
-        self._remove(c.seq)                                 # blocks go back to the pool this step
+        self.remove_sequence(c.seq)                                 # blocks go back to the pool this step
         if req.finished:
             req.metrics.finished_time = now
 
-    def _remove(self, seq: Sequence):
+    def remove_sequence(self, seq: Sequence):
+        """Take a sequence out of the batch (finished, aborted or handed to another core); its blocks return now."""
         self.scheduler.remove(seq)
         if self.speculator:
             self.speculator.remove(seq.seq_id)

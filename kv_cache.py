@@ -292,9 +292,39 @@ class BlockManager:
 
     def fork(self, parent, child):
         """Child shares all of parent's blocks (n > 1 sampling); copy-on-write splits them later."""
-        child.block_table = list(parent.block_table)
-        for block in child.block_table:
+        child.block_table = self._share(parent.block_table)
+
+    def _share(self, blocks: list[int]) -> list[int]:
+        for block in blocks:
             self.ref_counts[block] += 1
+        return list(blocks)
+
+    # ------------------------------------------------------------------ a request moving between cores
+    def hold_for_export(self, seq, holder, num_tokens: int):
+        """Disaggregation's export: holder takes a share of the blocks of seq's first num_tokens tokens,
+        so they outlive seq (which leaves this core) until they are sent and holder is freed."""
+        holder.block_table = self._share(seq.block_table[:self.blocks_needed(num_tokens)])
+
+    def allocate_for_import(self, seq) -> int | None:
+        """Disaggregation's import: blocks for all of seq's tokens, whose KV another core computed: the
+        cached prefix first, fresh blocks for the rest. -> the number of leading blocks the cache already
+        holds (the others are to be received), or None, holding nothing, when the pool cannot take them."""
+        if self.admission_cost(seq, len(seq.token_ids) - self.num_cached_tokens(seq)) > self.num_free_blocks():
+            return None
+        hits = self.take_cached_prefix(seq) // self.block_size
+        # a prefix restored from an offload tier comes as a block op: the importer runs take_pending_ops()
+        self.pending_ops = self.allocate_slots(seq, len(seq.token_ids) - seq.num_computed_tokens)
+        return hits
+
+    def take_pending_ops(self) -> list[BlockOp]:
+        """Block ops issued outside a step (allocate_for_import's restores), to run now."""
+        ops, self.pending_ops = self.pending_ops, []
+        return ops
+
+    def finish_import(self, seq):
+        """The imported KV arrived: all of seq's tokens are computed, and its full blocks join the cache."""
+        seq.num_computed_tokens = len(seq.token_ids)
+        self.cache_full_blocks(seq)
 
     # ------------------------------------------------------------------ prefix cache
     def update_hashes(self, seq):

@@ -439,6 +439,15 @@ class Offloader:
             self.disk.check_invariants()
 
 
+def merge_stats(per_core: list[dict]) -> dict:
+    """Offloader.stats() of several engine cores (data parallelism) summed, figure by figure."""
+    out = {}
+    for stats in per_core:
+        for k, v in stats.items():
+            out[k] = merge_stats([out.get(k, {}), v]) if isinstance(v, dict) else out.get(k, 0) + v
+    return out
+
+
 def build(config, pool, blocks, model_id: str, dtype, tensor_parallel: bool,
           policy: TierPolicy | None = None) -> Offloader | None:
     """Engine's seam: the tiers config asks for (kv_offload_memory, kv_offload_dir, kv_offload_disk),

@@ -13,32 +13,25 @@ Owns: one engine under a workload. The workloads (ShareGPT/Alpaca-like length st
 prompts, uniform, tenants sharing system prompts) with Poisson arrivals, the simulation loop, the
 metrics, the table and the plots. Several engines (data parallel behind router.py, disaggregated
 prefill/decode) live in simulate_cluster.py; the command line that picks one or the other is cli.py
-(`python -m sim`); the hardware, the models and the step's cost live in cost_model.py. Does not decide anything the
-scheduler decides, and does not touch the engine, the kernels or the tokenizer.
+(`python -m sim`); the hardware, the models and the step's cost live in cost_model.py. Does not decide
+anything the scheduler decides, and does not touch the engine, the kernels or the tokenizer.
 A request stops at exactly its drawn output length (max_tokens = that length, like ignore_eos).
 Prompts are distinct tokens except the tenants' shared system prompts; under
 --scheduling-policy priority, request k gets priority k % 3.
 
-  python -m sim --gpu h100-sxm --model llama-3-8b --workload sharegpt --num-requests 1000
-  python -m sim --workload tenants --enable-prefix-caching --data-parallel-size 2 --routing cache_aware
-  python -m sim --workload long-prompt --disaggregation 1:1 --kv-link infiniband --request-rate 4
-  python -m sim roofline --gpu a100-80gb --model llama-2-13b --batch 32
-  python -m sim tp-sweep                       # where tensor parallelism stops paying (cost_model.py)
-  python -m sim disagg-sweep --out docs/       # disaggregated vs colocated goodput per GPU
+The commands that run it: cli.py.
 """
 import argparse
-import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 
 # re-exported too: test_all.py reads the cost model's names as simulate.X
 from sim.cost_model import (FLOP_EFFICIENCY, GPUS, HOST_OVERHEADS, LINK_CHOICES, MEM_EFFICIENCY, MODELS,  # noqa: F401
-                        STEP_OVERHEAD_S, check_tensor_parallel, host_overhead, kv_pool_bytes, kv_pool_tokens,
-                        resolve_link, roofline, step_cost, step_time, tp_sweep_main)
+                            STEP_OVERHEAD_S, check_tensor_parallel, host_overhead, kv_pool_bytes, kv_pool_tokens,
+                            resolve_link, roofline, step_cost, step_time)
 from kv_cache import BlockManager, SwapIn, SwapOut
 from scheduler import Scheduler, SchedulerConfig
 from sequence import Sequence
