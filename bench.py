@@ -324,9 +324,9 @@ def targets(results):
     if p and "gguf" in p["nanoserve"]:
         q, lc = p["nanoserve"]["gguf"], p.get("llamacpp", {})
         rows.append(('quantization="gguf" batch-1 decode >= 1.5x llama.cpp batch 1 (tok/s)',
-                     lc.get("skipped") or q["batch1_decode_tok_s"] / lc["batch1_decode_tok_s"], 1.5))
+                     q.get("skipped") or lc.get("skipped") or q["batch1_decode_tok_s"] / lc["batch1_decode_tok_s"], 1.5))
         rows.append(('quantization="gguf" peers workload >= 1.3x nanoserve default (useful tok/s)',
-                     q["useful_tok_s"] / p["nanoserve"]["default"]["useful_tok_s"], 1.3))
+                     q.get("skipped") or q["useful_tok_s"] / p["nanoserve"]["default"]["useful_tok_s"], 1.3))
     if r:
         big = str(max(int(b) for b in r["decode"]))
         rows.append((f"decode step at batch {big} >= 50% of the {r['dtype']} matmul roofline",
@@ -369,7 +369,8 @@ def targets(results):
         best = p["vllm"].get(p["vllm"].get("best_dtype", ""), {})
         if "useful_tok_s" in best:
             notes[-1] += f" Twice vLLM's best here is {2 * best['useful_tok_s']:.0f} tok/s."
-    if p and r and "gguf" in p["nanoserve"] and "batch1_decode_tok_s" in p.get("llamacpp", {}) and "1" in r["decode"]:
+    if p and r and "batch1_decode_tok_s" in p["nanoserve"].get("gguf", {}) and "batch1_decode_tok_s" in p.get("llamacpp", {}) \
+            and "1" in r["decode"]:
         notes.append(gguf_batch1_ceiling(r, p))
     i8 = results.get("int8", {}).get("per_pass")
     if i8:                                   # the batched steps are bound by arithmetic: the kernels' own ratio caps them

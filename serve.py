@@ -526,7 +526,7 @@ async def wait_until(done, timeout: float) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if parallel.launched_by_torchrun() and int(os.environ["RANK"]) > 0:
-        return parallel.run_worker()        # torchrun's other ranks: only rank 0 serves HTTP
+        return parallel.run_worker(args.device or "auto")   # torchrun's other ranks: only rank 0 serves HTTP
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.headless:
         try:

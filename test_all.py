@@ -5744,6 +5744,61 @@ def test_tp_sizes_follow_vllms_kv_head_rule_and_others_fail_at_start():
     assert e.value.field == "tensor_parallel_size" and not torch.distributed.is_initialized()
 
 
+def test_tp_with_more_ranks_per_node_than_gpus_is_refused_before_any_rank_starts(monkeypatch):
+    """One GPU seen (faked), three ranks asked for: refused at start, naming the flag, the ranks per node and
+    the devices seen; no worker, no group. torchrun's other ranks refuse alike before joining; CPU ranks share."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InvalidRequest) as e:
+        LLM(tensor_parallel_size=3, device="cuda", dtype="float32", attention_backend="torch")
+    assert e.value.field == "tensor_parallel_size"
+    for part in ("--tensor-parallel-size", "=3 puts 3 ranks per node", "1 CUDA device seen", "--device cpu"):
+        assert part in str(e.value), str(e.value)
+    assert not torch.distributed.is_initialized()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanoserve-tp")]
+    for k, v in dict(RANK="2", WORLD_SIZE="3", LOCAL_RANK="2", LOCAL_WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(InvalidRequest, match="3 ranks per node on this machine, one GPU each, but 1 CUDA device"):
+        parallel.run_worker("auto")                 # serve.py's --device auto: CUDA where it is seen
+    assert not torch.distributed.is_initialized()
+    parallel.check_devices(3, 3, "cpu")             # --device cpu: gloo ranks share the CPU, no GPU needed
+
+
+PLAIN_TP_SCRIPT = """
+import json, sys
+sys.path.insert(0, {here!r})
+print("top-level line", flush=True)
+from llm import LLM, SamplingParams
+llm = LLM(tensor_parallel_size=3, device="cpu", dtype="float32", kv_cache_memory="32MiB")
+outs = llm.generate({prompts!r}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_plain_script_without_a_main_guard_runs_tp3_once_and_leaves_no_process(tmp_path, hf_greedy_32):
+    """vLLM's examples call LLM(...) at a script's top level: the ranks must not run that script again (its
+    top-level line prints once), the tokens are transformers' greedy ones, and nothing of its session outlives it."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_TP_SCRIPT.format(here=HERE, prompts=PROMPTS[:2]))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    lines = out.splitlines()
+    assert lines.count("top-level line") == 1, out
+    assert json.loads(lines[-1]) == [hf_greedy_32[p][:8] for p in PROMPTS[:2]]
+    deadline = time.monotonic() + 10                # the fork server exits with its parent, the ranks with it
+    while live_in_group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not live_in_group(proc.pid)
+
+
 @pytest.fixture(scope="module")
 def tiny_gqa(checkpoint_dir, tmp_path_factory):
     """A random Llama with 8 query and 4 KV heads (head_dim 16) and an odd vocabulary (301 rows:
@@ -6818,12 +6873,24 @@ BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", 
                   "scaleout"]
 
 
+# sitecustomize for a bench run with the runtime requirements only: the test-only packages fail to import
+BLOCK_TEST_REQUIREMENTS = """
+import sys
+for name in ("transformers", "openai", "accelerate"):     # requirements-test.txt's, not requirements.txt's
+    sys.modules[name] = None                              # `import name` raises ImportError
+"""
+
+
 @pytest.mark.slow
 def test_bench_quick_reports_every_section(tmp_path):
-    """bench.py --quick runs every experiment; its numbers obey the relations each experiment is about."""
+    """bench.py --quick runs every experiment with requirements.txt's packages alone (importing transformers,
+    openai or accelerate fails in it); its numbers obey the relations each experiment is about."""
     from benchmarks import llamacpp
     out = tmp_path / "results.json"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK_TEST_REQUIREMENTS)
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}   # bench.py picks its own wait policy
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site")] + [p for p in [env.get("PYTHONPATH")] if p])
     p = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out), "--plot", str(tmp_path)],
                        cwd=HERE, env=env, timeout=900, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -6831,6 +6898,7 @@ def test_bench_quick_reports_every_section(tmp_path):
         if "skipped" in line:
             print(line)
     r = json.loads(out.read_text())
+    assert r["peers"]["hf_tok_s"]["skipped"].startswith("transformers and accelerate are not installed")
     assert list(r["section_seconds"]) == BENCH_SECTIONS and set(BENCH_SECTIONS) <= set(r)
     static = r["throughput"]["modes"]["static bs=4"]      # padded to its longest: waste is exactly 1 - mean/max
     for kind in ("slot_waste", "prompt_padding"):
@@ -6894,6 +6962,26 @@ def test_bench_quick_reports_every_section(tmp_path):
     for t in r["targets"]:
         assert isinstance(t["measured"], str) or t["measured"] >= 0, t
     assert (tmp_path / "throughput.png").exists()
+
+
+@pytest.mark.unit
+def test_bench_skips_the_quantized_rows_with_the_engines_reason_where_the_device_is_cuda(monkeypatch, capsys):
+    """On a GPU machine (the device check forced to report CUDA) the engine refuses quantization="int8" and
+    "gguf": the hot section's int8 A/B and the peers' quantized rows print `skipped: <why>` (the reason
+    load_model raises) instead of crashing, and build no engine to find out."""
+    import bench
+    from benchmarks import hot, peers
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    int8 = hot.int8_vs_float32(rows=(1,), batches=(1,))
+    assert int8 == {"skipped": "quantization='int8' runs float32 activations on the CPU, one rank "
+                               "(the engines here run on cuda)"}
+    bench.print_int8(int8)
+    assert "- skipped: quantization='int8' runs float32 activations on the CPU, one rank" in capsys.readouterr().out
+    assert {q: v["skipped"].split(" (")[0] for q, v in peers.quantized_rows_skipped().items()} == {
+        "gguf": "quantization='gguf' runs float32 on the CPU, one rank",
+        "int8": "quantization='int8' runs float32 activations on the CPU, one rank"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert peers.quantized_rows_skipped() == {}
 
 
 # ---- llama-server as an HTTP peer (benchmarks/online.py, llamacpp.py, loadgen.py)

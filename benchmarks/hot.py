@@ -241,6 +241,10 @@ def int8_vs_float32(rows=(1, 2, 4, 8, 16, 64), batches=(1, 16), steps=6, repeats
     over the 120 linear layers int8 quantizes (lm_head, float32 in both engines, left out) at each
     row count, the three taking turns; then a decode step at each batch, an int8 engine and a
     float32 one taking turns `rounds` times."""
+    from weights import quantization_unavailable
+    why = quantization_unavailable("int8", torch.float32, bench_device().type)
+    if why:                                   # the engine's own refusal, before any engine is built
+        return {"skipped": f"quantization={why} (the engines here run on {bench_device().type})"}
     if not CL._cpu_linear_kernels()[0]:
         return {"skipped": f"csrc/linear_cpu.cpp did not build: {extensions.failed.get('linear_cpu')}"}
     engines = {"int8": _engine(dtype="float32", quantization="int8"), "float32": _engine(dtype="float32")}
