@@ -41,7 +41,9 @@ from benchmarks import report
 from benchmarks import scaleout as bench_scaleout
 from benchmarks import spec_decode as bench_spec_decode
 from cpu_linear import cpu_linear_path
-from benchmarks.harness import make_engine, md_table, model_dtype, section_header
+from benchmarks.harness import bench_device, make_engine, md_table, section_header
+from model import resolve_dtype
+from paged_attention import resolve_backend
 
 
 @dataclass
@@ -287,16 +289,25 @@ def cpu_flags_path():
             else "AVX2 only" if "avx2" in flags else "no AVX2")
 
 
-def machine_info():
-    """(the run's header: date, machine, CPU model and flags, commit, dtype; the machine table bench.py prints)."""
-    engine = make_engine(kv_cache_memory="16MiB")
+MODEL_FREE = {"gpu_decode"}    # sections on random weights of their own: the embedded model is never read
+
+
+def machine_info(sections):
+    """(the run's header: date, machine, CPU model and flags, commit, dtype; the machine table bench.py prints).
+    An engine on the embedded model tells the dtype, linear layers and backend it runs, built only when a
+    section needs that model; otherwise they come from what Engine would resolve on this device."""
+    engine = make_engine(kv_cache_memory="16MiB") if set(sections) - MODEL_FREE else None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    dtype = str(getattr(engine, "dtype", model_dtype(engine))).removeprefix("torch.")
+    dtype_ = engine.dtype if engine else resolve_dtype("auto", bench_device())[0]
+    dtype = str(dtype_).removeprefix("torch.")
     h = report.run_header(gpu, dtype)
     info = {"date": h["date"], "machine": h["machine"], "commit": h["commit"] + (" (uncommitted changes)" if h["dirty"] else ""),
             "cpu": h["cpu_model"] or platform.processor(), "cores": h["cores"], "gpu": gpu, "cpu flags": " ".join(h["cpu_flags"]),
             "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": dtype,
-            "linear layers": f"{cpu_linear_path(engine.dtype)}; {engine.model.gguf_log}", "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
+            "linear layers": f"{cpu_linear_path(dtype_)}; "
+                             + (engine.model.gguf_log if engine else "model not loaded (no section of this run reads it)"),
+            "attention backend": engine.attention_backend if engine else resolve_backend("auto", bench_device().type),
+            "torch": torch.__version__, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "vLLM": bench_peers.vllm_unavailable() or os.environ["VLLM_PYTHON"],
             "load avg at start": os.getloadavg()[0]}
     return h, info
@@ -469,7 +480,7 @@ def run(args, sz, command):
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    header, info = machine_info()
+    header, info = machine_info(args.sections or SECTIONS)
     results = header | {"sizes": asdict(sz), "sections": args.sections or SECTIONS,
                         "command": command, "machine_table": info, "section_seconds": {}}
     print("# nanoserve benchmark" + ("" if sz.name == "default" else f" (--{sz.name})"))

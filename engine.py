@@ -217,11 +217,12 @@ class Engine:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = set(mc.eos_token_id) | {self.tokenizer.eos_token_id} - {None}
         self._init_kv_cache(dtype)
+        self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
+        bounds = self.scheduler.step_bounds()     # the runner's buffers hold any step this scheduler makes
         runner_args = (self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
-                       config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.enforce_eager)
+                       bounds.max_rows, bounds.max_tokens, self.max_model_len, config.enforce_eager)
         self.runner = ModelRunner(*runner_args) if self.tp is None else parallel.DriverRunner(*runner_args, self.tp)
         self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
-        self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
         self.speculator = self._init_speculator(config.speculative_config, dtype)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
@@ -256,7 +257,8 @@ class Engine:
         draft = None
         if spec.method == "draft_model":               # a second model, on a pool of as many blocks as ours
             draft = DraftModelProposer(spec.model, dtype, self.device, self.attention_backend, self.blocks.num_blocks,
-                                       self.config.block_size, self.model_config.vocab_size)
+                                       self.config.block_size, self.model_config.vocab_size,
+                                       self.scheduler.step_bounds(), self.max_model_len)
         return Speculator(spec, self.max_model_len, draft)
 
     # ------------------------------------------------------------------ requests in and out
@@ -329,8 +331,9 @@ class Engine:
             self.kv_pool.run(batch.block_ops)
             return []
         prompt_rows = self.prompt_logprob_rows(batch)       # prompt logprobs: more logits rows of this forward
-        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: an extra forward
-            self.record_prompt_logprobs(self.runner.forward_cached(seq, lo, hi), [(seq.request, lo, hi)])
+        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: extra forwards
+            for a, b, logits in self.runner.forward_cached(seq, lo, hi):   # in chunks the runner's buffers hold
+                self.record_prompt_logprobs(logits, [(seq.request, a, b)])
         logits = self.run_model(batch, prompt_rows.rows)    # [num_sampled + prompt rows, vocab]
         return self.postprocess(batch, logits, prompt_rows)
 

