@@ -232,8 +232,8 @@ def print_gguf_blocks(g):
 
 
 def print_int8(d):
-    """quantization="int8" (csrc linear_int8) vs the float32 panels and the GGUF's blocks, per pass and per decode step."""
-    title = 'Hot path: linear layers, quantization="int8" vs float32 panels and GGUF blocks (bench_hot.py)'
+    """quantization="int8" (csrc linear_int8) vs float32 and the GGUF's blocks, per pass and per decode step."""
+    title = 'Hot path: linear layers, quantization="int8" vs float32 and GGUF blocks (bench_hot.py)'
     if "skipped" in d:
         section_header(title, [f"skipped: {d['skipped']}"])
         return
@@ -245,7 +245,7 @@ def print_int8(d):
             for r, v in d["per_pass"].items()]
     rows += [[f"decode step, batch {b} (ms)", v["int8_ms"], v["float32_ms"], "-", v["float32_ms"] / v["int8_ms"]]
              for b, v in d["step"].items()]
-    print(md_table(["measurement", "int8", "float32 panels", "GGUF blocks", "float32 / int8"], rows))
+    print(md_table(["measurement", "int8", "float32 (panels or oneDNN)", "GGUF blocks", "float32 / int8"], rows))
 
 
 def print_panels(p):
@@ -390,7 +390,7 @@ def targets(results):
         quant = {k[:-3]: t for k, t in v.items() if k != "float32_ms"}
         notes.append(f"Batched ceiling of the integer paths here: one pass over the linear layers at {big} rows takes "
                      + ", ".join(f"{t:.0f} ms in {k}" for k, t in quant.items())
-                     + f" against {v['float32_ms']:.0f} ms on float32 panels (hot section), so a quantized engine's "
+                     + f" against {v['float32_ms']:.0f} ms on float32 layers (hot section), so a quantized engine's "
                      f"batched steps gain at most {v['float32_ms'] / min(quant.values()):.2f}x there.")
     section_header("Targets (measured in this run)", notes)
     print(md_table(["target", "measured", "needed", "result"],

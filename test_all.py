@@ -3416,6 +3416,28 @@ def test_gpu_graph_replay_gives_the_eager_greedy_tokens(gpu_engines):
 
 
 @pytest.mark.gpu
+def test_gpu_static_batching_keeps_its_buffers_and_graphs_and_replays_steps_with_scratch_rows(gpu_engines):
+    """Static batches of B = max_num_seqs = 8, prompts of 8 lengths (left padding: up to 15 rows a step) and
+    8 output lengths (finished members as scratch rows): the runner keeps the buffers and graphs it made at
+    start, decode steps with scratch rows replay a graph, and the tokens are the eager engine's."""
+    _, eager = gpu_engines
+    static = LLM(device="cuda", attention_backend="cuda", dtype="float32", max_num_seqs=8, scheduler_mode="static",
+                 static_batch_size=8, kv_cache_memory=SMALL_KV)
+    runner = static.engine.runner
+    buffers, graphs, prepare, replays = runner.buffers, dict(runner.graphs), runner.prepare, []
+
+    def recording(batch, extra_rows=()):
+        inputs = prepare(batch, extra_rows)
+        replays.append(inputs.graph is not None and batch.num_scratch_rows > 0)
+        return inputs
+    runner.prepare = recording
+    prompts = [f"Question {i}: what is {i} plus {2 * i}?" + " Think." * i for i in range(8)]
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(8)]
+    assert token_ids(static.generate(prompts, params)) == token_ids(eager.generate(prompts, params))
+    assert graphs and runner.buffers is buffers and runner.graphs == graphs and any(replays)
+
+
+@pytest.mark.gpu
 def test_gpu_decode_forward_never_syncs(gpu_engines):
     """torch.cuda.set_sync_debug_mode("error") makes any synchronizing call raise: a decode forward,
     eager and replayed, makes none."""
@@ -7024,6 +7046,9 @@ def test_bench_quick_reports_every_section(tmp_path):
     peers = r["peers"]
     assert peers["nanoserve"]["default"]["useful_tok_s"] > 0 and peers["nanoserve"]["default"]["batch1_decode_tok_s"] > 0
     assert "skipped" in peers["vllm"]        # --quick never starts vLLM
+    for q in ("gguf", "int8"):               # CPU-only rows: run on a CPU, skipped with the engine's reason on a GPU
+        assert ("skipped" in peers["nanoserve"][q]) == torch.cuda.is_available(), peers["nanoserve"][q]
+    assert ("skipped" in r["int8"]) == torch.cuda.is_available() or "did not build" in r["int8"]["skipped"]
     for b, d in r["roofline"]["decode"].items():
         assert d["phases_s"]["forward"] > 0 and min(d["phases_s"].values()) >= 0, b
         assert 0 < d["frac_of_matmul_roofline"], b
@@ -7042,10 +7067,11 @@ def test_bench_quick_reports_every_section(tmp_path):
                                   and fused["fastest_step"] in ("csrc", "plain"))
     gguf = r["gguf_blocks"]                  # the default model's layers on its GGUF blocks, and without; the
     # blocks hold float32 values, so where dtype auto picks bfloat16 the section says why it did not run
-    assert (("skipped" in gguf) == CL.cpu_bf16_native()[0]) and ("skipped" in gguf or all(
+    assert (("skipped" in gguf) == (CL.cpu_bf16_native()[0] or torch.cuda.is_available())) and ("skipped" in gguf or all(
         v["gguf_ms"] > 0 and v["float32_ms"] > 0 for part in ("per_pass", "step") for v in gguf[part].values()))
     panels = r["panels"]                     # panels vs oneDNN at dtype auto: both ran where panels run, else why not
-    assert (("skipped" in panels) != CL.panels_available(M.resolve_dtype("auto", torch.device("cpu"))[0])) and ("skipped" in panels or all(
+    cpu_panels = CL.panels_available(M.resolve_dtype("auto", torch.device("cpu"))[0]) and not torch.cuda.is_available()
+    assert (("skipped" in panels) != cpu_panels) and ("skipped" in panels or all(
         v["panels_ms"] > 0 and v["onednn_ms"] > 0 for part in ("per_pass", "step") for v in panels[part].values()))
     cow = r["copy_on_write"]                 # blocks held, against the closed form
     assert cow["cow_peak_blocks"] == cow["one_prompt_plus_4_tails"] < cow["separate_peak_blocks"] == cow["four_copies"]
