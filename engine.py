@@ -28,13 +28,12 @@ from dataclasses import dataclass, field, fields
 import torch
 
 import paged_attention
-import parallel
+from builder import EngineBuilder
 from cpu_linear import cpu_linear_path
 from draft_model import DraftModelProposer
 from errors import InvalidRequest, need
-from kv_cache import BlockManager, KVCachePool, bytes_per_block, parse_memory
+from kv_cache import BlockManager, bytes_per_block, parse_memory
 from model import resolve_dtype
-from model_runner import ModelRunner
 from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
@@ -42,7 +41,6 @@ from spec_decode import SpeculativeConfig, Speculator
 from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
-from weights import load_model, read_config
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "PromptLimits", "SamplingParams",
            "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
@@ -72,6 +70,17 @@ class EngineConfig(SchedulerConfig):
     # "gguf": only a GGUF's own Q4_0/Q4_1/Q8_0 blocks, at every batch; "int8": dynamic W8A8 from any
     # float checkpoint, exact int32 sums (batch-invariant too): docs/quantization.md
     quantization: str | None = None
+
+    @classmethod
+    def with_overrides(cls, config: "EngineConfig | None", overrides: dict) -> "EngineConfig":
+        """config (or the defaults) with these fields set, validated; an unknown name is refused."""
+        config = config or cls()
+        for k, v in overrides.items():
+            if k not in {f.name for f in fields(cls)}:
+                raise InvalidRequest(k, f"unknown engine argument {k!r}")
+            setattr(config, k, v)
+        config.validate()
+        return config
 
     def validate(self):
         super().validate()
@@ -173,17 +182,20 @@ class PhaseTimes:
 
 
 class Engine:
-    @parallel.shut_down_on_failure      # a start that fails after the workers started stops them
-    def __init__(self, config: EngineConfig | None = None, *, loaded_model=None, **overrides):
-        """loaded_model: a (model, model_config, model_dir) from weights.load_model to share instead of
+    def __init__(self, config: EngineConfig | None = None, *, builder: EngineBuilder | None = None,
+                 loaded_model=None, **overrides):
+        """builder: makes the model, KV pool and model runner (builder.py; llm.build_engine picks it).
+        loaded_model: a (model, model_config, model_dir) from weights.load_model to share instead of
         loading again (bench.py runs many engines on one set of read-only weights)."""
-        config = config or EngineConfig()
-        for k, v in overrides.items():
-            if k not in {f.name for f in fields(EngineConfig)}:
-                raise InvalidRequest(k, f"unknown engine argument {k!r}")
-            setattr(config, k, v)
-        config.validate()
-        self.config = config
+        self.config = config = EngineConfig.with_overrides(config, overrides)
+        self.builder = builder or EngineBuilder()
+        try:
+            self._build(config, loaded_model)
+        except BaseException:               # a start that fails after the builder started workers stops them
+            self.builder.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, loaded_model):
         torch.set_num_threads(config.num_threads or os.cpu_count())
         self.device = torch.device(config.device if config.device != "auto"
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -194,14 +206,8 @@ class Engine:
         self.dtype = dtype                                  # what ran; bench.py prints it
         _log_once(f"nanoserve: dtype {str(dtype).removeprefix('torch.')} ({why})")
         self.attention_backend = paged_attention.resolve_backend(config.attention_backend, self.device.type)
-        self.tp = None                                      # rank 0's parallel.TPGroup under tensor parallelism
-        if config.tensor_parallel_size > 1:
-            need(loaded_model is None, "loaded_model", "None under tensor parallelism", "a model")
-            model_dir, mc = read_config(config.model)
-            self.tp = parallel.launch(config, model_dir, mc, dtype, self.device, self.attention_backend)
-            _log_once(f"nanoserve: tensor parallel over {self.tp.size} ranks; {self.tp.why_threads}")
-        self.model, self.model_config, self.model_dir = loaded_model or load_model(config.model, dtype, self.device,
-                                                                                   self.tp, config.quantization)
+        self.model, self.model_config, self.model_dir = self.builder.load_model(config, dtype, self.device,
+                                                                                self.attention_backend, loaded_model)
         need(getattr(self.model, "quantization", None) == config.quantization, "loaded_model",
              f"a model loaded with quantization={config.quantization!r}", getattr(self.model, "quantization", None))
         if self.device.type == "cpu":
@@ -221,7 +227,7 @@ class Engine:
         bounds = self.scheduler.step_bounds()     # the runner's buffers hold any step this scheduler makes
         runner_args = (self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
                        bounds.max_rows, bounds.max_tokens, self.max_model_len, config.enforce_eager)
-        self.runner = ModelRunner(*runner_args) if self.tp is None else parallel.DriverRunner(*runner_args, self.tp)
+        self.runner = self.builder.runner(*runner_args)
         self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
         self.speculator = self._init_speculator(config.speculative_config, dtype)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
@@ -244,9 +250,8 @@ class Engine:
         need(num_blocks >= 2, "kv_cache_memory", f"enough for at least 2 blocks of {per_block} bytes",
              c.kv_cache_memory)
         num_host_blocks = parse_memory(c.swap_space) // per_block
-        pool = KVCachePool if self.tp is None else parallel.DriverKVPool   # rank 0 also sends its block copies
-        self.kv_pool = pool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
-                            mc.head_dim, kv_dtype, self.device, num_host_blocks)
+        self.kv_pool = self.builder.kv_pool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
+                                            mc.head_dim, kv_dtype, self.device, num_host_blocks)
         self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, num_host_blocks)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
@@ -504,10 +509,14 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics,
                              prompt_logprobs)
 
+    @property
+    def tp(self):
+        """The tensor-parallel group the builder started (scaleout/parallel.py), or None."""
+        return self.builder.tp
+
     def shutdown(self):
-        """Stop the tensor-parallel workers and leave the group (nothing to do on one rank)."""
-        if self.tp is not None:
-            self.tp.shutdown()
+        """Stop what the builder started: tensor-parallel workers and their group (nothing on one rank)."""
+        self.builder.shutdown()
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self):

@@ -318,6 +318,10 @@ class EngineClient:
         """/health: cores that are gone while the server still serves (one core: never)."""
         return {}
 
+    def metrics_lines(self, labels: str) -> list[str]:
+        """/metrics beyond the server's own series: per-core ones (one core: none)."""
+        return []
+
     def num_waiting(self) -> int:
         """Sequences waiting for the engine (prompts x n): what admission counts against --max-waiting."""
         s = self.stats

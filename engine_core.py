@@ -26,9 +26,10 @@ from multiprocessing.connection import Connection
 
 from engine import Engine, EngineConfig, EngineStats, PromptLimits, RequestOutput, SamplingParams
 from errors import EngineError, InvalidRequest
-from kv_transfer import KVTransfer, TransferGroup, join_as
-import handoff
-from handoff import Handoff
+from llm import build_engine
+from scaleout.kv_transfer import KVTransfer, TransferGroup, join_as
+from scaleout import handoff
+from scaleout.handoff import Handoff
 
 log = logging.getLogger("nanoserve.engine_core")
 MAX_STEP_FAILURES = 3      # consecutive engine.step() exceptions before the core gives up
@@ -321,7 +322,7 @@ def run_core_process(config: EngineConfig, conn: Connection, grammar_timeout: fl
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = Engine(config)
+        engine = build_engine(config)
     except Exception as exc:        # a bad flag value: the front end reports it and exits
         conn.send(exc if isinstance(exc, ValueError) else RuntimeError(repr(exc)))
         return

@@ -162,6 +162,16 @@ def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> in
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+def rollback_num_blocks(num_computed_tokens: int, num_accepted: int, block_size: int, num_blocks: int) -> int:
+    """Tail blocks to release after verification. num_computed_tokens counts the row's computed
+    tokens without its drafts (finish_step adds only the non-draft tokens); the accepted drafts'
+    K/V are now valid too. The table was grown for every draft; blocks that only rejected drafts
+    reached go back (when the rollback crosses a block boundary)."""
+    keep = -(-(num_computed_tokens + num_accepted) // block_size)
+    assert num_blocks >= keep, "the block table does not cover the accepted tokens"
+    return num_blocks - keep
+
+
 class BlockManager:
     """Block allocator with reference counts, per-sequence block tables and the prefix cache.
 

@@ -5,19 +5,35 @@ LLM owns an Engine (engine.py) and nothing else: it turns prompts (text, token i
 {"prompt" | "prompt_token_ids", "cache_salt"} dicts) into engine requests, all or none, then calls
 Engine.step() until they finish (generate), or yields each step's outputs (stream). Chat applies
 the model's chat template first. Scheduling, KV blocks, the model and sampling live below it.
+build_engine is the one place a builder is chosen (builder.py): tensor parallelism's, from the
+scale-out package, only when the config asks for more than one rank; engine_core.py builds with it too.
 """
 import itertools
 
+from builder import EngineBuilder
 from engine import Engine, EngineConfig, InvalidRequest, RequestOutput, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "build_engine"]
+
+
+def builder_for(config: EngineConfig) -> EngineBuilder:
+    if config.tensor_parallel_size > 1:
+        from scaleout.parallel import TensorParallelBuilder   # an optional wing: loaded only when asked for
+        return TensorParallelBuilder()
+    return EngineBuilder()
+
+
+def build_engine(config: EngineConfig | None = None, *, loaded_model=None, **overrides) -> Engine:
+    """An Engine with the builder its config needs (one process, or rank 0 of a tensor-parallel group)."""
+    config = EngineConfig.with_overrides(config, overrides)
+    return Engine(config, builder=builder_for(config), loaded_model=loaded_model)
 
 
 class LLM:
     """Offline generation: `LLM().generate(prompts, SamplingParams(...))`, names as in vLLM."""
 
     def __init__(self, model: str | None = None, **engine_kwargs):
-        self.engine = Engine(EngineConfig(model=model), **engine_kwargs)
+        self.engine = build_engine(EngineConfig(model=model), **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -25,9 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from errors import need
-from kv_cache import BlockManager, BlockOp
+from kv_cache import BlockManager, BlockOp, rollback_num_blocks
 from sequence import Sequence, Status
-from spec_decode import rollback_num_blocks
 
 
 @dataclass

@@ -38,14 +38,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from data_parallel import DataParallelClient, dp_key, run_headless
-from disaggregation import DisaggregatedClient
 from engine import Engine, EngineConfig, InvalidRequest
 from engine_client import ClientGone, EngineClient, Failed, Run
 from openai_api import APIError, ChatExchange, ChatRequest, CompletionExchange, CompletionRequest, Exchange, \
     OpenAIProtocol, RequestLimits
-import parallel
-import router
+import launcher
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -249,8 +246,7 @@ def render_metrics(server: OpenAIServer) -> str:
               for reason, count in sorted(client.metrics.finished.items(), key=lambda kv: str(kv[0]))]
     for histogram in (client.metrics.ttft, client.metrics.tpot, client.metrics.e2e):
         lines += histogram.render(labels)
-    if isinstance(client, DataParallelClient):
-        lines += client.metrics_lines(labels)
+    lines += client.metrics_lines(labels)             # a data-parallel client's per-core series; else none
     return "\n".join(lines) + "\n"
 
 
@@ -261,7 +257,7 @@ def build_app(engine: Engine | EngineClient, served_model_name: str, max_waiting
               body_timeout: float = 30.0, metrics_require_key: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine core. serve.py passes the client of a
     core process; tests may pass an Engine, whose core then runs in a thread of this process."""
-    client = engine if isinstance(engine, (EngineClient, DataParallelClient)) else EngineClient.in_thread(engine)
+    client = EngineClient.in_thread(engine) if isinstance(engine, Engine) else engine
     server = OpenAIServer(client, served_model_name, max_waiting, max_request_bytes, limits, body_timeout)
 
     @asynccontextmanager
@@ -358,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ranks that split each layer; under torchrun, its number of processes (default 1)")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine cores, each a full replica with its own KV cache and share of the threads (default 1)")
-    p.add_argument("--routing", choices=router.POLICIES, default="cache_aware",
+    p.add_argument("--routing", choices=launcher.ROUTING_POLICIES, default="cache_aware",
                    help="with --data-parallel-size > 1: which core serves a request (default cache_aware)")
     p.add_argument("--data-parallel-size-local", type=int, default=None,
                    help="engine cores started on this machine (default: all of --data-parallel-size; with "
@@ -525,40 +521,13 @@ async def wait_until(done, timeout: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if parallel.launched_by_torchrun() and int(os.environ["RANK"]) > 0:
-        return parallel.run_worker(args.device or "auto")   # torchrun's other ranks: only rank 0 serves HTTP
+    if launcher.run_tensor_parallel_worker(args.device or "auto"):   # torchrun's other ranks: only rank 0 serves HTTP
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.headless:
-        try:
-            key = dp_key()
-        except ValueError as exc:
-            sys.exit(f"serve.py: error: {exc}")
-        return run_headless(engine_config(args), args.data_parallel_size_local or 1,
-                            (args.data_parallel_address, args.data_parallel_rpc_port), key, args.grammar_compile_timeout,
-                            args.disaggregation_mode or "both")
+        return launcher.run_headless(engine_config(args), args)
     try:
-        if args.disaggregation_mode is not None:
-            raise ValueError("--disaggregation-mode is for --headless cores; the front end takes --disaggregation")
-        if args.data_parallel_size < 1:
-            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-        if args.data_parallel_size > 1 and (args.tensor_parallel_size or 1) > 1:
-            raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
-        if args.disaggregation is not None:
-            if args.data_parallel_size > 1 or (args.tensor_parallel_size or 1) > 1 or args.speculative_config:
-                raise ValueError("--disaggregation does not combine with --data-parallel-size, "
-                                 "--tensor-parallel-size or --speculative-config yet")
-            client = DisaggregatedClient.from_flags(engine_config(args), args.disaggregation, args.disaggregation_local, (
-                args.data_parallel_address, args.data_parallel_rpc_port), args.grammar_compile_timeout)
-        elif args.data_parallel_size > 1:
-            local = args.data_parallel_size if args.data_parallel_size_local is None else args.data_parallel_size_local
-            if not 0 <= local <= args.data_parallel_size:
-                raise ValueError(f"--data-parallel-size-local must be in [0, --data-parallel-size], got {local}")
-            client = DataParallelClient.in_processes(engine_config(args), args.data_parallel_size, args.routing,
-                                                     args.grammar_compile_timeout, local,
-                                                     (args.data_parallel_address, args.data_parallel_rpc_port),
-                                                     dp_key() if local < args.data_parallel_size else b"")
-        else:
-            client = EngineClient.in_process(engine_config(args), args.grammar_compile_timeout)  # builds the engine there
+        client = launcher.launch_client(engine_config(args), args)
     except ValueError as exc:  # a bad flag value: say which, without a traceback
         sys.exit(f"serve.py: error: {exc}")
     default_name = os.path.basename(os.path.normpath(args.model or "SmolLM2-135M-Instruct")).removesuffix(".gguf")

@@ -32,7 +32,7 @@ How the engine uses it, one step (only decode rows speculate; a row with no draf
               would after emitting drafts[:j]: grammar state, min_tokens count, penalty counts.
  5. rollback  finish_step counts only a row's non-draft tokens in num_computed_tokens (so its
               cache_full_blocks never sees a draft); after acceptance num_computed_tokens +=
-              num_accepted, and rollback_num_blocks(...) tail blocks are released (allocated this
+              num_accepted, and kv_cache.rollback_num_blocks(...) tail blocks are released (allocated this
               step, refcount 1, never registered). Rejected drafts' slots in kept blocks lie past
               num_computed_tokens: attention never reads them, the next tokens overwrite them.
               Blocks that accepted drafts filled are registered by the next finish_step, once
@@ -388,16 +388,6 @@ def target_weights(x, params: list) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- rollback
-def rollback_num_blocks(num_computed_tokens: int, num_accepted: int, block_size: int, num_blocks: int) -> int:
-    """Tail blocks to release after verification. num_computed_tokens counts the row's computed
-    tokens without its drafts (finish_step adds only the non-draft tokens); the accepted drafts'
-    K/V are now valid too. The table was grown for every draft; blocks that only rejected drafts
-    reached go back (when the rollback crosses a block boundary)."""
-    keep = -(-(num_computed_tokens + num_accepted) // block_size)
-    assert num_blocks >= keep, "the block table does not cover the accepted tokens"
-    return num_blocks - keep
-
-
 # ---------------------------------------------------------------------------------------- adaptivity and metrics
 @dataclass
 class AcceptanceTracker:

@@ -72,12 +72,13 @@ from scheduler import Scheduler, SchedulerConfig
 from sequence import Sequence, Status
 from static_scheduler import StaticScheduler
 import paged_attention as pa
-import parallel
-import cost_model as cm
-import simulate_cluster as sc
-from router import PrefixTree, Router, RouterConfig
-from data_parallel import DataParallelClient
-from disaggregation import DisaggregatedClient
+from scaleout import parallel
+from sim import cost_model as cm
+from sim import cli as sim_cli
+from sim import simulate_cluster as sc
+from scaleout.router import PrefixTree, Router, RouterConfig
+from scaleout.data_parallel import DataParallelClient
+from scaleout.disaggregation import DisaggregatedClient
 from engine_core import Stop
 import serve
 import spec_decode as sd
@@ -4367,7 +4368,7 @@ def test_trim_drafts_stops_after_an_end_token_once_min_tokens_is_met():
 ])
 def test_rollback_frees_exactly_the_blocks_only_rejected_drafts_reached(computed, accepted, block_size,
                                                                         num_blocks, free):
-    assert sd.rollback_num_blocks(computed, accepted, block_size, num_blocks) == free
+    assert kv_cache.rollback_num_blocks(computed, accepted, block_size, num_blocks) == free
 
 
 class Seq:
@@ -4413,7 +4414,7 @@ def test_rollback_through_the_block_manager_leaks_nothing_and_caches_no_draft():
             s.num_computed_tokens += 1                                # finish_step: the non-draft token only
             blocks.cache_full_blocks(s)
             accepted = int(rng.integers(0, k + 1))
-            for _ in range(sd.rollback_num_blocks(s.num_computed_tokens, accepted, bs, len(s.block_table))):
+            for _ in range(kv_cache.rollback_num_blocks(s.num_computed_tokens, accepted, bs, len(s.block_table))):
                 blocks._release(s.block_table.pop())                  # the lead's BlockManager.free_tail
             s.num_computed_tokens += accepted
             correction = int(rng.integers(0, 9))
@@ -6120,7 +6121,7 @@ def test_torchrun_standalone_3_ranks_serves_a_request(tok, hf_greedy_32):
 
 import kv_cache
 import scheduler
-import simulate as sim
+from sim import simulate as sim
 
 A100, H100 = sim.GPUS["a100-80gb"], sim.GPUS["h100-sxm"]
 LLAMA2_7B, LLAMA2_13B, LLAMA3_8B = sim.MODELS["llama-2-7b"], sim.MODELS["llama-2-13b"], sim.MODELS["llama-3-8b"]
@@ -6240,7 +6241,7 @@ def test_simulated_workloads_follow_the_vllm_paper_statistics():
 
 def test_simulate_cli_writes_the_listed_json_keys_roofline_and_plots(tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    sim.main(["--gpu", "h100-sxm", "--model", "llama-2-7b", "--num-requests", "60", "--sweep-rates", "2,8",
+    sim_cli.main(["--gpu", "h100-sxm", "--model", "llama-2-7b", "--num-requests", "60", "--sweep-rates", "2,8",
               "--sweep-variants", "continuous,static", "--out", str(out), "--plot", str(tmp_path)])
     results = json.loads(out.read_text())
     assert set(results) == {"continuous", "static"}
@@ -6252,7 +6253,7 @@ def test_simulate_cli_writes_the_listed_json_keys_roofline_and_plots(tmp_path, c
             assert set(res[key]) == {"p50", "p90", "p99"} and res[key]["p50"] <= res[key]["p99"]
     assert (tmp_path / "throughput_vs_rate.png").stat().st_size > 0 and (tmp_path / "kv_usage.png").stat().st_size > 0
     capsys.readouterr()
-    sim.main(["roofline", "--gpu", "a100-80gb", "--model", "llama-2-13b", "--batch", "32"])
+    sim_cli.main(["roofline", "--gpu", "a100-80gb", "--model", "llama-2-13b", "--batch", "32"])
     r = json.loads(capsys.readouterr().out)
     assert r["bound"] == "memory" and r["modelled"]["steps_per_s"] < r["ideal"]["steps_per_s"]
 
@@ -6725,7 +6726,7 @@ def test_remote_cores_take_the_open_ranks_of_their_role_from_the_front_ends_stor
     # --disaggregation 2:2 --disaggregation-local 1:1: the front end starts ranks 0 (prefill) and 2
     # (decode); a remote decode core takes 3, a prefill core 1; a second decode core, or a data-parallel
     # one, finds no open rank and is refused at once (not after the store's timeout)
-    from kv_transfer import host_store, join_as, open_ranks
+    from scaleout.kv_transfer import host_store, join_as, open_ranks
     store = host_store(4)
     open_ranks(store, 4, {"prefill": [1], "decode": [3]})
     decode = join_as("decode", "127.0.0.1", store.port, 5)
@@ -6942,7 +6943,7 @@ def test_data_parallel_cache_aware_routing_raises_the_prefix_hit_rate():
              "--system-prompt-len", "2000", "--input-len", "50", "--output-len", "20", "--enable-prefix-caching",
              "--data-parallel-size", "2", "--gpu-memory-utilization", "0.26", "--num-requests", "400",
              "--request-rate", "50"]
-    runs = {policy: sim.run(sim.parse_run(flags + ["--routing", policy])) for policy in ("round_robin", "cache_aware")}
+    runs = {policy: sim_cli.run(sim.parse_run(flags + ["--routing", policy])) for policy in ("round_robin", "cache_aware")}
     rr, ca = runs["round_robin"], runs["cache_aware"]
     # 24 prompts of 2,000 tokens: all fit one pool (36k tokens) split 12:12, not all 24 on each engine
     assert ca["prefix_hit_rate"] > 1.3 * rr["prefix_hit_rate"], (ca["prefix_hit_rate"], rr["prefix_hit_rate"])

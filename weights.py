@@ -23,7 +23,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import extensions
-import parallel
 from errors import InvalidRequest
 from cpu_linear import (GGUF_ROWS, GGUFBlocks, Linear, _cpu_linear_kernels, choose_gguf_path, cpu_linear_path,
                         INT8_GROUP, quantize_int8)
@@ -369,7 +368,7 @@ def read_config(model: str | None) -> tuple[str, ModelConfig]:
 
 def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu", tp=None,
                quantization: str | None = None):
-    """-> (Llama in eval mode, ModelConfig, model_dir). tp: a parallel.TPGroup; the model is then
+    """-> (Llama in eval mode, ModelConfig, model_dir). tp: a scaleout.parallel.TPGroup (its plan and shard); the model is then
     this rank's shard (its config the shard's: its heads, MLP slice and vocabulary rows), while the
     ModelConfig returned is the whole model's. quantization="gguf": only the GGUF's blocks are kept
     where the file has them (keep_only_blocks); "int8": int8 copies of the linear layers made
@@ -379,7 +378,7 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
     with torch.device("meta"):
         net = Llama(plan.local_config(cfg) if plan else cfg)
         if plan:
-            parallel.shard_model(net, plan, cfg, tp.comm)
+            tp.shard(net, plan, cfg)
     sd = fuse_weights(load_state_dict(model_dir, plan, cfg.head_dim), cfg)
     net.load_state_dict(sd, strict=True, assign=True)
     if cfg.tie_word_embeddings:

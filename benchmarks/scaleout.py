@@ -79,7 +79,7 @@ async def drive(client, requests) -> list[dict]:
 
 
 def run_routing(model_dir: str, shape: Shape, policy: str, seed: int) -> dict:
-    from data_parallel import DataParallelClient
+    from scaleout.data_parallel import DataParallelClient
     from engine import EngineConfig
     rng = random.Random(seed)
     systems = [[rng.randrange(300, 40_000) for _ in range(shape.system_len)] for _ in range(shape.tenants)]
@@ -113,7 +113,7 @@ def kv_bytes_per_token(model_dir: str) -> int:
 
 
 def run_disaggregation(model_dir: str, shape: Shape, mode: str, seed: int) -> dict:
-    from disaggregation import DisaggregatedClient
+    from scaleout.disaggregation import DisaggregatedClient
     from engine import EngineConfig
     from engine_client import EngineClient
     rng = random.Random(seed)

@@ -11,20 +11,20 @@ of sequences run in seconds.
 
 Owns: one engine under a workload. The workloads (ShareGPT/Alpaca-like length statistics, long
 prompts, uniform, tenants sharing system prompts) with Poisson arrivals, the simulation loop, the
-metrics, the sweep, the plots and the command line. Several engines (data parallel behind router.py,
-disaggregated prefill/decode) live in simulate_cluster.py, which run() hands those flags to; the
-hardware, the models and the step's cost live in cost_model.py. Does not decide anything the
+metrics, the table and the plots. Several engines (data parallel behind router.py, disaggregated
+prefill/decode) live in simulate_cluster.py; the command line that picks one or the other is cli.py
+(`python -m sim`); the hardware, the models and the step's cost live in cost_model.py. Does not decide anything the
 scheduler decides, and does not touch the engine, the kernels or the tokenizer.
 A request stops at exactly its drawn output length (max_tokens = that length, like ignore_eos).
 Prompts are distinct tokens except the tenants' shared system prompts; under
 --scheduling-policy priority, request k gets priority k % 3.
 
-  python simulate.py --gpu h100-sxm --model llama-3-8b --workload sharegpt --num-requests 1000
-  python simulate.py --workload tenants --enable-prefix-caching --data-parallel-size 2 --routing cache_aware
-  python simulate.py --workload long-prompt --disaggregation 1:1 --kv-link infiniband --request-rate 4
-  python simulate.py roofline --gpu a100-80gb --model llama-2-13b --batch 32
-  python simulate.py tp-sweep                       # where tensor parallelism stops paying (cost_model.py)
-  python simulate.py disagg-sweep --out docs/       # disaggregated vs colocated goodput per GPU
+  python -m sim --gpu h100-sxm --model llama-3-8b --workload sharegpt --num-requests 1000
+  python -m sim --workload tenants --enable-prefix-caching --data-parallel-size 2 --routing cache_aware
+  python -m sim --workload long-prompt --disaggregation 1:1 --kv-link infiniband --request-rate 4
+  python -m sim roofline --gpu a100-80gb --model llama-2-13b --batch 32
+  python -m sim tp-sweep                       # where tensor parallelism stops paying (cost_model.py)
+  python -m sim disagg-sweep --out docs/       # disaggregated vs colocated goodput per GPU
 """
 import argparse
 import json
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 # re-exported too: test_all.py reads the cost model's names as simulate.X
-from cost_model import (FLOP_EFFICIENCY, GPUS, HOST_OVERHEADS, LINK_CHOICES, MEM_EFFICIENCY, MODELS,  # noqa: F401
+from sim.cost_model import (FLOP_EFFICIENCY, GPUS, HOST_OVERHEADS, LINK_CHOICES, MEM_EFFICIENCY, MODELS,  # noqa: F401
                         STEP_OVERHEAD_S, check_tensor_parallel, host_overhead, kv_pool_bytes, kv_pool_tokens,
                         resolve_link, roofline, step_cost, step_time, tp_sweep_main)
 from kv_cache import BlockManager, SwapIn, SwapOut
@@ -243,22 +243,8 @@ def report(args, reqs, wall, tally: Tally, num_blocks, sim_s, sim_cpu_s) -> dict
     }
 
 
-# ------------------------------------------------------------------ sweep, table, plots
-def sweep(args) -> dict:
-    """Every variant (mode or mode/policy) at every rate: {variant: [result, ...]}."""
-    results = {}
-    for variant in args.sweep_variants.split(","):
-        mode, _, policy = variant.partition("/")
-        results[variant] = [run(argparse.Namespace(**{**vars(args), "request_rate": rate, "scheduler_mode": mode,
-                                                          "scheduling_policy": policy or args.scheduling_policy}))
-                            for rate in args.sweep_rates]
-    return results
-
-
+# ------------------------------------------------------------------ table, plots
 def print_table(res: dict):
-    if "engines" in res:                                  # several engines: simulate_cluster.py's table
-        import simulate_cluster
-        return simulate_cluster.print_table(res)
     rows = [("output tok/s", f"{res['output_tok_s']:.0f}"), ("total tok/s", f"{res['total_tok_s']:.0f}"),
             ("requests/s", f"{res['requests_per_s']:.2f}"),
             ("TTFT p50/p90/p99 s", "/".join(f"{v:.3f}" for v in res["ttft_s"].values())),
@@ -409,7 +395,7 @@ def parse_run(argv) -> argparse.Namespace:
 
 
 def parse_roofline(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="simulate.py roofline", description="Decode step time of a full batch.")
+    p = argparse.ArgumentParser(prog="python -m sim roofline", description="Decode step time of a full batch.")
     p.set_defaults(gpu="a100-80gb", model="llama-2-13b")
     add_engine_args(p)
     p.add_argument("--batch", type=int, default=32)
@@ -419,50 +405,3 @@ def parse_roofline(argv) -> argparse.Namespace:
     if args.batch < 1 or args.context < 0:
         p.error("--batch must be >= 1, --context >= 0")
     return args
-
-
-def run(args) -> dict:
-    """One engine, or several (simulate_cluster.py) when the flags ask for them."""
-    if args.data_parallel_size > 1 or args.disaggregation:
-        import simulate_cluster
-        return simulate_cluster.simulate_cluster(args)
-    return simulate(args)
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["roofline"]:
-        a = parse_roofline(argv[1:])
-        gpu, model = GPUS[a.gpu], MODELS[a.model]
-        try:
-            check_tensor_parallel(model, a.tensor_parallel_size)
-        except ValueError as e:
-            sys.exit(f"simulate.py: error: {e}")
-        print(json.dumps(roofline(gpu, model, a.batch, a.context, a.tensor_parallel_size,
-                                  host=host_overhead(a.host_overhead), graphs=not a.enforce_eager,
-                                  link=resolve_link(a.tp_link, gpu)), indent=2))
-        return
-    if argv[:1] == ["tp-sweep"]:
-        return tp_sweep_main(argv[1:])
-    if argv[:1] == ["disagg-sweep"]:
-        import simulate_cluster
-        return simulate_cluster.disagg_sweep_main(argv[1:])
-    args = parse_run(argv)
-    try:
-        results = sweep(args) if args.sweep_rates else {args.scheduler_mode: [run(args)]}
-    except ValueError as e:                              # a configuration that cannot run: say why, no traceback
-        sys.exit(f"simulate.py: error: {e}")
-    for runs in results.values():
-        for res in runs:
-            print_table(res)
-            print()
-    if args.out:
-        slim = {name: [{k: v for k, v in r.items() if k != "timeline"} for r in runs] for name, runs in results.items()}
-        with open(args.out, "w") as f:
-            json.dump(slim if args.sweep_rates else slim[args.scheduler_mode][0], f, indent=2)
-    if args.plot:
-        plot(results, args.plot)
-
-
-if __name__ == "__main__":
-    main()

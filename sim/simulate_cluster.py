@@ -22,10 +22,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import simulate as sim
-from cost_model import GPUS, MODELS, resolve_link
+from sim import simulate as sim
+from sim.cost_model import GPUS, MODELS, resolve_link
 from kv_cache import SwapIn, SwapOut
-from router import Router, RouterConfig
+from scaleout.router import Router, RouterConfig
 from sequence import Sequence, Status
 
 
@@ -354,7 +354,7 @@ def docs_text(a, runs, table, seconds) -> str:
     model, gpu = MODELS[a.model], GPUS[a.gpu]
     lines = [
         "# Disaggregated prefill/decode against colocated: goodput per GPU (simulated)", "",
-        f"`python simulate.py disagg-sweep --out docs/` wrote this page, the plot and disaggregation.json "
+        f"`python -m sim disagg-sweep --out docs/` wrote this page, the plot and disaggregation.json "
         f"({seconds:.0f} s on this machine). Every engine is nanoserve's real scheduler and block manager, timed "
         f"by cost_model.py: {model.name} on {gpu.name}, one GPU per engine, host overhead `{a.host_overhead}`, "
         f"Poisson arrivals, seed {a.seed}, max({a.num_requests}, {a.min_seconds:g} s x the rate) requests per point (so the "
@@ -408,7 +408,7 @@ def docs_text(a, runs, table, seconds) -> str:
 
 def disagg_sweep_main(argv):
     import json
-    p = argparse.ArgumentParser(prog="simulate.py disagg-sweep",
+    p = argparse.ArgumentParser(prog="python -m sim disagg-sweep",
                                 description="DistServe's comparison: goodput per GPU, disaggregated against colocated.")
     p.add_argument("--gpu", choices=GPUS, default="a100-80gb")
     p.add_argument("--model", choices=MODELS, default="llama-2-13b")

@@ -19,13 +19,13 @@ import dataclasses
 import itertools
 import os
 
-from data_parallel import DataParallelClient, accept_cores, dp_key
+from scaleout.data_parallel import DataParallelClient, accept_cores, dp_key
 from engine import Engine, EngineConfig
 from engine_client import EngineClient, Failed
 from engine_core import CoreUpdate, ImportRequest, SendBlocks
-from kv_transfer import KVTransfer, TransferGroup, host_store, open_ranks
+from scaleout.kv_transfer import KVTransfer, TransferGroup, host_store, open_ranks
 from openai_api import APIError
-from router import Router, RouterConfig
+from scaleout.router import Router, RouterConfig
 
 
 def parse_disaggregation(value: str, least: int = 1) -> tuple[int, int]:

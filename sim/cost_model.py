@@ -8,8 +8,8 @@ graph (fitted to the one H100 run, or to a bench.py results JSON of another). Al
 table: where adding GPUs to one engine stops paying. Pure arithmetic: no scheduler, no engine, no
 torch. simulate.py and simulate_cluster.py time every simulated step with step_time.
 
-  python simulate.py roofline --gpu h100-sxm --model llama-3-8b --batch 64 --context 1024
-  python simulate.py tp-sweep
+  python -m sim roofline --gpu h100-sxm --model llama-3-8b --batch 64 --context 1024
+  python -m sim tp-sweep
 """
 import json
 import statistics
@@ -324,7 +324,7 @@ def where_tp_stops(rows: list, min_gain: float) -> dict:
 
 def tp_sweep_main(argv):
     import argparse
-    p = argparse.ArgumentParser(prog="simulate.py tp-sweep", description="Where tensor parallelism stops paying.")
+    p = argparse.ArgumentParser(prog="python -m sim tp-sweep", description="Where tensor parallelism stops paying.")
     p.add_argument("--models", default="llama-3-8b,llama-3-70b")
     p.add_argument("--gpus", default="a100-80gb,h100-sxm")
     p.add_argument("--links", default="nvlink,pcie", help="comma-separated LINKS keys or families")

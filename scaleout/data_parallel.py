@@ -25,10 +25,10 @@ from multiprocessing.connection import Listener
 
 from engine import Engine, EngineConfig, EngineStats
 from engine_client import EngineClient, Run, ServerMetrics
-from engine_core import CoreUpdate, JoinCore, Stop
-from kv_transfer import host_store, open_ranks
+from engine_core import CoreUpdate, JoinCore, Stop, run_remote_core
+from scaleout.kv_transfer import host_store, open_ranks
 from openai_api import APIError
-from router import Router, RouterConfig
+from scaleout.router import Router, RouterConfig
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -239,7 +239,6 @@ def run_headless(config: EngineConfig, local: int, address: tuple[str, int], key
     """serve.py --headless: `local` engine cores for a front end on another machine, sharing this host's
     threads; exits when they all end (the front end stopped, or hung up). role: both (data-parallel
     replicas) or prefill | decode (cores of a disaggregated front end: disaggregation.py)."""
-    from engine_core import run_remote_core
     config.num_threads = max(1, (config.num_threads or os.cpu_count()) // local)
     context = multiprocessing.get_context("spawn")
     cores = [context.Process(target=run_remote_core, args=(config, address, key, grammar_timeout, 120.0, role),

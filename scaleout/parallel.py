@@ -19,7 +19,6 @@ model.py, the scheduler and the kernels do not know about ranks.
 import contextlib
 import ctypes
 import datetime
-import functools
 import multiprocessing.connection
 import os
 import signal
@@ -37,11 +36,13 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from builder import EngineBuilder
 from cpu_linear import Linear
-from errors import EngineError, InvalidRequest
+from errors import EngineError, InvalidRequest, need
 from kv_cache import KVCachePool
 from model import ModelConfig
 from model_runner import ModelRunner, StepInputs
+from weights import load_model, read_config
 
 # A collective that waits this long has lost a rank that is alive but stuck (a dead one is noticed at
 # once: its sockets close). The first step does no lazy work that could take this long: every rank
@@ -317,6 +318,10 @@ class TPGroup:
     def plan(self, cfg: ModelConfig) -> ShardPlan:
         return ShardPlan.of(cfg, self.size, self.rank)
 
+    def shard(self, net: nn.Module, plan: ShardPlan, cfg: ModelConfig):
+        """weights.load_model calls this on the meta-device model: its layers become this rank's slices."""
+        shard_model(net, plan, cfg, self.comm)
+
     def send(self, message):
         """Rank 0: broadcast one message (a pickled object) to every worker."""
         dist.broadcast_object_list([message], src=0, group=self.control)
@@ -361,20 +366,6 @@ class TPGroup:
         torch.set_num_threads(self.saved_threads[0])
         if self.saved_threads[1] is not None:
             os.sched_setaffinity(0, self.saved_threads[1])
-
-
-def shut_down_on_failure(init):
-    """Decorates Engine.__init__: if it raises once its TPGroup exists, stop the workers and leave the
-    group, so that a bad setting (say, a KV pool too small) leaves no process and no group behind."""
-    @functools.wraps(init)
-    def wrapped(engine, *args, **kwargs):
-        try:
-            init(engine, *args, **kwargs)
-        except BaseException:
-            if getattr(engine, "tp", None) is not None:
-                engine.tp.shutdown()
-            raise
-    return wrapped
 
 
 def _affinity():
@@ -452,7 +443,7 @@ def spawn_workers(tp: int, address: tuple[str, int], device_type: str, num_threa
     # torch and this file once, then forks each worker from there: no worker imports torch again (on
     # 2 busy cores 3 spawned workers took 20 s to import it), and later engines start sooner still.
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["parallel"])
+    context.set_forkserver_preload(["scaleout.parallel"])
     # serve.py runs the engine in a daemonic process, and multiprocessing refuses a daemon children of
     # its own (lest they be orphaned). Ours cannot be: the fork server exits when we do, PR_SET_PDEATHSIG
     # kills each worker with the fork server, and a closed group ends them. So the flag is lifted to start them.
@@ -485,6 +476,31 @@ def main_module_left_out():
 
 
 # ---------------------------------------------------------------------------- rank 0's side of a step
+
+class TensorParallelBuilder(EngineBuilder):
+    """What llm.builder_for gives the engine under tensor parallelism: load_model starts (or joins) the
+    group and loads rank 0's shard; the pool and runner are the Driver ones below. shutdown stops the
+    workers and leaves the group, also when the engine's start fails after they started."""
+
+    def load_model(self, config, dtype: torch.dtype, device: torch.device, attention_backend: str,
+                   loaded_model=None) -> tuple:
+        need(loaded_model is None, "loaded_model", "None under tensor parallelism", "a model")
+        model_dir, mc = read_config(config.model)
+        self.tp = launch(config, model_dir, mc, dtype, device, attention_backend)
+        print(f"nanoserve: tensor parallel over {self.tp.size} ranks; {self.tp.why_threads}", file=sys.stderr,
+              flush=True)
+        return load_model(config.model, dtype, device, self.tp, config.quantization)
+
+    def kv_pool(self, *args) -> "DriverKVPool":
+        return DriverKVPool(*args)
+
+    def runner(self, *args) -> "DriverRunner":
+        return DriverRunner(*args, self.tp)
+
+    def shutdown(self):
+        if self.tp is not None:
+            self.tp.shutdown()
+
 
 class DriverKVPool(KVCachePool):
     """Rank 0's pool: runs each block copy here and keeps it for the next Step, so every rank's pool
@@ -570,7 +586,6 @@ def run_worker(device: str = "auto"):
 def worker_loop(group: TPGroup):
     """Load this rank's shard, build its KV pool like rank 0's, then run each Step rank 0 sends:
     its block copies, then the forward (whose collectives meet rank 0's). A None step ends it."""
-    from weights import load_model
     try:
         setup: WorkerSetup = group.recv()
         if setup is None:
