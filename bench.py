@@ -32,6 +32,7 @@ import torch
 
 from benchmarks import batching as bench_batching
 from benchmarks import gpu as bench_gpu
+from benchmarks import harness
 from benchmarks import hardware as bench_hardware
 from benchmarks import invariance as bench_invariance
 from benchmarks import online as bench_online
@@ -447,7 +448,11 @@ def main(argv=None):
     ap.add_argument("--readme", action="store_true",
                     help="run nothing: rewrite README.md's results table from the newest results/*.json (not --quick)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="every in-process engine with async_scheduling on or off (default: the engine's, on with CUDA)")
     args = ap.parse_args(argv)
+    if args.async_scheduling is not None:
+        harness.ENGINE_OVERRIDES["async_scheduling"] = args.async_scheduling
     if args.readme:
         if args.sections or args.out or args.quick or args.full:
             ap.error("--readme runs nothing: run the bench with --out results/ first, then --readme alone")

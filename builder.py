@@ -1,16 +1,20 @@
 """
-The seam between the engine and how its parts are made: the model, its KV pool and its model runner.
+The seam between the engine and how its parts are made: the model, its KV pool, its model runner, its
+scheduler and its speculator.
 
 EngineBuilder makes them for one process. scaleout/parallel.py's TensorParallelBuilder makes rank 0's
 instead (they broadcast each step to the other ranks), and llm.builder_for picks one from the config.
-Engine takes whichever it is given and never asks which kind it got. Owns no scheduling and no
-requests: only what is built, and the shutdown of whatever building it started.
+Engine takes whichever it is given and never asks which kind it got. The parts a config may leave out
+(the static baseline, speculative decoding, a draft model) are imported only when it asks for them, so a
+reader of the continuous path never loads them. Owns no scheduling and no requests: only what is built,
+and the shutdown of whatever building it started.
 """
 import torch
 
 from errors import need
 from kv_cache import KVCachePool
 from model_runner import ModelRunner
+from scheduler import Scheduler
 from weights import load_model
 
 
@@ -30,6 +34,29 @@ class EngineBuilder:
 
     def runner(self, *args) -> ModelRunner:
         return ModelRunner(*args)
+
+    def scheduler(self, config, blocks) -> Scheduler:
+        """The continuous-batching scheduler, or (scheduler_mode="static") the baseline it replaces."""
+        if config.scheduler_mode == "static":
+            from static_scheduler import StaticScheduler       # off the main path: loaded when asked for
+            return StaticScheduler(config, blocks)
+        return Scheduler(config, blocks)
+
+    def speculator(self, config, dtype: torch.dtype, device: torch.device, attention_backend: str, blocks,
+                   vocab_size: int, max_model_len: int, bounds):
+        """speculative_config's Speculator (spec_decode.py), with a draft model on a pool of as many blocks
+        as ours for method "draft_model" (its runner sized by the scheduler's step bounds); None without
+        speculative decoding."""
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        from spec_decode import Speculator                     # optional, as is the draft model
+        draft = None
+        if spec.method == "draft_model":
+            from draft_model import DraftModelProposer
+            draft = DraftModelProposer(spec.model, dtype, device, attention_backend, blocks.num_blocks,
+                                       config.block_size, vocab_size, bounds, max_model_len)
+        return Speculator(spec, max_model_len, draft)
 
     def shutdown(self):
         """Stop whatever load_model started (nothing, in one process)."""

@@ -13,9 +13,12 @@ Engine.step() is the loop body, three calls in the order data flows (as nano-vll
 With speculative_config (spec_decode.py), a decode row also carries drafts: postprocess verifies
 them (spec_decode.Speculator.sample), rolls the cache back (Scheduler.accept_drafts), appends the
 accepted run token by token, then proposes the next step's drafts.
+With async_scheduling (on with CUDA), step() hands over to async_engine.py, which runs the same
+calls in a two-slot pipeline: step N+1 is planned and launched before step N's outputs are processed.
 llm.py's LLM.generate() drives step() until every request is done; serve.py drives it from
 engine_core.py, in a process of its own. Owns requests and their outputs (sequence.py holds the
-records); validates input once, at the edge (add_request).
+records); validates input once, at the edge (add_request). Its model, KV pool, model runner, scheduler
+and speculator come from a builder (builder.py): the engine never asks how many ranks run them.
 """
 import contextlib
 import functools
@@ -24,23 +27,25 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 import paged_attention
 from builder import EngineBuilder
 from cpu_linear import cpu_linear_path
-from draft_model import DraftModelProposer
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, bytes_per_block, parse_memory
 from model import resolve_dtype
-from sampler import SamplingParams, SamplingState, make_generator, sample, top_logprobs
+from async_engine import OverlapLoop
+from sampler import SamplingParams, SamplingState, bad_words_token_ids, make_generator, sample_on_device, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from spec_decode import SpeculativeConfig, Speculator
-from static_scheduler import StaticScheduler
 from structured_output import GrammarCompiler, StructuredOutputsParams
 from tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:                       # optional parts, loaded by the builder only when a config asks
+    from spec_decode import SpeculativeConfig
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "PromptLimits", "SamplingParams",
            "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
@@ -66,10 +71,13 @@ class EngineConfig(SchedulerConfig):
     # CPU only. Default from vLLM's VLLM_BATCH_INVARIANT=1 or NANOSERVE_BATCH_INVARIANT=1.
     batch_invariant: bool = field(default_factory=lambda: any(
         os.environ.get(v, "0") not in ("", "0") for v in ("VLLM_BATCH_INVARIANT", "NANOSERVE_BATCH_INVARIANT")))
-    speculative_config: dict | SpeculativeConfig | None = None   # vLLM's: {"method": "ngram", ...}
+    speculative_config: "dict | SpeculativeConfig | None" = None   # vLLM's: {"method": "ngram", ...}
     # "gguf": only a GGUF's own Q4_0/Q4_1/Q8_0 blocks, at every batch; "int8": dynamic W8A8 from any
     # float checkpoint, exact int32 sums (batch-invariant too): docs/quantization.md
     quantization: str | None = None
+    # overlapped scheduling (async_engine.py): the host plans step N+1 while the device runs step N.
+    # None = on where a device runs apart from the host (CUDA); off on a CPU, where they are one
+    async_scheduling: bool | None = None
 
     @classmethod
     def with_overrides(cls, config: "EngineConfig | None", overrides: dict) -> "EngineConfig":
@@ -84,7 +92,9 @@ class EngineConfig(SchedulerConfig):
 
     def validate(self):
         super().validate()
-        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None:          # optional: spec_decode.py loads only when asked for
+            from spec_decode import SpeculativeConfig
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         need(self.speculative_config is None or self.scheduler_mode == "continuous", "speculative_config",
              "None with scheduler_mode 'static' (the baseline does not speculate)", self.speculative_config)
         dtypes = ("auto", "float32", "bfloat16", "float16")
@@ -165,12 +175,16 @@ class PromptLimits:
 @dataclass
 class PhaseTimes:
     """Seconds spent in each phase of Engine.step, summed over steps (bench.py reads them).
-    On a GPU `forward` only counts the launch unless the sampler's .tolist() syncs first."""
+    On a GPU `forward` and `sample` count the host's launches; `wait` is the host blocked on the
+    device (reading the sampled ids back), and `device` the device's own time per step, from the
+    first upload to the sampled ids' copy (CUDA events: not a host phase, not in the step's sum)."""
     schedule: float = 0.0
     prepare: float = 0.0                # block copies and building the flat batch tensors
     forward: float = 0.0
     sample: float = 0.0
+    wait: float = 0.0                   # the host waits for the device's sampled ids
     update: float = 0.0                 # append tokens, detokenize, stop checks, outputs
+    device: float = 0.0                 # CUDA only: the device's span of the step, not a host phase
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -179,6 +193,20 @@ class PhaseTimes:
             yield
         finally:
             setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
+
+    @staticmethod
+    def mark(device: torch.device):
+        """A timing event recorded on device's stream now (None off CUDA): a step's start."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add_device_span(self, start, end):
+        """After `end` completed: the device's time from start to end (both events, or None)."""
+        if start is not None and end is not None:
+            self.device += start.elapsed_time(end) / 1e3
 
 
 class Engine:
@@ -213,7 +241,7 @@ class Engine:
         if self.device.type == "cpu":
             path = "" if config.quantization else f"{cpu_linear_path(dtype, config.batch_invariant)}; "
             _log_once(f"nanoserve: linear layers {path}{self.model.gguf_log}")
-        self.model.set_batch_invariant(config.batch_invariant)
+        self.model = self.model.with_batch_invariant(config.batch_invariant)   # a shared model is not switched
         self.model.prepare()     # not in the first request (the first after serve.py says it is up)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
@@ -223,24 +251,29 @@ class Engine:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = set(mc.eos_token_id) | {self.tokenizer.eos_token_id} - {None}
         self._init_kv_cache(dtype)
-        self.scheduler = (StaticScheduler if config.scheduler_mode == "static" else Scheduler)(config, self.blocks)
+        self.scheduler = self.builder.scheduler(config, self.blocks)
         bounds = self.scheduler.step_bounds()     # the runner's buffers hold any step this scheduler makes
         runner_args = (self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
                        bounds.max_rows, bounds.max_tokens, self.max_model_len, config.enforce_eager)
         self.runner = self.builder.runner(*runner_args)
         self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
-        self.speculator = self._init_speculator(config.speculative_config, dtype)
+        self.speculator = self.builder.speculator(config, dtype, self.device, self.attention_backend, self.blocks,
+                                                  self.model_config.vocab_size, self.max_model_len, bounds)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
-        self.exporting: dict[str, Sequence] = {}     # disaggregation (handoff.py): prompts whose blocks are on
-        self.importing: dict[str, tuple[Request, Sequence]] = {}   # their way out, and on their way in
+        # disaggregation (scaleout/handoff.py): prompts whose blocks are on their way out, and on their way in
+        self.exporting: dict[str, Sequence] = {}
+        self.importing: dict[str, tuple[Request, Sequence]] = {}
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
         self.grammars: GrammarCompiler | None = None                   # built at the first structured request
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step = self.scheduler.step_counts(ScheduledBatch([], []))
         self.phase_times = PhaseTimes()
+        self.step_start = None                              # the running step's first event (CUDA)
+        use_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.overlap = OverlapLoop(self) if use_async else None    # async_scheduling: async_engine.py
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model.config      # the model's own: under tensor parallelism this rank's heads
@@ -255,16 +288,6 @@ class Engine:
         self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, num_host_blocks)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
-
-    def _init_speculator(self, spec: SpeculativeConfig | None, dtype) -> Speculator | None:
-        if spec is None:
-            return None
-        draft = None
-        if spec.method == "draft_model":               # a second model, on a pool of as many blocks as ours
-            draft = DraftModelProposer(spec.model, dtype, self.device, self.attention_backend, self.blocks.num_blocks,
-                                       self.config.block_size, self.model_config.vocab_size,
-                                       self.scheduler.step_bounds(), self.max_model_len)
-        return Speculator(spec, self.max_model_len, draft)
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -284,10 +307,9 @@ class Engine:
         req = Request(request_id, text, ids, params, [], RequestMetrics(now, num_prompt_tokens=len(ids)),
                       None if params.prompt_logprobs is None else [None], cache_salt)
         for i in range(params.n):             # each of n samples: its own seed stream, counts and grammar state
-            state = SamplingState(params, ids, self.model_config.vocab_size, make_generator(params.seed, i),
-                                  self.eos_token_ids, self._grammar(params.structured_outputs))
-            req.completions.append(Completion(i, None, IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True),
-                                              state))
+            state = self.sampling_state(params, ids, i)
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            req.completions.append(Completion(i, None, detok, state))
         seq = Sequence(next(self.seq_ids), list(ids), len(ids), params.max_tokens, priority, now, request=req)
         req.completions[0].seq = seq                # samples 1..n-1 fork from it after its prefill
         self.requests[request_id] = req
@@ -299,8 +321,13 @@ class Engine:
             self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         return self.grammars
 
-    def _grammar(self, structured: StructuredOutputsParams | None):
-        return None if structured is None else self.grammar_compiler().compile(structured)
+    def sampling_state(self, params: SamplingParams, prompt_ids: list[int], index: int) -> SamplingState:
+        """Sample `index` of a request: its seed stream, penalty counts, grammar (compiled here) and
+        bad words (as the token sequences that would write them)."""
+        structured = params.structured_outputs
+        grammar = None if structured is None else self.grammar_compiler().compile(structured)
+        return SamplingState(params, prompt_ids, self.model_config.vocab_size, make_generator(params.seed, index),
+                             self.eos_token_ids, grammar, bad_words_token_ids(params.bad_words, self.tokenizer.encode))
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
@@ -319,7 +346,7 @@ class Engine:
             return
         for c in req.completions:
             if c.seq is not None:
-                self._remove(c.seq)
+                self.remove_sequence(c.seq)
             if c.finish_reason is None:
                 c.finish_reason = "abort"
 
@@ -329,17 +356,14 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()   # the sampler edits the model's logits in place: they are inference tensors
     def step(self) -> list[RequestOutput]:
-        if self.model.batch_invariant != self.config.batch_invariant:   # a model shared by engines (bench.py)
-            self.model.set_batch_invariant(self.config.batch_invariant)
+        if self.overlap is not None:                        # async_scheduling: a two-slot pipeline around
+            return self.overlap.step()                      # the same three calls (async_engine.py)
+        return self.plain_step()
+
+    @torch.inference_mode()
+    def plain_step(self) -> list[RequestOutput]:
         batch = self.schedule()
-        if not batch.seqs:                                  # everyone was preempted: only the swaps run
-            self.kv_pool.run(batch.block_ops)
-            return []
-        prompt_rows = self.prompt_logprob_rows(batch)       # prompt logprobs: more logits rows of this forward
-        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: extra forwards
-            for a, b, logits in self.runner.forward_cached(seq, lo, hi):   # in chunks the runner's buffers hold
-                self.record_prompt_logprobs(logits, [(seq.request, a, b)])
-        logits = self.run_model(batch, prompt_rows.rows)    # [num_sampled + prompt rows, vocab]
+        logits, prompt_rows = self.run_model(batch)         # [num_sampled + prompt rows, vocab]
         return self.postprocess(batch, logits, prompt_rows)
 
     def schedule(self) -> ScheduledBatch:
@@ -348,26 +372,46 @@ class Engine:
             self.last_step = self.scheduler.step_counts(batch)
         return batch
 
-    def run_model(self, batch: ScheduledBatch, extra_rows: list[int]) -> torch.Tensor:
+    def run_model(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, "PromptLogprobRows"]:
+        """The forward: logits of the rows that sample, then of the prompt-logprob rows that ride on
+        it (prompt_rows says which). A step with no rows (everyone was preempted) runs only its swaps."""
+        self.step_start = self.phase_times.mark(self.device)
+        prompt_rows = self.prompt_logprob_rows(batch)
+        if not batch.seqs:
+            self.kv_pool.run(batch.block_ops)
+            return None, prompt_rows
+        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: extra forwards
+            for a, b, logits in self.runner.forward_cached(seq, lo, hi):   # in chunks the runner's buffers hold
+                self.record_prompt_logprobs(logits, [(seq.request, a, b)])
         with self.phase_times.phase("prepare"):
-            inputs = self.runner.prepare(batch, extra_rows)
+            inputs = self.runner.prepare(batch, prompt_rows.rows)
         with self.phase_times.phase("forward"):
-            return self.runner.forward(inputs)
+            return self.runner.forward(inputs), prompt_rows
 
     def postprocess(self, batch: ScheduledBatch, logits, prompt_rows: "PromptLogprobRows") -> list[RequestOutput]:
         """Record prompt logprobs, mark the scheduled tokens computed, sample one token for every
         completion whose sequence finished its chunk, and apply each token."""
+        if not batch.seqs:
+            return []
         num_sampled = len(batch.sample_rows) + sum(batch.seqs[i].num_spec_tokens for i in batch.sample_rows)
         if prompt_rows.rows:
             self.record_prompt_logprobs(logits[num_sampled:], prompt_rows.plan)
             logits = logits[:num_sampled]
+        ready = self.finish_step(batch)                     # the sequences that sample a token now
+        completions, tokens, logprobs = self._sample(logits, ready)
+        return self.apply_tokens(completions, tokens, logprobs)
+
+    def finish_step(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Count the step and mark its scheduled tokens computed; returns the sequences that sample."""
         self.num_steps += 1
         real = batch.num_real_rows
         self.num_prompt_tokens += sum(min(n, max(s.num_prompt_tokens - s.num_computed_tokens, 0))
                                       for s, n in zip(batch.seqs[:real], batch.num_tokens[:real]))
-        ready = self.scheduler.finish_step(batch)           # the sequences that sample a token now
-        with self.phase_times.phase("sample"):
-            completions, tokens, logprobs = self._sample(logits, ready)
+        return self.scheduler.finish_step(batch)
+
+    def apply_tokens(self, completions: list[Completion], tokens: list[list[int]], logprobs) -> list[RequestOutput]:
+        """Append each completion's run of tokens (stop checks, detokenizing, retiring the finished)
+        and return the touched requests' outputs."""
         with self.phase_times.phase("update"):
             now, touched = time.monotonic(), {}
             for c, run, lps in zip(completions, tokens, logprobs):
@@ -401,9 +445,14 @@ class Engine:
         if rows != list(range(len(logits))):                # n > 1 repeats rows; else skip the [rows, vocab] copy
             logits = logits[rows]
         if self.speculator:
-            out = self.speculator.sample(logits, completions, self.generator)
+            with self.phase_times.phase("sample"):
+                out = self.speculator.sample(logits, completions, self.generator)
             return completions, out.token_ids, [lp or [None] * len(t) for lp, t in zip(out.logprobs, out.token_ids)]
-        tokens, logprobs = sample(logits, [c.sampling for c in completions], self.generator)
+        with self.phase_times.phase("sample"):
+            sampled = sample_on_device(logits, [c.sampling for c in completions], self.generator)
+        with self.phase_times.phase("wait"):                # the step's one read from the device
+            tokens, logprobs = sampled.read()
+        self.phase_times.add_device_span(self.step_start, sampled.event)
         return completions, [[t] for t in tokens], [[lp] for lp in logprobs]
 
     def prompt_logprob_rows(self, batch: ScheduledBatch) -> "PromptLogprobRows":
@@ -460,6 +509,8 @@ class Engine:
         grammar_ended = c.sampling.grammar is not None and c.sampling.grammar.is_finished
         can_stop = seq.num_output_tokens >= p.min_tokens or grammar_ended
         if can_stop and (token in p.stop_token_id_set or (token in self.eos_token_ids and not p.ignore_eos)):
+            if p.include_stop_str_in_output:               # the stop token's text (none if skipped as special)
+                c.text += c.detok.step(token)
             return self._finish(c, "stop", token, now)
         c.text += c.detok.step(token)
         # search only where a new match can start; one token may complete several stop strings,
@@ -468,7 +519,7 @@ class Engine:
                 if (at := c.text.find(stop, max(0, c.emitted_text - len(stop) + 1))) != -1]
         if hits:
             at, i = min(hits)
-            c.text = c.text[:at]
+            c.text = c.text[:at + len(p.stop[i]) if p.include_stop_str_in_output else at]
             return self._finish(c, "stop", p.stop[i], now)
         if grammar_ended:                                   # nothing but EOS could follow
             return self._finish(c, "stop", None, now)
@@ -482,11 +533,12 @@ class Engine:
         req = c.seq.request
         req.metrics.num_preemptions += c.seq.num_preemptions
         req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, c.seq.num_cached_tokens)
-        self._remove(c.seq)                                 # blocks go back to the pool this step
+        self.remove_sequence(c.seq)                                 # blocks go back to the pool this step
         if req.finished:
             req.metrics.finished_time = now
 
-    def _remove(self, seq: Sequence):
+    def remove_sequence(self, seq: Sequence):
+        """Take a sequence out of the batch (finished, aborted or handed to another core); its blocks return now."""
         self.scheduler.remove(seq)
         if self.speculator:
             self.speculator.remove(seq.seq_id)

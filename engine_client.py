@@ -246,13 +246,13 @@ class EngineClient:
         return EngineClient.launch(config, grammar_timeout)()
 
     @staticmethod
-    def launch(config: EngineConfig, grammar_timeout: float = 10.0, group=None, role: str = "both"):
+    def launch(config: EngineConfig, grammar_timeout: float = 10.0, make_core=EngineCore):
         """Start the core process; returns the call that waits for its engine and gives its client (so
-        several cores build their engines at once: data_parallel.py)."""
+        several cores build their engines at once: data_parallel.py). make_core: engine_core.run_core_process's."""
         context = multiprocessing.get_context("spawn")   # never fork a process that may hold OpenMP threads
         conn, core_conn = context.Pipe()
-        core = context.Process(target=run_core_process, args=(config, core_conn, grammar_timeout, group, role), name="nanoserve-engine-core",
-                               daemon=True)
+        core = context.Process(target=run_core_process, args=(config, core_conn, grammar_timeout, make_core),
+                               name="nanoserve-engine-core", daemon=True)
         core.start()
         core_conn.close()                  # ours is the only end left here, so the core's exit reads as EOF
 
@@ -279,12 +279,11 @@ class EngineClient:
         return EngineClient(info, Tokenizer.from_dir(info.model_dir), conn, RemoteCore(address))
 
     @staticmethod
-    def in_thread(engine: Engine, transfer=None, role: str = "both",
-                  grammar_timeout: float = 10.0) -> "EngineClient":
+    def in_thread(engine: Engine, make_core=EngineCore, grammar_timeout: float = 10.0) -> "EngineClient":
         """Tests: the same core loop over the same pipe, in a thread beside an Engine the test holds."""
         conn, core_conn = multiprocessing.Pipe()
-        core = threading.Thread(target=EngineCore(engine, core_conn, grammar_timeout, transfer=transfer, role=role).run,
-                                name="engine-core", daemon=True)
+        core = threading.Thread(target=make_core(engine, core_conn, grammar_timeout).run, name="engine-core",
+                                daemon=True)
         return EngineClient(EngineInfo.of(engine), engine.tokenizer, conn, core)
 
     # -- called on the event loop

@@ -27,9 +27,6 @@ from multiprocessing.connection import Connection
 from engine import Engine, EngineConfig, EngineStats, PromptLimits, RequestOutput, SamplingParams
 from errors import EngineError, InvalidRequest
 from llm import build_engine
-from scaleout.kv_transfer import KVTransfer, TransferGroup, join_as
-from scaleout import handoff
-from scaleout.handoff import Handoff
 
 log = logging.getLogger("nanoserve.engine_core")
 MAX_STEP_FAILURES = 3      # consecutive engine.step() exceptions before the core gives up
@@ -58,24 +55,6 @@ class AbortRequests:
 
 
 @dataclass
-class ImportRequest:
-    """Front end -> decode core (disaggregation): take this request from prefill core `src`; its blocks
-    come with gloo tag `tag`."""
-    handoff: Handoff
-    src: int
-    tag: int
-
-
-@dataclass
-class SendBlocks:
-    """Front end -> prefill core: send these of the request's prompt blocks (indices) to rank `dst`."""
-    request_id: str
-    indices: list[int]
-    dst: int
-    tag: int
-
-
-@dataclass
 class Stop:
     """Front end -> core: abort what is left and exit."""
 
@@ -90,7 +69,7 @@ class CoreUpdate:
     failed: list[tuple[str, Exception]] = field(default_factory=list)       # request ids an engine error ended
     # disaggregation: requests a prefill core exported; blocks a decode core wants (request id, indices,
     # tag); transfers that ended (request id, bytes, seconds)
-    handoffs: list[Handoff] = field(default_factory=list)
+    handoffs: list = field(default_factory=list)      # scaleout/handoff.py's Handoff records
     wanted: list[tuple[str, list[int], int]] = field(default_factory=list)
     sent: list[tuple[str, int, float]] = field(default_factory=list)
     received: list[tuple[str, int, float]] = field(default_factory=list)
@@ -103,13 +82,6 @@ class CoreUpdate:
 class CoreDied:
     """Core -> front end, last: why the core is ending on its own (a crash of the loop itself)."""
     reason: str
-
-
-@dataclass
-class JoinCore:
-    """Remote core -> front end, first on its connection: the rank it took (kv_transfer.join_as)."""
-    rank: int
-    role: str
 
 
 @dataclass
@@ -138,11 +110,15 @@ class Compiling:
 
 
 class EngineCore:
-    def __init__(self, engine: Engine, conn: Connection, grammar_timeout: float = 10.0,
-                 transfer: KVTransfer | None = None, role: str = "both"):
+    """The loop over one Engine. Scale-out's cores subclass it (scaleout/handoff.py: prefill and decode
+    cores that move requests and their KV between them) through the hooks at the end."""
+
+    def __init__(self, engine: Engine, conn: Connection, grammar_timeout: float = 10.0):
         self.engine, self.conn, self.grammar_timeout = engine, conn, grammar_timeout
-        self.transfer, self.role = transfer, role     # role: both | prefill (hands requests off) | decode
         self.compiling: list[Compiling] = []
+        if role == "prefill" and engine.overlap is not None:   # a hand-off needs the first token on the host
+            log.info("async_scheduling off: a prefill core hands each request off after its first token")
+            engine.overlap = None
 
     def run(self) -> None:
         """Serve until the front end sends Stop or hangs up; then abort whatever is left."""
@@ -162,13 +138,13 @@ class EngineCore:
         failures = 0
         while True:
             update = CoreUpdate(stats=None)
-            busy = bool(self.engine.requests)        # blocks in transit alone: poll them, no step to run
-            pending = self.compiling or (self.transfer is not None and self.transfer.busy())
+            busy = bool(self.engine.requests)        # work outside the engine alone: poll it, no step to run
+            pending = self.compiling or self.waiting_elsewhere()
             taken = self.take_commands(update, wait=0 if busy else COMPILE_POLL_S if pending else None)
             if taken is None:
                 break
             self.admit_compiled(update)
-            self.poll_transfers(update)
+            self.poll_elsewhere(update)
             if (update.admitted or update.rejected or update.wanted or update.sent or update.received
                     or update.failed or (taken and not self.engine.requests)):
                 self.send(update)       # before the step: admission and the queue's length can't wait for it
@@ -180,9 +156,7 @@ class EngineCore:
                 except Exception as exc:
                     failures += 1
                     self.step_failed(exc, failures, update)
-                if self.role == "prefill":   # prompt done and first token out: the rest decodes elsewhere
-                    update.handoffs = [handoff.export_request(self.engine, rid)
-                                       for rid in handoff.ready_for_handoff(self.engine)]
+                self.after_step(update)
                 self.send(update)
 
     def send(self, update: CoreUpdate) -> None:
@@ -204,13 +178,8 @@ class EngineCore:
                     return None
                 if isinstance(command, AbortRequests):
                     self.abort(command.request_ids, update)
-                elif isinstance(command, ImportRequest):
-                    self.import_request(command, update)
-                elif isinstance(command, SendBlocks):
-                    if command.request_id in self.engine.exporting:   # else aborted meanwhile
-                        blocks = handoff.exported_blocks(self.engine, command.request_id)
-                        self.transfer.send(self.engine.kv_pool, command.request_id,
-                                           [blocks[i] for i in command.indices], command.dst, command.tag)
+                elif not isinstance(command, AddRequests):
+                    self.handle(command, update)
                 elif command.params.structured_outputs is not None:
                     future = self.engine.grammar_compiler().prepare(command.params.structured_outputs)
                     self.compiling.append(Compiling(command, future, time.monotonic() + self.grammar_timeout))
@@ -226,37 +195,6 @@ class EngineCore:
             self.compiling.remove(waiting)    # still compiling: answer the add, so the front end forgets it
             update.rejected.append((waiting.command.key, EngineError("aborted while its grammar compiled")))
         for request_id in request_ids:
-            self.engine.abort_request(request_id)
-            if self.transfer is not None:
-                self.transfer.drop(request_id)
-
-    # -- disaggregation: the engine allocates and frees, kv_transfer.py moves the bytes
-    def import_request(self, command: ImportRequest, update: CoreUpdate) -> None:
-        request_id = command.handoff.request_id
-        try:
-            needed = handoff.import_request(self.engine, command.handoff)
-        except Exception as exc:    # no room, or a grammar that does not compile here
-            update.failed.append((request_id, exc if isinstance(exc, EngineError) else EngineError(repr(exc))))
-            return
-        blocks = handoff.imported_blocks(self.engine, request_id)
-        self.transfer.receive(self.engine.kv_pool, request_id, [blocks[i] for i in needed], command.src, command.tag)
-        update.wanted.append((request_id, needed, command.tag))
-
-    def poll_transfers(self, update: CoreUpdate) -> None:
-        if self.transfer is None or not self.transfer.busy():
-            return
-        sent, received, failed = self.transfer.poll(self.engine.kv_pool)
-        now = time.monotonic()
-        for t in sent:
-            handoff.release_export(self.engine, t.request_id)
-            update.sent.append((t.request_id, t.nbytes, now - t.started))
-        for t in received:
-            handoff.finish_import(self.engine, t.request_id)
-            update.received.append((t.request_id, t.nbytes, now - t.started))
-        for request_id, exc in failed:     # the peer died: free this side's blocks; a decode core fails the request
-            log.error("KV transfer of %s failed: %r", request_id, exc)
-            if request_id in self.engine.importing:
-                update.failed.append((request_id, EngineError(f"KV transfer failed: {exc}")))
             self.engine.abort_request(request_id)
 
     def admit_compiled(self, update: CoreUpdate) -> None:
@@ -290,6 +228,24 @@ class EngineCore:
             return
         update.admitted.append(command.key)
 
+    # -- hooks for scale-out's cores (scaleout/handoff.py); a plain core has nothing outside its engine
+    def handle(self, command, update: CoreUpdate) -> None:
+        """A command other than add, abort and stop."""
+        raise TypeError(f"engine core: unknown command {type(command).__name__}")
+
+    def waiting_elsewhere(self) -> bool:
+        """Work outside the engine (KV blocks in transit) that an idle loop must keep polling."""
+        return False
+
+    def poll_elsewhere(self, update: CoreUpdate) -> None:
+        """Before each step: take in what finished outside the engine."""
+
+    def after_step(self, update: CoreUpdate) -> None:
+        """After each step: anything to hand on with the step's outputs."""
+
+    def close(self) -> None:
+        """The core ends: let go of what it holds beside the engine."""
+
     def step_failed(self, exc: Exception, failures: int, update: CoreUpdate) -> None:
         # We cannot tell which sequences the failing batch held, so every request in the engine fails.
         log.exception("engine.step() failed (%d in a row); failing %d requests", failures,
@@ -315,8 +271,9 @@ def core_lost_a_rank(reason: str) -> None:
 
 
 def run_core_process(config: EngineConfig, conn: Connection, grammar_timeout: float = 10.0,
-                     group: TransferGroup | None = None, role: str = "both") -> None:
-    """The engine core process's main: build the engine, say what it is, serve until told to stop."""
+                     make_core=EngineCore) -> None:
+    """The engine core process's main: build the engine, say what it is, serve until told to stop.
+    make_core(engine, conn, grammar_timeout) -> the loop (scale-out's cores join their group there)."""
     # Ctrl-C reaches the whole process group: the front end decides when the core stops (after draining).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -327,38 +284,15 @@ def run_core_process(config: EngineConfig, conn: Connection, grammar_timeout: fl
         conn.send(exc if isinstance(exc, ValueError) else RuntimeError(repr(exc)))
         return
     try:
-        transfer = None if group is None else KVTransfer(group)   # waits for every core of the group
+        core = make_core(engine, conn, grammar_timeout)
     except Exception as exc:
-        conn.send(RuntimeError(f"joining the KV transfer group failed: {exc!r}"))
+        conn.send(RuntimeError(f"starting the engine core failed: {exc!r}"))
         return
     conn.send(EngineInfo.of(engine))
     if engine.tp is not None:
         engine.tp.watch(core_lost_a_rank)
     try:
-        EngineCore(engine, conn, grammar_timeout, transfer, role).run()
+        core.run()
     finally:
         engine.shutdown()           # tensor-parallel workers stop with the core
-        if transfer is not None:
-            transfer.close()
-
-
-def run_remote_core(config: EngineConfig, address: tuple[str, int], authkey: bytes, grammar_timeout: float = 10.0,
-                    wait_s: float = 120.0, role: str = "both") -> None:
-    """serve.py --headless: one engine core on this machine serving a front end on another. It connects
-    to the front end's listener (authenticated: the messages are pickles), retrying while the front end
-    starts, then runs exactly as a local core does over its pipe. First it takes its rank (its core index;
-    for a prefill or decode core, its rank in the KV-transfer group too) from the front end's TCPStore
-    at the next port, and says which on the connection."""
-    from multiprocessing.connection import Client
-    group = join_as(role, address[0], address[1] + 1, wait_s)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            conn = Client(address, authkey=authkey)
-            break
-        except (ConnectionRefusedError, OSError):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no front end listening at {address[0]}:{address[1]} after {wait_s:g} s")
-            time.sleep(0.5)
-    conn.send(JoinCore(group.rank, role))
-    run_core_process(config, conn, grammar_timeout, None if role == "both" else group, role)
+        core.close()

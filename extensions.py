@@ -28,7 +28,7 @@ BUILDS = {   # torch.utils.cpp_extension.load arguments per library
         extra_ldflags=["-fopenmp"]),
     "cuda": dict(
         name="nanoserve_paged_attention_cuda",
-        sources=["paged_attention_cuda_binding.cpp", "paged_attention_cuda.cu", "fused_cuda.cu"],
+        sources=["paged_attention_cuda_binding.cpp", "paged_attention_cuda.cu", "fused_cuda.cu", "sampling_cuda.cu"],
         extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"]),
     # not attention: model.py's small-batch linear layers
     "linear_cpu": dict(

@@ -277,9 +277,36 @@ class BlockManager:
 
     def fork(self, parent, child):
         """Child shares all of parent's blocks (n > 1 sampling); copy-on-write splits them later."""
-        child.block_table = list(parent.block_table)
-        for block in child.block_table:
+        child.block_table = self._share(parent.block_table)
+
+    def _share(self, blocks: list[int]) -> list[int]:
+        for block in blocks:
             self.ref_counts[block] += 1
+        return list(blocks)
+
+    # ------------------------------------------------------------------ a request moving between cores
+    def hold_for_export(self, seq, holder, num_tokens: int):
+        """Disaggregation's export: holder takes a share of the blocks of seq's first num_tokens tokens,
+        so they outlive seq (which leaves this core) until they are sent and holder is freed."""
+        holder.block_table = self._share(seq.block_table[:self.blocks_needed(num_tokens)])
+
+    def allocate_for_import(self, seq) -> int | None:
+        """Disaggregation's import: blocks for all of seq's tokens, whose KV another core computed: the
+        cached prefix first, fresh blocks for the rest. -> the number of leading blocks the cache already
+        holds (the others are to be received), or None, holding nothing, when the pool cannot take them."""
+        hits = self.take_cached_prefix(seq) // self.block_size
+        rest = len(seq.token_ids) - seq.num_computed_tokens
+        if not self.can_allocate(seq, rest):
+            self.free(seq)
+            seq.num_computed_tokens = 0
+            return None
+        self.allocate_slots(seq, rest)
+        return hits
+
+    def finish_import(self, seq):
+        """The imported KV arrived: all of seq's tokens are computed, and its full blocks join the cache."""
+        seq.num_computed_tokens = len(seq.token_ids)
+        self.cache_full_blocks(seq)
 
     # ------------------------------------------------------------------ prefix cache
     def update_hashes(self, seq):

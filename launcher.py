@@ -1,10 +1,10 @@
 """
-The one place serve.py gets its engine cores from: launch_client picks, from the flags, the client its
-front end talks to. One engine core in a process of its own (the default: engine_client.py), data-parallel
-cores behind a router, or prefill and decode cores with the KV moved between them (both from the
-scale-out package, imported only when the flags ask for them). The processes that serve no HTTP start
-here too: torchrun's ranks other than 0 (run_tensor_parallel_worker) and --headless cores. Owns the choice and the checks
-of which flags combine; no HTTP, no engine loop, no routing.
+The one place serve.py gets its engine cores from: launch_client picks, from the flags, the client
+its front end talks to. One engine core in a process of its own (the default: engine_client.py),
+data-parallel cores behind a router, or prefill and decode cores with the KV moved between them (both
+from the scale-out package, imported only when the flags ask for them). The processes that serve no
+HTTP start here too: torchrun's ranks other than 0 (run_tensor_parallel_worker) and --headless cores.
+Owns the choice and the checks of which flags combine; no HTTP, no engine loop, no routing.
 """
 import argparse
 import os

@@ -11,6 +11,7 @@ layers' CPU kernels live in cpu_linear.py and the fused per-layer ops in fused_o
 not know about blocks, queues or sampling: model_runner.py hands it flat tensors (input ids,
 positions, an AttentionMetadata); weights.py loads the weights.
 """
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -205,6 +206,14 @@ class Llama(nn.Module):
             freqs = pos.unsqueeze(1).float() * self.inv_freq.to(pos.device)              # [max_pos, head_dim/2]
             self.rope_table = (freqs.cos(), freqs.sin())
 
+    def with_batch_invariant(self, on: bool) -> "Llama":
+        """This model in batch-invariant mode `on`, chosen once, when an engine is built. A model engines
+        share (bench.py runs several on one set of weights) is never switched under another engine: an
+        engine in the other mode gets a copy of the module tree over the very same tensors."""
+        model = self if self.batch_invariant == on else copy_module_tree(self)
+        model.set_batch_invariant(on)
+        return model
+
     def prepare(self):
         """Do now what the first forward pass would: make every linear layer's packed copy (~0.2 s)
         and load the fused ops' library (built here on a first run)."""
@@ -234,3 +243,12 @@ class Llama(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, fused, keep)
         x, _ = self.norm(x, residual, fused)                              # [num_sampled, hidden]
         return self.lm_head(x, float_out=True)                            # [num_sampled, vocab]
+
+
+def copy_module_tree(module: nn.Module) -> nn.Module:
+    """A new object for every module (so each copy keeps its own flags), over the same parameters,
+    buffers and packed weights: no tensor is copied."""
+    clone = copy.copy(module)
+    clone.__dict__.update(_parameters=dict(module._parameters), _buffers=dict(module._buffers),
+                          _modules={name: m and copy_module_tree(m) for name, m in module._modules.items()})
+    return clone

@@ -4,19 +4,20 @@ The model runner: one step's ScheduledBatch in, logits out.
 It packs the scheduled tokens of every row into flat host arrays, with no padding between rows:
 input ids, positions, and the AttentionMetadata every layer reads (slot mapping, block tables,
 context lengths, query offsets). It checks them once, plans the CUDA kernels' launch on the host
-(paged_attention.plan_cuda_launch), and uploads each into a persistent device buffer with one
+(paged_attention.plan_cuda_launch), and uploads them all into persistent device buffers with one
 copy (non_blocking, from pinned memory, on a GPU), so the forward reads nothing back. The buffers
 are sized once, from the most rows and tokens any step of the engine's scheduler can hold
 (Scheduler.step_bounds); a step past them (none the engine's scheduler makes) runs eagerly on
 one-off buffers, and the persistent buffers and graphs stay. Decode-only steps on a GPU (static
 batching's scratch rows included) replay a CUDA graph captured at the smallest batch-size bucket
 that fits, padding rows with slot -1 and context 0; prefill and mixed steps, and everything on a
-CPU, run eagerly on the same buffers. Then the model runs, with logits only for the rows that need them (the rows
-that sample, plus any prompt-logprob rows the engine names). Owns the step's device inputs, the
+CPU, run eagerly on the same buffers. Then the model runs, with logits only for the rows that need
+them (the rows that sample, plus any prompt-logprob rows the engine names). Owns the step's device inputs, the
 graphs and the KV pool's tensors; does not decide what runs (scheduler.py), pick blocks
 (kv_cache.py) or sample (sampler.py).
 """
 import functools
+import math
 import sys
 from dataclasses import dataclass
 
@@ -61,21 +62,32 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class InputBuffers:
-    """Every device input of a step, allocated once at its largest: a step fills leading slices,
-    so views keep one address (what a captured graph reads). On a GPU each has a pinned host twin
-    to upload from. Reusing the twin next step is safe: every step ends with the sampler's copy
-    of its tokens to the host, which waits for the stream that ran these uploads. One-off buffers
-    (pinned=False) copy straight from pageable memory: nothing outlives their step."""
-    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device, pinned: bool = True):
+    """Every device input of a step, allocated once at its largest, as views of one byte buffer: a
+    step fills leading slices, so views keep one address (what a captured graph reads), and the whole
+    step goes up in one copy (flush) from a host twin of the same layout, pinned on a GPU. The block
+    tables come last, so the copy ends where the step's rows of them end. On a CPU the twin is the
+    buffer itself. A step rewrites the twin only once the last step's copy out of it ran (an event:
+    under async scheduling the host is a step ahead of the device)."""
+    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
         i32, i64 = torch.int32, torch.int64
         shapes = dict(input_ids=((max_tokens,), i64), positions=((max_tokens,), i64),
                       slot_mapping=((max_tokens,), i64), logits_rows=((max_tokens,), i64),
-                      block_tables=((max_seqs, width), i32), context_lens=((max_seqs,), i32),
-                      query_start_loc=((max_seqs + 1,), i32), plan=((2 + 2 * max_tokens,), i32))
+                      context_lens=((max_seqs,), i32), query_start_loc=((max_seqs + 1,), i32),
+                      plan=((2 + 2 * max_tokens,), i32), block_tables=((max_seqs, width), i32))
         self.device, self.max_tokens, self.max_seqs, self.width = device, max_tokens, max_seqs, width
-        self.dev = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in shapes.items()}
-        pin = pinned and device.type == "cuda"
-        self.host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in shapes.items()} if pin else None
+        self.offsets, total = {}, 0
+        for name, (shape, dt) in shapes.items():
+            self.offsets[name] = total
+            total += -(-math.prod(shape) * dt.itemsize // 16) * 16          # 16-byte aligned views
+        self.dev_bytes = torch.zeros(total, dtype=torch.uint8, device=device)   # [total]
+        self.host_bytes = self.dev_bytes if device.type == "cpu" else \
+            torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        def views(buf):
+            return {k: buf[self.offsets[k]:self.offsets[k] + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+                    for k, (shape, dt) in shapes.items()}
+        self.dev, self.host = views(self.dev_bytes), views(self.host_bytes)
+        self.end = 0                        # bytes staged this step
+        self.uploaded = None                # CUDA event after the last step's copy
 
     def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.width
@@ -83,18 +95,26 @@ class InputBuffers:
     def fits_host(self, host: "HostBatch") -> bool:
         return self.fits(len(host.input_ids), *host.block_tables.shape)
 
-    def upload(self, name: str, values: np.ndarray) -> torch.Tensor:
-        """One copy of values into the leading slice of buffer `name`; returns that slice."""
+    def reuse_staging(self):
+        """Before a step writes the pinned twin: wait for the copy that last read it."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+
+    def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
+        """values into the leading slice of buffer `name`'s host twin; returns the device slice they go to."""
         values = values.reshape(-1)
-        dst = self.dev[name].view(-1)[:len(values)]
-        src = torch.from_numpy(values)
-        if self.host is None:
-            dst.copy_(src)
-        else:
-            stage = self.host[name].view(-1)[:len(values)]
-            stage.copy_(src)
-            dst.copy_(stage, non_blocking=True)
-        return dst
+        self.host[name].view(-1)[:len(values)].copy_(torch.from_numpy(values))
+        self.end = max(self.end, self.offsets[name] + values.nbytes)
+        return self.dev[name].view(-1)[:len(values)]
+
+    def flush(self):
+        """The step's one copy: every staged byte, non_blocking from the pinned twin on a GPU."""
+        if self.host_bytes is not self.dev_bytes:
+            self.dev_bytes[:self.end].copy_(self.host_bytes[:self.end], non_blocking=True)
+            if self.device.type == "cuda":
+                self.uploaded = torch.cuda.Event()
+                self.uploaded.record()
+        self.end = 0
 
 
 @dataclass
@@ -227,21 +247,24 @@ class ModelRunner:
         rows, width = host.block_tables.shape
         if not b.fits_host(host):
             b = self.one_off_buffers(len(host.input_ids), rows, width)
+        b.reuse_staging()
         tables = np.zeros((rows, b.width), dtype=np.int32)             # the buffer's full width: one copy
         tables[:, :width] = host.block_tables
-        b.upload("block_tables", tables)
+        b.stage("block_tables", tables)
         plan = None
         if self.cuda:
             ints, parts, tiles = pa.plan_cuda_launch(host.q_lens, host.context_lens.tolist(), self.num_kv_heads,
-                                                     self.group, self.num_sms, max_parts)
-            plan = CudaPlan(b.upload("plan", np.asarray(ints, dtype=np.int32)), parts, tiles)
+                                                     self.group, self.num_sms, max_parts, block_size=self.block_size)
+            plan = CudaPlan(b.stage("plan", np.asarray(ints, dtype=np.int32)), parts, tiles)
         meta = AttentionMetadata(
-            slot_mapping=b.upload("slot_mapping", host.slot_mapping), block_tables=b.dev["block_tables"][:rows],
-            context_lens=b.upload("context_lens", host.context_lens),
-            query_start_loc=b.upload("query_start_loc", host.query_start_loc), backend=self.attention_backend,
+            slot_mapping=b.stage("slot_mapping", host.slot_mapping), block_tables=b.dev["block_tables"][:rows],
+            context_lens=b.stage("context_lens", host.context_lens),
+            query_start_loc=b.stage("query_start_loc", host.query_start_loc), backend=self.attention_backend,
             cuda_plan=plan)
-        return StepInputs(b.upload("input_ids", host.input_ids), b.upload("positions", host.positions), meta,
-                          b.upload("logits_rows", host.logits_rows), len(host.logits_rows))
+        inputs = StepInputs(b.stage("input_ids", host.input_ids), b.stage("positions", host.positions), meta,
+                            b.stage("logits_rows", host.logits_rows), len(host.logits_rows))
+        b.flush()
+        return inputs
 
     def one_off_buffers(self, num_tokens: int, num_seqs: int, width: int) -> InputBuffers:
         """Buffers for one step past the declared bounds (a caller that sized this runner too small):
@@ -252,7 +275,7 @@ class ModelRunner:
             print(f"nanoserve: a step of {num_tokens} tokens, {num_seqs} rows, {width} blocks a row exceeds the "
                   f"model runner's bounds ({b.max_tokens}, {b.max_seqs}, {b.width}): it runs eagerly on one-off "
                   f"buffers (graphs kept)", file=sys.stderr, flush=True)
-        return InputBuffers(num_tokens, num_seqs, width, self.device, pinned=False)
+        return InputBuffers(num_tokens, num_seqs, width, self.device)
 
     # ------------------------------------------------------------------ forward
     def forward(self, inputs: StepInputs) -> torch.Tensor:

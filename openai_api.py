@@ -1,220 +1,41 @@
 """
-The OpenAI protocol of nanoserve: what /v1/completions and /v1/chat/completions accept and answer.
+The OpenAI protocol of nanoserve: what /v1/completions and /v1/chat/completions answer.
 
-It owns the request schemas, their validation into prompts and SamplingParams, OpenAI's error
-body (APIError, with `param` naming the offending field, the engine's InvalidRequest included), and the
-builders of response bodies, SSE chunks, logprobs and usage. Input that the engine validates
-(prompt ids, context length, sampling ranges) is checked once, by Engine.add_request in the
-engine core; its InvalidRequest names the field and its OpenAI code, and this file only renames
-the field to the endpoint's (`aliases`). What is checked here is the protocol's own: the schema,
-the model name, and the fields the engine has no notion of.
-It starts no threads, never steps
-the engine and holds no HTTP connections: serve.py owns those and hands outputs in here.
+It owns the validation of a parsed request (openai_request.py's schemas) into prompts and
+SamplingParams, the chat template's rendering (vLLM's add_generation_prompt, continue_final_message,
+chat_template_kwargs), and the builders of response bodies, SSE chunks, logprobs and usage. Input
+that the engine validates (prompt ids, context length, sampling ranges) is checked once, by
+Engine.add_request in the engine core; its InvalidRequest names the field and its OpenAI code, and
+this file only renames the field to the endpoint's (`aliases`). What is checked here is the
+protocol's own: the model name, and the fields the engine has no notion of.
+It starts no threads, never steps the engine and holds no HTTP connections: serve.py owns those and
+hands outputs in here.
 """
 import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator, Literal, Union
+from typing import AsyncIterator
 
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
-from engine import PromptLimits, RequestOutput, SamplingParams, StructuredOutputsParams
-from errors import InvalidRequest, quoted
+from engine import PromptLimits, RequestOutput, SamplingParams
+from errors import InvalidRequest
+from openai_request import APIError, ChatRequest, CompletionRequest, RequestLimits, SamplingRequest, \
+    logit_bias, reject_unsupported, structured_field, structured_outputs, validation_error
 from tokenizer import Tokenizer
 
+__all__ = ["APIError", "ChatExchange", "ChatRequest", "CompletionExchange", "CompletionRequest", "Exchange",
+           "OpenAIProtocol", "RequestLimits"]
+
 MAX_N = 16  # choices per prompt; more would let one request crowd out the batch
-MAX_MESSAGE = 400   # characters of an error message: our own fit; one echoing a megabyte of input is cut
 
 
 # ----------------------------------------------------------------------------- errors
 
-class APIError(Exception):
-    """An error that reaches the client as OpenAI's {"error": {...}} body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        if len(message) > MAX_MESSAGE:   # e.g. a parser's error that quotes the whole offending input
-            message = message[:MAX_MESSAGE] + f"... ({len(message)} characters)"
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-    def __reduce__(self):  # the engine core process sends these to the front end
-        return APIError, (self.status, self.message, self.param, self.code, self.headers)
-
-    def body(self) -> dict:
-        kind = {404: "not_found_error"}.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def validation_error(errors: list[dict]) -> APIError:
-    """Map the first pydantic error to a 400 naming the offending top-level field."""
-    err = errors[0]
-    if err["type"] == "json_invalid":
-        return APIError(400, f"Invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}", code="invalid_json")
-    loc = [str(x) for x in err["loc"]]
-    where = ".".join(loc) or "body"
-    if err["type"] == "extra_forbidden":
-        return APIError(400, f"Unsupported field '{where}'", loc[0], code="unsupported_field")
-    return APIError(400, f"{where}: {err['msg']}", loc[0] if loc else None)
-
-
 def invalid(exc: InvalidRequest, aliases: dict[str, str]) -> APIError:
     """The engine's error as a 400 naming the field as this endpoint calls it."""
     return APIError(400, str(exc), aliases.get(exc.field, exc.field), code=exc.code)
-
-
-# ----------------------------------------------------------------------------- request schemas
-
-class Strict(BaseModel):
-    # Unknown fields are rejected, never silently ignored; "5" is not an int.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(Strict):
-    include_usage: bool = False
-
-
-class SamplingRequest(Strict):
-    """Fields shared by completions and chat; None means "use the SamplingParams default"."""
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    priority: int = 0
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's extra (vllm bench serve sends 1.0)
-    min_tokens: int | None = None            # vLLM's extra
-    logit_bias: dict[str, float] | None = None
-    response_format: dict | None = None      # {"type": "text" | "json_object" | "json_schema", ...}
-    structured_outputs: dict | None = None   # vLLM's extra: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
-    cache_salt: str | None = None            # vLLM's: prefix-cache blocks are shared only within one salt
-    user: str | None = None                  # the caller's end-user id for its own bookkeeping
-
-
-class CompletionRequest(SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-
-class ChatRequest(SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-
-def reject_unsupported(req: SamplingRequest) -> None:
-    """Fields whose combination we cannot honour. (Fields we do not know at all are rejected by
-    the schema: e.g. `tools`, `tool_choice`, `functions`; `suffix` and `best_of` > n by CompletionExchange.)"""
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
-    if req.response_format is not None and req.structured_outputs is not None:
-        raise APIError(400, "give either response_format or structured_outputs, not both", "structured_outputs")
-
-
-def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """OpenAI's response_format (or vLLM's structured_outputs) as the engine's StructuredOutputsParams.
-    Whether the schema compiles is checked by SamplingParams.validate, under the same field name."""
-    if req.structured_outputs is not None:
-        kinds = ("json", "regex", "choice", "grammar", "json_object")
-        unknown = set(req.structured_outputs) - set(kinds)
-        if unknown:
-            raise APIError(400, f"structured_outputs: unsupported key(s) {sorted(unknown)}; use one of {kinds}",
-                           "structured_outputs")
-        return StructuredOutputsParams(**req.structured_outputs)
-    fmt = req.response_format
-    if fmt is None or fmt.get("type") == "text":
-        return None
-    if fmt.get("type") == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if fmt.get("type") == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise APIError(400, "response_format.json_schema must be an object whose `schema` is a JSON schema "
-                                "object", "response_format")
-        return StructuredOutputsParams(json=spec.get("schema", {}))   # OpenAI: a missing schema allows any JSON
-    raise APIError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
-                        f"{quoted(fmt.get('type'))}", "response_format")
-
-
-def logit_bias(req: SamplingRequest) -> dict[int, float] | None:
-    """OpenAI sends token ids as JSON object keys, i.e. strings."""
-    if req.logit_bias is None:
-        return None
-    try:
-        return {int(k): v for k, v in req.logit_bias.items()}
-    except ValueError:
-        raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
-
-
-# ----------------------------------------------------------------------------- what one request may ask for
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may ask for, counted in sequences and bytes: each bounds the work a single
-    small body can make the engine do, at admission or on every step (serve.py's flags set them).
-    Past a limit: a 400 naming the field and the flag."""
-    max_seqs_per_request: int = 128     # prompts x n: each is a sequence the scheduler must hold
-    max_logit_bias: int = 300           # entries (OpenAI's cap)
-    max_stop: int = 64                  # stop strings: each is searched for after every token
-    max_stop_chars: int = 256           # characters of one stop string (also what a stream holds back)
-    max_stop_token_ids: int = 256
-    max_grammar_bytes: int = 64 << 10   # a JSON schema, regex, grammar or choice list, as JSON text
-
-    def check(self, req: "SamplingRequest", num_prompts: int) -> None:
-        def need(ok, field, message):
-            if not ok:
-                raise APIError(400, message, field, code="limit_exceeded")
-        n = req.n or 1
-        need(num_prompts * n <= self.max_seqs_per_request, "n" if n > 1 else "prompt",
-             f"{num_prompts} prompts x n={n} = {num_prompts * n} sequences; at most {self.max_seqs_per_request} "
-             f"per request (--max-seqs-per-request)")
-        need(len(req.logit_bias or ()) <= self.max_logit_bias, "logit_bias",
-             f"logit_bias has {len(req.logit_bias or ())} entries; at most {self.max_logit_bias} (--max-logit-bias)")
-        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
-        need(len(stops) <= self.max_stop, "stop", f"stop has {len(stops)} strings; at most {self.max_stop} "
-                                                  f"(--max-stop-strings)")
-        long = next((s for s in stops if len(s) > self.max_stop_chars), None)
-        need(long is None, "stop", f"a stop string has {len(long or '')} characters; at most {self.max_stop_chars} "
-                                   f"(--max-stop-chars): {quoted(long)}")
-        need(len(req.stop_token_ids or ()) <= self.max_stop_token_ids, "stop_token_ids",
-             f"stop_token_ids has {len(req.stop_token_ids or ())} ids; at most {self.max_stop_token_ids} "
-             f"(--max-stop-token-ids)")
-        field = "structured_outputs" if req.structured_outputs is not None else "response_format"
-        spec = req.structured_outputs if req.structured_outputs is not None else req.response_format
-        size = 0 if spec is None else len(json.dumps(spec))
-        need(size <= self.max_grammar_bytes, field, f"{field} is {size} bytes as JSON; at most "
-                                                    f"{self.max_grammar_bytes} (--max-grammar-bytes)")
 
 
 # ----------------------------------------------------------------------------- the served model's limits
@@ -243,8 +64,14 @@ class OpenAIProtocol:
         self.request_limits.check(req, len(normalize_prompts(req.prompt)) if isinstance(req, CompletionRequest) else 1)
         return req
 
-    def token_ids(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def token_ids(self, prompt: str | list[int], req: SamplingRequest, add_special_tokens: bool) -> list[int]:
+        """A prompt's ids, cut to its last truncate_prompt_tokens (-1: the context length) if asked."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        keep = req.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            ids = ids[-keep:]
+        return ids
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -254,19 +81,25 @@ class OpenAIProtocol:
         if req.seed is not None and not 0 <= req.seed < 2**32:  # the engine overflows on huge seeds
             raise APIError(400, f"seed must be an integer in [0, 2**32), got {req.seed}", "seed")
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "allowed_token_ids",
+                 "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
         given = {name: getattr(req, name) for name in names if getattr(req, name) is not None}
         try:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
                                     prompt_logprobs=prompt_logprobs, logit_bias=logit_bias(req),
-                                    structured_outputs=structured_outputs(req), **given)
+                                    structured_outputs=structured_outputs(req), bad_words=req.bad_words or None,
+                                    **given)
         except TypeError as exc:    # StructuredOutputsParams(**body) with a wrong shape
-            raise APIError(400, f"structured_outputs: {exc}", "structured_outputs") from None
+            field = structured_field(req)
+            raise APIError(400, f"{field}: {exc}", field) from None
         if req.priority and self.scheduling_policy != "priority":
             raise APIError(400, "priority needs --scheduling-policy priority", "priority")
         return params
 
-    def token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """A token's text, or with as_id (return_tokens_as_token_ids) "token_id:{id}", which any text survives."""
+        if as_id:
+            return f"token_id:{token_id}"
         text = self.token_text_cache.get(token_id)
         if text is None:
             text = self.token_text_cache[token_id] = self.tokenizer.decode([token_id])
@@ -321,16 +154,21 @@ class Exchange:
     prefix = object_name = ""
 
     def __init__(self, api: OpenAIProtocol, req: SamplingRequest, prompts: list[list[int]], max_tokens: int,
-                 logprobs: int | None, aliases: dict[str, str], echoes: list[str], prompt_logprobs: int | None = None):
-        if req.response_format is not None:
-            aliases = {**aliases, "structured_outputs": "response_format"}
+                 logprobs: int | None, aliases: dict[str, str], echoes: list[str], echo_logprobs: int | None = None):
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise APIError(400, "best_of is not supported (must equal n)", "best_of")
+        aliases = {**aliases, "structured_outputs": structured_field(req)}
         self.api, self.req, self.prompts, self.aliases, self.echoes = api, req, prompts, aliases, echoes
-        self.params = api.sampling_params(req, max_tokens, logprobs, prompt_logprobs)
+        # the prompt's logprobs ride on its prefill: for echo (legacy logprobs) and prompt_logprobs alike
+        wanted = [k for k in (echo_logprobs, req.prompt_logprobs) if k is not None]
+        self.params = api.sampling_params(req, max_tokens, logprobs, max(wanted) if wanted else None)
         self.check_as_the_engine_will()
-        self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
-        self.head = {"id": self.request_id, "object": self.object_name, "created": int(time.time()),
+        self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"      # the engine's: unique whatever the client sends
+        response_id = f"{self.prefix}-{req.request_id}" if req.request_id else self.request_id
+        self.head = {"id": response_id, "object": self.object_name, "created": int(time.time()),
                      "model": api.model_name}
         self.cursors: dict[int, ChoiceCursor] = {}
+        self.as_ids, self.with_ids = bool(req.return_tokens_as_token_ids), bool(req.return_token_ids)
 
     def check_as_the_engine_will(self) -> None:
         """The engine's own checks (sampling ranges, prompt ids, context length, cache_salt), run here
@@ -357,32 +195,65 @@ class Exchange:
         return {**self.head, "choices": choices, "usage": usage(self.prompts, outs)}
 
     async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]):
-        """The streamed answer as SSE lines; an error mid-stream becomes an error event before [DONE]."""
-        outs = [None] * len(self.prompts)
+        """The streamed answer as SSE lines; an error mid-stream becomes an error event before [DONE].
+        With stream_options.continuous_usage_stats every chunk carries its choice's usage so far, as
+        vLLM sends it: its prompt's tokens and the tokens that choice has generated."""
+        options, outs = self.req.stream_options, [None] * len(self.prompts)
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options.continuous_usage_stats
         try:
-            for choice in self.opening():
-                yield sse({**self.head, "choices": [choice]})
+            for j, choice in enumerate(self.opening()):
+                ids = {"prompt_token_ids": self.prompts[0]} if self.with_ids and j == 0 else {}
+                yield sse({**self.head, "choices": [choice], **ids, **(self.usage_so_far(0, 0) if continuous else {})})
             async for index, out in outputs:
                 outs[index] = out
                 for c in out.outputs:
                     choice = self.chunk(index, c, out)
                     if choice is not None:
-                        yield sse({**self.head, "choices": [choice]})
-            if self.req.stream_options and self.req.stream_options.include_usage:
+                        extra = self.usage_so_far(index, len(c.token_ids)) if continuous else {}
+                        yield sse({**self.head, "choices": [choice], **extra})
+            if include_usage:
                 yield sse({**self.head, "choices": [], "usage": usage(self.prompts, outs)})
         except APIError as exc:
             yield sse(exc.body())
         yield "data: [DONE]\n\n"
 
+    def usage_so_far(self, index: int, completion_tokens: int) -> dict:
+        prompt_tokens = len(self.prompts[index])
+        return {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
     def chunk(self, index: int, c, out: RequestOutput) -> dict | None:
         """The streamed choice for what is new in c since its last chunk, or None if nothing is."""
         choice_index = index * self.params.n + c.index
         cursor = self.cursors.setdefault(choice_index, ChoiceCursor(self.echoes[index], out))
-        if not cursor.has_news(c, self.params.logprobs is not None):
+        if not cursor.has_news(c, self.params.logprobs is not None or self.with_ids):
             return None
         choice = {"index": choice_index, **self.delta(c, cursor)}
+        if self.with_ids:     # vLLM's return_token_ids: this chunk's tokens
+            choice["token_ids"] = c.token_ids[cursor.num_tokens:]
         cursor.num_tokens, cursor.finished, cursor.echo = len(c.token_ids), c.finish_reason is not None, ""
         return choice
+
+    def prompt_logprobs(self, out: RequestOutput) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token (the first has none) its top prompt_logprobs entries
+        and itself, as {id: {logprob, rank, decoded_token}}. A rank is known within the entries the
+        engine kept (the top max(prompt_logprobs, echo's logprobs)); the token's own outside them is null."""
+        k = self.req.prompt_logprobs
+        if k is None:
+            return None
+        entries = []
+        for token_id, logprobs in zip(out.prompt_token_ids, out.prompt_logprobs):
+            if logprobs is None:
+                entries.append(None)
+                continue
+            ranked = top_entries(logprobs, len(logprobs))
+            top_n = self.params.prompt_logprobs
+            rank = {t: r + 1 for r, (t, _) in enumerate(ranked[:top_n])}
+            keep = [t for t, _ in ranked[:k]] + ([] if token_id in dict(ranked[:k]) else [token_id])
+            entries.append({str(t): {"logprob": finite(logprobs[t]), "rank": rank.get(t),
+                                     "decoded_token": self.api.token_text(t, self.as_ids)} for t in keep})
+        return entries
 
     def opening(self) -> list[dict]:
         return []
@@ -400,15 +271,13 @@ class CompletionExchange(Exchange):
     def __init__(self, api: OpenAIProtocol, req: CompletionRequest):
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
-        if req.best_of is not None and req.best_of != (req.n or 1):
-            raise APIError(400, "best_of is not supported (must equal n)", "best_of")
         texts = normalize_prompts(req.prompt)
-        prompts = [api.token_ids(p) for p in texts]
+        add_special = req.add_special_tokens is not False          # vLLM's completions default: true
+        prompts = [api.token_ids(p, req, add_special) for p in texts]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens   # OpenAI's legacy default
-        echoes = [(t if isinstance(t, str) else api.tokenizer.decode(t)) if req.echo else "" for t in texts]
+        echoes = [api.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         # echo with logprobs: the prompt's logprobs, computed during its prefill
-        prompt_logprobs = req.logprobs if req.echo else None
-        super().__init__(api, req, prompts, max_tokens, req.logprobs, {}, echoes, prompt_logprobs)
+        super().__init__(api, req, prompts, max_tokens, req.logprobs, {}, echoes, req.logprobs if req.echo else None)
 
     def message(self, c, echo: str, out: RequestOutput) -> dict:
         top_n = self.params.logprobs
@@ -417,7 +286,12 @@ class CompletionExchange(Exchange):
             logprobs = self.logprobs(c, 0, len(c.token_ids), len(echo), top_n)[0]
             if echo:
                 logprobs = join_logprobs(self.echo_logprobs(out, top_n), logprobs)
-        return {"text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        choice = {"text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(out)
+        if self.with_ids:
+            choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+        return choice
 
     def delta(self, c, cursor: ChoiceCursor) -> dict:
         top_n, logprobs = self.params.logprobs, None
@@ -426,17 +300,19 @@ class CompletionExchange(Exchange):
                                                          cursor.text_offset, top_n)
             if cursor.echo:
                 logprobs = join_logprobs(self.echo_logprobs(cursor.prompt_output, top_n), logprobs)
-        return {"text": cursor.echo + c.delta_text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        first = {"prompt_token_ids": cursor.prompt_output.prompt_token_ids} \
+            if self.with_ids and cursor.num_tokens == 0 and cursor.prompt_output is not None else {}
+        return {"text": cursor.echo + c.delta_text, "logprobs": logprobs, "finish_reason": c.finish_reason, **first}
 
     def echo_logprobs(self, out: RequestOutput, top_n: int) -> dict:
         """The echoed prompt's part of legacy logprobs; the first token has none (null), as in OpenAI."""
         tokens, token_logprobs, top, offsets, text_offset = [], [], [], [], 0
         for token_id, logprobs in zip(out.prompt_token_ids, out.prompt_logprobs):
             text = self.api.token_text(token_id)
-            tokens.append(text)
+            tokens.append(self.api.token_text(token_id, self.as_ids))
             token_logprobs.append(None if logprobs is None else finite(logprobs[token_id]))
             top.append(None if logprobs is None else
-                       {self.api.token_text(t): finite(v) for t, v in top_entries(logprobs, top_n)})
+                       {self.api.token_text(t, self.as_ids): finite(v) for t, v in top_entries(logprobs, top_n)})
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -446,9 +322,9 @@ class CompletionExchange(Exchange):
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token_id, logprobs in zip(c.token_ids[start:end], c.logprobs[start:end]):
             text = self.api.token_text(token_id)
-            tokens.append(text)
+            tokens.append(self.api.token_text(token_id, self.as_ids))
             token_logprobs.append(finite(logprobs[token_id]))
-            top.append({self.api.token_text(t): finite(v) for t, v in top_entries(logprobs, top_n)})
+            top.append({self.api.token_text(t, self.as_ids): finite(v) for t, v in top_entries(logprobs, top_n)})
             offsets.append(text_offset)
             text_offset += len(text)
         body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -475,10 +351,10 @@ class ChatExchange(Exchange):
     def __init__(self, api: OpenAIProtocol, req: ChatRequest):
         if not req.messages:
             raise APIError(400, "messages must contain at least one message", "messages")
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:     # 0 asks for nothing (vLLM accepts it)
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
         self.object_name = "chat.completion.chunk" if req.stream else "chat.completion"
-        prompt = render_chat(api, req.messages)
+        prompt = api.token_ids(render_chat(api, req), req, bool(req.add_special_tokens))
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:   # OpenAI: up to the context length; capped at what the KV pool holds, as vLLM does
@@ -486,18 +362,28 @@ class ChatExchange(Exchange):
             max_tokens = max(1, min(api.max_model_len, fits) - len(prompt))
         aliases = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_field}
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        super().__init__(api, req, [prompt], max_tokens, logprobs, aliases, [""])
+        super().__init__(api, req, [prompt], max_tokens, logprobs, aliases, [chat_echo(req)])
+
+    def body(self, outs: list[RequestOutput]) -> dict:
+        body = super().body(outs)
+        if self.req.prompt_logprobs is not None:    # vLLM puts a chat's beside its choices
+            body["prompt_logprobs"] = self.prompt_logprobs(outs[0])
+        if self.with_ids:
+            body["prompt_token_ids"] = self.prompts[0]
+        return body
 
     def opening(self) -> list[dict]:  # OpenAI opens every choice with the role alone
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(self.params.n)]
 
     def message(self, c, echo: str, out: RequestOutput) -> dict:
-        return {"message": {"role": "assistant", "content": c.text},
-                "logprobs": self.logprobs(c, 0), "finish_reason": c.finish_reason}
+        choice = {"message": {"role": "assistant", "content": echo + c.text},
+                  "logprobs": self.logprobs(c, 0), "finish_reason": c.finish_reason}
+        return {**choice, "token_ids": c.token_ids} if self.with_ids else choice
 
     def delta(self, c, cursor: ChoiceCursor) -> dict:
-        delta = {"content": c.delta_text} if c.delta_text or c.finish_reason is None else {}
+        text = cursor.echo + c.delta_text
+        delta = {"content": text} if text or c.finish_reason is None else {}
         return {"delta": delta, "logprobs": self.logprobs(c, cursor.num_tokens), "finish_reason": c.finish_reason}
 
     def logprobs(self, c, start: int) -> dict | None:
@@ -507,17 +393,59 @@ class ChatExchange(Exchange):
             return None
 
         def entry(token_id, logprob):  # bytes are exact even where a token holds half a UTF-8 character
-            return {"token": self.api.token_text(token_id), "logprob": finite(logprob),
+            return {"token": self.api.token_text(token_id, self.as_ids), "logprob": finite(logprob),
                     "bytes": list(self.api.tokenizer.token_bytes(token_id))}
         return {"content": [{**entry(t, lps[t]), "top_logprobs": [entry(k, v) for k, v in top_entries(lps, top_n)]}
                             for t, lps in zip(c.token_ids[start:], c.logprobs[start:])]}
 
 
-def render_chat(api: OpenAIProtocol, messages: list[ChatMessage]) -> list[int]:
-    plain = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-              else "".join(part.text for part in m.content)} for m in messages]
+# ----------------------------------------------------------------------------- the chat template
+
+def message_text(message) -> str:
+    return message.content if isinstance(message.content, str) else "".join(p.text for p in message.content)
+
+
+def chat_echo(req: ChatRequest) -> str:
+    """vLLM's echo for chat: the last message's text goes in front of the answer when it is the role
+    that answers (the assistant, or with add_generation_prompt off, whoever spoke last)."""
+    answering = "assistant" if generation_prompt(req) else req.messages[-1].role
+    return message_text(req.messages[-1]) if req.echo and req.messages[-1].role == answering else ""
+
+
+def generation_prompt(req: ChatRequest) -> bool:
+    """add_generation_prompt, default true, but off when continuing the final message."""
+    return req.add_generation_prompt if req.add_generation_prompt is not None else not req.continue_final_message
+
+
+TEMPLATE_NAMES = ("messages", "add_generation_prompt", "chat_template", "bos_token", "eos_token", "documents")
+
+
+def render_chat(api: OpenAIProtocol, req: ChatRequest) -> str:
+    """The prompt text: the chat template (the model's, or the request's chat_template) over the
+    messages, with chat_template_kwargs and documents. continue_final_message leaves the last message
+    open, as transformers does: the text ends where that message's content ends."""
+    plain = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = sorted(set(kwargs) & set(TEMPLATE_NAMES))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs may not set {clash}; use the request's own fields",
+                       "chat_template_kwargs")
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
     try:
-        rendered = api.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+        rendered = api.tokenizer.apply_chat_template(plain, add_generation_prompt=generation_prompt(req),
+                                                     chat_template=req.chat_template, **kwargs)
     except Exception as exc:  # a template may reject e.g. an unexpected role order
-        raise APIError(400, f"messages could not be rendered with the chat template: {exc}", "messages") from None
-    return api.token_ids(rendered)
+        field = "chat_template" if req.chat_template else "messages"
+        raise APIError(400, f"messages could not be rendered with the chat template: {exc}", field) from None
+    if req.continue_final_message:
+        last = plain[-1]["content"]
+        at = rendered.rfind(last) if last else -1
+        if at == -1 and last.strip():   # a template that strips the content
+            last = last.strip()
+            at = rendered.rfind(last)
+        if at == -1:
+            raise APIError(400, "continue_final_message: the final message does not appear in the rendered chat",
+                           "continue_final_message")
+        rendered = rendered[:at + len(last)]
+    return rendered

@@ -49,7 +49,7 @@ class AttentionMetadata:
 # tiles of 16 (row, head) vectors.
 MIN_PARTITION = 128        # context tokens per decode block at least: fewer leave warps idle
 NO_SPLIT = 1 << 30         # the partition size of a step that needs no split
-BLOCKS_PER_SM = 4          # decode blocks a split aims for, per SM
+BLOCKS_PER_SM = 4          # decode blocks resident per SM (the kernel's __launch_bounds__ occupancy)
 TILE_VECTORS = 16
 EMULATED_SMS = 4           # what the cuda_emu backend plans for: small, so short contexts get split
 
@@ -65,47 +65,56 @@ class CudaPlan:
     num_prefill_items: int
 
 
-def _ceil_to(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def choose_partition(decode_ctx: list[int], num_kv_heads: int, num_sms: int) -> int:
-    """Context tokens per decode block, one size for the step. No split while rows x KV heads
-    already give BLOCKS_PER_SM blocks per SM; else the size that gives about that many (equal
-    parts, in multiples of MIN_PARTITION), so one long row still fills the GPU."""
-    target = BLOCKS_PER_SM * max(num_sms, 1)
-    if len(decode_ctx) * num_kv_heads >= target:
-        return NO_SPLIT
-    per_block = -(-sum(decode_ctx) * num_kv_heads // target)
-    return min(NO_SPLIT, max(MIN_PARTITION, _ceil_to(per_block, MIN_PARTITION)))
-
-
 def num_parts(context_len: int, partition: int) -> int:
     return 1 if context_len <= partition else -(-context_len // partition)
 
 
-def bucket_max_parts(num_seqs: int, num_kv_heads: int, num_sms: int, max_model_len: int) -> int:
-    """Decode blocks per row of a fixed grid (a CUDA graph's batch-size bucket): enough for
-    BLOCKS_PER_SM blocks per SM, no more than a max_model_len context can use."""
-    want = -(-BLOCKS_PER_SM * num_sms // (num_seqs * num_kv_heads))
-    return max(1, min(want, -(-max_model_len // MIN_PARTITION)))
+def part_pages(context_len: int, partition: int, block_size: int) -> list[int]:
+    """Pages (KV blocks) of each decode part of a row, as the kernel cuts it: the row's pages split
+    evenly at page boundaries, part i taking pages [i * pages // n, (i + 1) * pages // n)."""
+    pages, n = -(-context_len // block_size), num_parts(context_len, partition)
+    return [(i + 1) * pages // n - i * pages // n for i in range(n)]
+
+
+def wave_parts(num_rows: int, num_kv_heads: int, num_sms: int, blocks_per_sm: int = BLOCKS_PER_SM) -> int:
+    """Decode blocks per row that keep rows x parts x KV heads within one wave of resident blocks
+    (1: the rows alone fill the GPU, no split)."""
+    return max(1, blocks_per_sm * num_sms // max(1, num_rows * num_kv_heads))
+
+
+def bucket_max_parts(num_seqs: int, num_kv_heads: int, num_sms: int, max_model_len: int,
+                     blocks_per_sm: int = BLOCKS_PER_SM) -> int:
+    """Decode blocks per row of a fixed grid (a CUDA graph's batch-size bucket): one wave at most,
+    no more than a max_model_len context can use. Depends on no context: the bucket's grid is fixed."""
+    return min(wave_parts(num_seqs, num_kv_heads, num_sms, blocks_per_sm), max(1, -(-max_model_len // MIN_PARTITION)))
+
+
+def choose_partition(longest: int, max_parts: int, block_size: int) -> int:
+    """Context tokens per decode block: whole pages, at least MIN_PARTITION tokens, few enough parts
+    for the longest row to fit max_parts, then evened out so its parts differ by at most a page."""
+    pages, min_pages = -(-longest // block_size), -(-MIN_PARTITION // block_size)
+    per_part = max(min_pages, -(-pages // max(1, max_parts)))
+    parts = -(-pages // per_part)
+    if parts <= 1:
+        return NO_SPLIT
+    return -(-pages // parts) * block_size
 
 
 def plan_cuda_launch(q_lens: list[int], ctx_lens: list[int], num_kv_heads: int, group: int, num_sms: int,
-                     max_parts: int | None = None) -> tuple[list[int], int, int]:
+                     max_parts: int | None = None, *, block_size: int,
+                     blocks_per_sm: int = BLOCKS_PER_SM) -> tuple[list[int], int, int]:
     """The ints of a CudaPlan from the host's lists -> (plan ints, max_parts, num_prefill_items).
-    max_parts None: as many decode blocks per row as the longest decode row needs; given (a fixed
-    grid), the partition grows until every decode row fits in it. Then the partition shrinks to
-    split the longest row in equal parts (to 128 tokens): never more parts, a shorter critical path."""
+    One wave: while decode rows x KV heads leave SMs idle, rows are split into parts (at page
+    boundaries, within a page of each other) so that rows x parts x KV heads fill at most
+    blocks_per_sm x num_sms blocks. max_parts None: the grid is as wide as the longest row needs;
+    given (a graph bucket's fixed grid, bucket_max_parts), the partition adapts to it."""
     decode_ctx = [c for q, c in zip(q_lens, ctx_lens) if q == 1]
-    partition = choose_partition(decode_ctx, num_kv_heads, num_sms)
     if max_parts is None:
+        cap = wave_parts(len(decode_ctx), num_kv_heads, num_sms, blocks_per_sm)
+        partition = choose_partition(max(decode_ctx, default=0), cap, block_size)
         max_parts = max((num_parts(c, partition) for c in decode_ctx), default=0)
-    elif decode_ctx:
-        partition = max(partition, _ceil_to(-(-max(decode_ctx) // max_parts), MIN_PARTITION))
-    if decode_ctx and partition < NO_SPLIT:    # equal parts for the longest row: it sets the step's time
-        longest = max(decode_ctx)
-        partition = _ceil_to(-(-longest // num_parts(longest, partition)), MIN_PARTITION)
+    else:
+        partition = choose_partition(max(decode_ctx, default=0), max_parts, block_size)
     rows_per_tile = TILE_VECTORS // group
     tiles = [x for i, q in enumerate(q_lens) if q > 1 for r in range(0, q, rows_per_tile) for x in (i, r)]
     return [partition, 0, *tiles], max_parts, len(tiles) // 2
@@ -123,7 +132,7 @@ def host_cuda_plan(query, key_cache, context_lens, query_start_loc, backend) -> 
     q_lens = query_start_loc.diff().tolist()
     group = query.shape[1] // key_cache.shape[2]
     ints, max_parts, tiles = plan_cuda_launch(q_lens, context_lens.tolist(), key_cache.shape[2], group,
-                                              num_sms(query.device, backend))
+                                              num_sms(query.device, backend), block_size=key_cache.shape[1])
     return CudaPlan(torch.tensor(ints, dtype=torch.int32, device=query.device), max_parts, tiles)
 
 

@@ -5,7 +5,7 @@ and one vectorized function that turns a batch of logits into next tokens.
 
 Owns: validation of every sampling field (an InvalidRequest that names the field and the
 allowed range); in this order, as vLLM applies them: the grammar mask (structured_output.py
-compiles it), min_tokens, logit_bias, repetition / frequency / presence penalties, then
+compiles it), allowed_token_ids and bad_words, min_tokens, logit_bias, repetition / frequency / presence penalties, then
 temperature, top-k / top-p / min-p and the draw; per-request seeds; logprobs.
 Does not touch sequences or stop conditions: the engine applies those to what this returns.
 Each processor runs only on the rows that use it, so a batch of plain requests pays nothing.
@@ -49,6 +49,11 @@ class SamplingParams:
     logprobs: int | None = None          # return the top-N logprobs of every sampled token
     prompt_logprobs: int | None = None   # and of every prompt token (top-N plus the token itself)
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None   # only these may be sampled
+    bad_words: list[str] | None = None           # never completed (each as it tokenizes, with and without a space)
+    include_stop_str_in_output: bool = False     # keep the stop string (or stop token's text) that ended the output
+    skip_special_tokens: bool = True             # special tokens leave no text
+    spaces_between_special_tokens: bool = True   # byte-level BPE puts none either way, as vLLM's fast detokenizer
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -72,6 +77,11 @@ class SamplingParams:
     def stop_hold_chars(self) -> int:
         """Characters of streamed text held back because they could still begin a stop string."""
         return max((len(s) - 1 for s in self.stop), default=0)
+
+    @functools.cached_property
+    def allowed_token_ids_tensor(self) -> torch.Tensor:
+        """[a] int64 ids of allowed_token_ids."""
+        return torch.tensor(sorted(set(self.allowed_token_ids or ())), dtype=torch.int64)
 
     @property
     def uses_penalties(self) -> bool:
@@ -110,10 +120,29 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
         need(all(isinstance(t, int) and 0 <= t < vocab for t in self.stop_token_ids),
              "stop_token_ids", f"token ids in [0, {vocab})")
+        need(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+             and all(isinstance(t, int) and 0 <= t < vocab for t in self.allowed_token_ids)), "allowed_token_ids",
+             f"a non-empty list of token ids in [0, {vocab})")
+        need(self.bad_words is None or (isinstance(self.bad_words, list) and all(
+            isinstance(w, str) and w.strip() for w in self.bad_words)), "bad_words", "a list of non-blank strings")
         if self.structured_outputs is not None:
             need(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                  "a StructuredOutputsParams")
             self.structured_outputs.validate()
+
+
+def bad_words_token_ids(words: list[str] | None, encode) -> list[list[int]]:
+    """Each bad word as the token sequences that would write it, as vLLM builds them: the word
+    alone (at the start of a text) and with a leading space (mid-text), the latter only where the
+    space makes a different first token of the same length. encode: text -> ids, no special tokens."""
+    out = []
+    for word in words or ():
+        alone = encode(word.lstrip())
+        out.append(alone)
+        spaced = encode(" " + word.lstrip())
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return out
 
 
 def make_generator(seed: int | None, index: int = 0):
@@ -128,9 +157,13 @@ class SamplingState:
     `append` (one scalar update per token), never recounted; tensors exist only when used."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int,
-                 generator: torch.Generator | None, end_ids: set[int], grammar=None):
+                 generator: torch.Generator | None, end_ids: set[int], grammar=None,
+                 bad_words_token_ids: list[list[int]] | None = None):
         self.params, self.generator, self.grammar = params, generator, grammar
         self.num_output_tokens = 0
+        # bad words: their token sequences, and the output so far to match their heads against
+        self.bad_words_token_ids = bad_words_token_ids or []
+        self.output_token_ids = [] if self.bad_words_token_ids else None
         self.output_counts = self.in_prompt = None
         if params.uses_penalties:
             self.output_counts = torch.zeros(vocab_size, dtype=torch.int32)          # [vocab]
@@ -141,6 +174,8 @@ class SamplingState:
 
     def append(self, token: int):
         self.num_output_tokens += 1
+        if self.output_token_ids is not None:
+            self.output_token_ids.append(token)
         if self.output_counts is not None:
             self.output_counts[token] += 1
         if self.grammar is not None:
@@ -151,10 +186,17 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
     """logits: [num_seqs, vocab] float32, one row per completion (modified in place).
     generator: the engine's stream for unseeded rows. Returns (tokens list[int],
     logprobs list[dict[int, float] | None]): logprobs are the model's, before any processing."""
+    return sample_on_device(logits, states, generator).read()
+
+
+def sample_on_device(logits, states: list[SamplingState], generator: torch.Generator | None = None) -> "Sampled":
+    """sample() up to its one read from the device: the tokens stay there (async_engine.py feeds
+    them to the next step's inputs) and their copy to the host starts without waiting."""
     params = [s.params for s in states]
     want = [p.logprobs for p in params]
     raw_logprobs = logits.log_softmax(dim=-1) if any(w is not None for w in want) else None   # [num_seqs, vocab]
     apply_grammar_masks(logits, [s.grammar for s in states])
+    apply_allowed_and_bad_words(logits, states)
     apply_min_tokens(logits, states)
     apply_logit_bias(logits, params)
     apply_penalties(logits, states)
@@ -165,20 +207,47 @@ def sample(logits, states: list[SamplingState], generator: torch.Generator | Non
         tokens = greedy(logits)                                        # [num_seqs] greedy rows
         if rows:
             tokens[rows] = draw(logits[rows], [states[i] for i in rows], generator)
-    if raw_logprobs is None:
-        return tokens.tolist(), [None] * len(states)            # the step's one read from the device
-    return packed_logprobs(raw_logprobs, tokens, want)
+    packed = None if raw_logprobs is None else pack_logprobs(raw_logprobs, tokens, want)
+    return Sampled(tokens, packed, want)
 
 
-def packed_logprobs(logprobs, tokens, want: list[int | None]):
-    """sample()'s answer when logprobs are asked, from the device in one copy: each row's token, its
-    logprob and the top max(want) (value, id) pairs, packed as float64 (ids are exact). -> (tokens,
-    logprobs per row as top_logprobs gives them)."""
+class Sampled:
+    """A step's sampled tokens on the device [num_seqs] (and packed logprobs when asked), on their
+    way to the host in one copy: started at construction (non_blocking into pinned memory on a
+    GPU, with an event), read by read()."""
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor | None, want: list[int | None]):
+        self.tokens, self.want = tokens, want
+        out = tokens if packed is None else packed                     # [num_seqs] or [num_seqs, 2 + 2 * top_n]
+        self.event = None
+        if out.device.type == "cuda":
+            self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out, non_blocking=True)
+            self.event = torch.cuda.Event(enable_timing=True)   # also ends the step's device span
+            self.event.record()
+        else:
+            self.host = out.cpu()
+
+    def read(self):
+        """(tokens list[int], logprobs per row as top_logprobs gives them, or None): the step's one
+        read from the device, which waits for it."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self.host.dim() == 1:
+            return self.host.tolist(), [None] * len(self.want)
+        return unpack_logprobs(self.host.tolist(), self.want)
+
+
+def pack_logprobs(logprobs, tokens, want: list[int | None]) -> torch.Tensor:
+    """float64 [num_rows, 2 + 2 * top_n]: each row's token, its logprob and the top max(want)
+    (value, id) pairs, so one copy brings them all (ids are exact in float64)."""
     top_n = max(max(w or 0 for w in want if w is not None), 1)
     top_vals, top_ids = logprobs.topk(top_n, dim=-1)                  # [num_rows, top_n]
     chosen = logprobs.gather(1, tokens.unsqueeze(1))                   # [num_rows, 1]
-    rows = torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_vals.double(), top_ids.double()],
-                     dim=1).tolist()                                   # [num_rows, 2 + 2 * top_n]
+    return torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_vals.double(), top_ids.double()], dim=1)
+
+
+def unpack_logprobs(rows: list[list[float]], want: list[int | None]):
+    """pack_logprobs' rows, read -> (tokens, logprobs per row as top_logprobs gives them)."""
+    top_n = (len(rows[0]) - 2) // 2 if rows else 0
     token_list, out = [int(r[0]) for r in rows], []
     for r, tok, w in zip(rows, token_list, want):
         if w is None:
@@ -205,8 +274,10 @@ def greedy(logits):
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on `device`: on a GPU one copy from pinned memory that does not wait."""
-    if device.type != "cuda":
+    if device.type == "cpu":
         return host
+    if device.type != "cuda":                                          # meta (the tests' recording device)
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
@@ -223,6 +294,8 @@ def draw(x, states, generator):
     host = torch.cat([1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32),
                       row_filters(params, x.shape[1]), uniforms(states, generator).unsqueeze(1)], dim=1)   # [k, 5]
     rows = upload(host, x.device)
+    if x.is_cuda and hasattr(torch.ops.nanoserve_cuda, "sample"):    # built with the CUDA attention backend
+        return torch.ops.nanoserve_cuda.sample(x.contiguous(), rows)   # csrc/sampling_cuda.cu: one launch, no sort
     inv_temp, filters, u = rows[:, :1], rows[:, 1:4], rows[:, 4]                                   # [k, 1], [k, 3], [k]
     scale_later = any(p.temperature != 1 for p in params)             # decided on the host: no device sync
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
@@ -285,12 +358,10 @@ def apply_top_k_top_p_min_p(x, params, filters=None):
     top-k, top-p over what top-k kept, min-p. No row pays for a filter it did not ask for, and
     nothing sorts the whole vocabulary on CPU. filters: row_filters already on x's device."""
     vocab = x.shape[1]
-    host = row_filters(params, vocab)                                  # [k, 3]
-    top_k, top_p, min_p = host[:, 0].long(), host[:, 1], host[:, 2]
-    # decided on these host copies (no device sync); the math uses device copies
-    width = int(top_k[top_k < vocab].max()) if bool((top_k < vocab).any()) else 0
-    any_top_p, any_min_p = bool((top_p < 1).any()), bool((min_p > 0).any())
-    dev = upload(host, x.device) if filters is None else filters
+    # decided on the params (no device sync, no tensor op); the math uses device copies
+    width = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
+    any_top_p, any_min_p = any(p.top_p < 1 for p in params), any(p.min_p > 0 for p in params)
+    dev = upload(row_filters(params, vocab), x.device) if filters is None else filters   # [k, 3]
     top_k, top_p, min_p = dev[:, 0].long(), dev[:, 1].contiguous(), dev[:, 2]
     if width:
         # each row's k-th best logit is its floor (ties with it stay, as in vLLM); rows without
@@ -322,6 +393,22 @@ def top_p_reference(x, top_p):
     # a top_p = 1 row would lose its tail where the float cumsum rounds past 1
     drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
     return torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
+
+
+def apply_allowed_and_bad_words(logits, states):
+    """allowed_token_ids: every other id goes to -inf. bad_words: a word's last token goes to -inf
+    where the output already ends with the tokens before it (a one-token word: always)."""
+    for i in [i for i, s in enumerate(states) if s.params.allowed_token_ids or s.bad_words_token_ids]:
+        s = states[i]
+        if s.params.allowed_token_ids:
+            ids = s.params.allowed_token_ids_tensor.to(logits.device)
+            kept = logits[i, ids]                                      # [a]
+            logits[i].fill_(float("-inf")).index_copy_(0, ids, kept)
+        out = s.output_token_ids or []
+        banned = [word[-1] for word in s.bad_words_token_ids
+                  if len(word) == 1 or (len(out) >= len(word) - 1 and out[len(out) - len(word) + 1:] == word[:-1])]
+        if banned:
+            logits[i, banned] = float("-inf")
 
 
 def apply_min_tokens(logits, states):

@@ -169,6 +169,8 @@ class Scheduler:
         (so no prefix-cache block ever holds one): accept_drafts counts the accepted ones."""
         real = batch.num_real_rows
         for seq, n in zip(batch.seqs[:real], batch.num_tokens[:real]):
+            if seq.status is Status.FINISHED:           # async scheduling: retired while its step ran
+                continue
             seq.num_computed_tokens += n - seq.num_spec_tokens
             self.blocks.cache_full_blocks(seq)
         return [batch.seqs[i] for i in batch.sample_rows]

@@ -340,6 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", help=f"auto, torch, cpu or cuda (default {default.attention_backend})")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA graphs: run every decode step eagerly (default: graphs on the CUDA backend)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while the device runs step N (default: on with CUDA, off on a CPU)")
     p.add_argument("--kv-cache-dtype", help=f"KV cache dtype, auto = model dtype (default {default.kv_cache_dtype})")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help=f"reuse KV blocks of shared prompt prefixes (default {default.enable_prefix_caching})")
@@ -406,7 +408,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"prompts x n of one request (default {d.max_seqs_per_request}; at most --max-waiting)")
     r.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
                    help=f"logit_bias entries (default {d.max_logit_bias}, OpenAI's)")
-    r.add_argument("--max-stop-strings", type=int, default=d.max_stop, help=f"stop strings (default {d.max_stop})")
+    r.add_argument("--max-stop-strings", type=int, default=d.max_stop,
+                   help=f"stop strings, and bad_words (default {d.max_stop})")
     r.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
                    help=f"characters of one stop string (default {d.max_stop_chars})")
     r.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
@@ -414,6 +417,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--max-grammar-bytes", type=int, default=d.max_grammar_bytes,
                    help=f"a structured-output schema, regex, grammar or choice list as JSON "
                         f"(default {d.max_grammar_bytes})")
+    r.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own chat_template (vLLM's flag; default: 400 naming it)")
     r.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a structured-output grammar may take to compile (off the engine's loop); "
                         "then 400 (default 10)")
@@ -422,7 +427,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(args.max_seqs_per_request, args.max_logit_bias, args.max_stop_strings, args.max_stop_chars,
-                         args.max_stop_token_ids, args.max_grammar_bytes)
+                         args.max_stop_token_ids, args.max_grammar_bytes, args.trust_request_chat_template)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -237,13 +237,15 @@ class DraftedState:
     sampler reads (params, generator, min_tokens count, penalty counts, grammar). The grammar is
     the row's own matcher, which verify advances through accepted drafts and rolls back after."""
     __slots__ = ("params", "generator", "grammar", "num_output_tokens", "output_counts", "in_prompt",
-                 "min_tokens_banned")
+                 "min_tokens_banned", "bad_words_token_ids", "output_token_ids")
 
     def __init__(self, state, prefix: list[int]):
         self.params, self.generator, self.grammar = state.params, state.generator, state.grammar
         self.num_output_tokens = state.num_output_tokens + len(prefix)
         self.in_prompt, self.min_tokens_banned = state.in_prompt, state.min_tokens_banned
         self.output_counts = state.output_counts
+        self.bad_words_token_ids = state.bad_words_token_ids
+        self.output_token_ids = None if state.output_token_ids is None else state.output_token_ids + list(prefix)
         if state.output_counts is not None and prefix:
             self.output_counts = state.output_counts.clone()                     # [vocab]
             self.output_counts.index_add_(0, torch.tensor(prefix), torch.ones(len(prefix), dtype=torch.int32))
@@ -323,6 +325,7 @@ def _wave_with_draft_probs(x, wave, drafts, draft_probs, q_rows, generator):
     want = [s.params.logprobs for s in wave]
     raw = x.log_softmax(dim=-1) if any(w is not None for w in want) else None   # [n, vocab] the model's
     apply_grammar_masks(x, [s.grammar for s in wave])
+    sampler.apply_allowed_and_bad_words(x, wave)
     sampler.apply_min_tokens(x, wave)
     sampler.apply_logit_bias(x, [s.params for s in wave])
     sampler.apply_penalties(x, wave)

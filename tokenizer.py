@@ -209,13 +209,16 @@ class Tokenizer:
 
     # ---- chat ----------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render the checkpoint's jinja chat template the way transformers does; kwargs go to the template."""
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs) -> str:
+        """Render the checkpoint's jinja chat template (or chat_template, in the same sandbox) the way
+        transformers does; kwargs go to the template."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this model has no chat template; pass a plain prompt instead of messages")
         special = {name: None if i is None else self.decode([i])
                    for name, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))}
-        return _compile_template(self.chat_template).render(
+        return _compile_template(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs)
 
 

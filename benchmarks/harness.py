@@ -166,6 +166,7 @@ def decode_kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64,
 
 # ----------------------------------------------------------------------------- engines
 
+ENGINE_OVERRIDES = {}   # bench.py's engine flags (--async-scheduling), under each section's own settings
 _weights = {}   # (model, dtype, device) -> (model, model_config, model_dir), loaded by the first engine
 
 
@@ -177,7 +178,7 @@ def make_engine(**overrides):
     not for a reload.
     """
     from engine import Engine, EngineConfig
-    cfg = EngineConfig(num_threads=os.cpu_count(), **overrides)
+    cfg = EngineConfig(num_threads=os.cpu_count(), **{**ENGINE_OVERRIDES, **overrides})
     key = (cfg.model, cfg.dtype, cfg.device, cfg.quantization)   # quantization="gguf" keeps other weights
     engine = Engine(cfg, loaded_model=_weights.get(key))
     _weights.setdefault(key, (engine.model, engine.model_config, engine.model_dir))

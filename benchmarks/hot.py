@@ -72,13 +72,14 @@ def _engine(**overrides):
     return Engine(**{**cfg, **overrides})
 
 
-def decode_steps(engine, batch, prompt_len=32, steps=6, temperature=0.0) -> dict:
+def decode_steps(engine, batch, prompt_len=32, steps=6, temperature=0.0, top_p=1.0) -> dict:
     """Run `batch` sequences to decode, then time `steps` pure decode steps: median wall ms
     and the engine's own phase split (engine.phase_times) per step. Leaves no request behind."""
     from engine import SamplingParams
     rng = random.Random(batch)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=temperature, max_tokens=steps + 8, ignore_eos=True, seed=1 if temperature else None)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=steps + 8, ignore_eos=True,
+                            seed=1 if temperature else None)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, random_prompt(rng, prompt_len, vocab), params)
@@ -106,10 +107,27 @@ def phase_breakdown(batches=(1, 8, 64), engine=None, steps=6) -> dict:
     out = {}
     for b in batches:
         r = decode_steps(engine, b, steps=steps)
-        host = sum(v for k, v in r["phase_ms"].items() if k != "forward")
+        host = sum(v for k, v in r["phase_ms"].items() if k not in ("forward", "wait", "device"))
         r["python_ms"] = host
         r["python_us_per_seq"] = host / b * 1e3
         out[b] = r
+    return out
+
+
+def sampling_cost(batch=64, engine=None, steps=20) -> dict:
+    """A batch-`batch` decode step greedy, then at temperature 0.8 and top_p 0.9, with and without
+    async scheduling: the step's median ms and its phases (what top-p costs over greedy)."""
+    from async_engine import OverlapLoop
+    engine = engine or _engine()
+    out = {}
+    for overlap in (False, True):
+        engine.overlap = OverlapLoop(engine) if overlap else None
+        for name, kw in {"greedy": {}, "top_p_0.9": dict(temperature=0.8, top_p=0.9)}.items():
+            out[f"{name}{' async' if overlap else ''}"] = decode_steps(engine, batch, steps=steps, **kw)
+    engine.overlap = None
+    for suffix in ("", " async"):
+        out[f"top_p_over_greedy_ms{suffix}"] = (out[f"top_p_0.9{suffix}"]["step_ms_median"]
+                                                - out[f"greedy{suffix}"]["step_ms_median"])
     return out
 
 
@@ -431,6 +449,6 @@ if __name__ == "__main__":
     parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "gguf", "int8", "panels", "linear", "offline"]   # and compile_forward
     calls = {"kernel": bench_kernel_bandwidth, "phases": phase_breakdown, "roofline": decode_vs_roofline,
              "fused": fused_ops_vs_compile, "gguf": gguf_blocks_vs_float32, "int8": int8_vs_float32, "panels": panels_vs_onednn, "compile_forward": compiled_forward_step, "linear": bf16_linear_table,
-             "offline": lambda: [offline_throughput(), offline_throughput(dtype="float32")]}
+             "sampling": sampling_cost, "offline": lambda: [offline_throughput(), offline_throughput(dtype="float32")]}
     for part in parts:
         print(part, json.dumps(calls[part](), indent=1), flush=True)

@@ -116,8 +116,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def floors(graph: dict[str, set[str]], comps: list[list[str]]) -> tuple[int, list[str]]:
-    """The longest import chain, in modules, with each cycle counted as one floor."""
+def floors(graph: dict[str, set[str]], comps: list[list[str]], start: str | None = None) -> tuple[int, list[str]]:
+    """The longest import chain (from `start`, or from anywhere), in modules, each cycle one floor."""
     rep = {m: c[0] for c in comps for m in c}
     dag: dict[str, set[str]] = {}
     for v, ws in graph.items():
@@ -129,7 +129,7 @@ def floors(graph: dict[str, set[str]], comps: list[list[str]]) -> tuple[int, lis
             memo[v] = [v] + max((chain(w) for w in dag.get(v, ())), key=len, default=[])
         return memo[v]
 
-    best = max((chain(v) for v in dag), key=len)
+    best = chain(rep.get(start, start)) if start else max((chain(v) for v in dag), key=len)
     return len(best), best
 
 
@@ -147,6 +147,9 @@ def main():
     n, chain = floors(graph, comps)
     report["cycles"], report["floors"], report["longest_chain"] = comps, n, chain
     print(f"import graph: {len(graph)} modules, {n} floors: {' -> '.join(chain)}")
+    n, chain = floors(graph, comps, "serve")
+    report["serve_floors"], report["serve_chain"] = n, chain
+    print(f"from serve.py: {n} floors: {' -> '.join(chain)}")
     print(f"cycles: {len(comps)} {comps}")
     if args.json:
         with open(args.json, "w") as f:

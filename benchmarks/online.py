@@ -232,6 +232,8 @@ def serve_commands(sz, engine):
         return [sys.executable, "serve.py", "--port", str(free_port()), "--max-num-seqs", str(sz.max_num_seqs),
                 "--kv-cache-memory", sz.kv_cache_memory]
     yield "serve.py", ours() + ["--dtype", engine.config.dtype], env, 300
+    if engine.device.type == "cuda":               # async scheduling is on by default there: the loop without it
+        yield "serve.py --no-async-scheduling", ours() + ["--dtype", engine.config.dtype, "--no-async-scheduling"], env, 300
     if engine.device.type == "cpu":                # the blocks' kernels are CPU code (float32 activations)
         yield "serve.py --quantization gguf", ours() + ["--quantization", "gguf", "--dtype", "float32"], env, 300
     else:

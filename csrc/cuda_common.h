@@ -1,6 +1,6 @@
 // What every CUDA source under csrc/ shares: the prelude that compiles a file with nvcc or, without
 // it, against csrc/cuda_emu.h (LAUNCH_KERNEL, block_shared<T>(), copy16, the cp.async trio
-// copy16_async / async_commit / async_wait<N>), and the storage types
+// copy16_async / async_commit / async_wait<N>, the tensor-core pair mma_m16n8k16 / ldmatrix_x4), and the storage types
 // (raw 16-bit bf16/fp16 patterns, converted to float on load and rounded to nearest even on store).
 // Holds no kernel. Each library includes csrc/cuda_emu.h through here, from any number of files.
 #pragma once
@@ -55,6 +55,7 @@ using emu::copy16_async;
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // ---- storage types: raw 16-bit patterns, converted to float on load -----------------------
 
@@ -96,3 +97,47 @@ template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
 }
 
 inline bool valid_dtype(int dtype) { return dtype == kFloat32 || dtype == kBFloat16 || dtype == kFloat16; }
+
+// ---- tensor cores (sm_80+): one warp's 16x8x16 MMA and 8x8 shared-memory matrix loads ---------
+// Fragment layouts as in the PTX ISA (mma.m16n8k16 with 16-bit A/B and float C/D; ldmatrix .x4);
+// csrc/cuda_emu.h computes the same layouts element by element.
+#ifdef __CUDACC__
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  static_assert(std::is_same_v<T, bf16> || std::is_same_v<T, f16>, "16-bit inputs only");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, bf16>)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  __trap();   // the tensor-core kernels are launched on sm_80+ only
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+#else
+  __trap();
+#endif
+}
+#endif   // else: cuda_emu.h's
+
+// Two 16-bit values in one register, `lo` in the low half (an MMA fragment's column order).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  return uint32_t(from_float<T>(lo).bits) | uint32_t(from_float<T>(hi).bits) << 16;
+}

@@ -17,6 +17,9 @@
 //     a thread's copies are held (their source and alignment checked at issue) and made only
 //     when async_wait<N> retires their group, so a kernel that reads a buffer before waiting
 //     for it reads the old contents (NaN poison at first), not a lucky early copy.
+//   - the warp-wide tensor-core ops (mma_m16n8k16, ldmatrix_x4 and its .trans) gather every lane's
+//     fragment or row address between two warp barriers and compute the PTX ISA's fragment layouts
+//     element by element; ldmatrix refuses a row address that is not 16-byte aligned shared memory.
 //   - graph capture (cuda_emu_capture): while it is on, a host read of device data, which the
 //     binding asks for through cuda_emu_host_read, fails as it would inside a real CUDA graph
 //     capture (a copy to the host there is an error that invalidates the capture).
@@ -100,6 +103,7 @@ inline void fail(cudaError_t code, const std::string& message) {
 struct Warp {
   std::barrier<> barrier{kWarpSize};
   uint64_t lanes[kWarpSize];          // what each lane offers to a shuffle
+  uint32_t frags[kWarpSize][10];      // what each lane offers to an mma.sync (a, b, c) or ldmatrix (address)
 };
 
 struct Abort {};                      // thrown by every thread of a block that overflows shared memory
@@ -141,6 +145,11 @@ inline bool aligned16(const void* dst, const void* src) {
   if (reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) return true;
   fail(cudaErrorMisalignedAddress, "misaligned address: a 16-byte access not 16-byte aligned");
   return false;
+}
+
+inline bool in_shared(const void* p, size_t bytes) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  return c >= current_block->shared_base() && c + bytes <= current_block->shared_base() + current_block->shared_limit;
 }
 
 inline void copy16(void* dst, const void* src) {
@@ -267,6 +276,77 @@ T __shfl_xor_sync(unsigned, T value, int lane_mask, int = emu::kWarpSize) {
   std::memcpy(&other, &w.lanes[lane ^ lane_mask], sizeof(T));
   w.barrier.arrive_and_wait();                      // every lane has read before the next write
   return other;
+}
+
+template <typename T>
+T __shfl_sync(unsigned, T value, int src_lane, int = emu::kWarpSize) {
+  static_assert(sizeof(T) <= sizeof(uint64_t));
+  emu::Warp& w = emu::my_warp();
+  std::memcpy(&w.lanes[threadIdx.x % emu::kWarpSize], &value, sizeof(T));
+  w.barrier.arrive_and_wait();
+  T other;
+  std::memcpy(&other, &w.lanes[src_lane % emu::kWarpSize], sizeof(T));
+  w.barrier.arrive_and_wait();
+  return other;
+}
+
+// ---- tensor cores: mma.sync m16n8k16 and ldmatrix, as the PTX ISA lays out their fragments ----
+// Lane l = 4 * g + t (g = l / 4, t = l % 4). A (16x16, row-major): register r holds row g + 8 * (r % 2),
+// columns 2t + 8 * (r / 2) and the one after (low half first). B (16x8, "col"): register r holds rows
+// 2t + 8r and the one after, column g. C/D (16x8 float): element e is row g + 8 * (e / 2), column 2t + e % 2.
+
+template <typename T>
+float half_of(uint32_t reg, int half) {   // element `half` (0 = low 16 bits) of a packed pair, as float
+  T x;
+  x.bits = uint16_t(reg >> (16 * half));
+  return to_float(x);
+}
+
+// d += a * b for the warp's 16x8 tile (T: bf16 or f16 storage, float accumulators)
+template <typename T>
+void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  emu::Warp& w = emu::my_warp();
+  const int lane = threadIdx.x % emu::kWarpSize, g = lane / 4, t = lane % 4;
+  std::memcpy(w.frags[lane], a, 16);
+  std::memcpy(w.frags[lane] + 4, b, 8);
+  w.barrier.arrive_and_wait();                      // every lane's fragments are in
+  float out[4];
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
+    float acc = d[e];
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t a_reg = w.frags[(row % 8) * 4 + (k % 8) / 2][row / 8 + 2 * (k / 8)];
+      const uint32_t b_reg = w.frags[col * 4 + (k % 8) / 2][4 + k / 8];
+      acc += half_of<T>(a_reg, k % 2) * half_of<T>(b_reg, k % 2);
+    }
+    out[e] = acc;
+  }
+  w.barrier.arrive_and_wait();                      // every lane has read before the next exchange
+  for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+// ldmatrix.x4 (.trans when `trans`): lanes 8j..8j+7 give the row addresses of 8x8 16-bit matrix j;
+// register j of lane l gets matrix j's row l / 4, elements 2 (l % 4) and the next; transposed, its
+// elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4).
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+  emu::Warp& w = emu::my_warp();
+  const int lane = threadIdx.x % emu::kWarpSize;
+  if (reinterpret_cast<uintptr_t>(row) % 16 || !emu::in_shared(row, 16))
+    emu::fail(cudaErrorMisalignedAddress, "misaligned address: an ldmatrix row not 16-byte aligned in shared memory");
+  std::memcpy(w.frags[lane], &row, sizeof row);
+  w.barrier.arrive_and_wait();
+  for (int j = 0; j < 4; ++j) {
+    uint16_t half[2];
+    for (int h = 0; h < 2; ++h) {
+      const int row_in = trans ? 2 * (lane % 4) + h : lane / 4, col = trans ? lane / 4 : 2 * (lane % 4) + h;
+      const unsigned char* base;
+      std::memcpy(&base, w.frags[8 * j + row_in], sizeof base);
+      if (reinterpret_cast<uintptr_t>(base) % 16 || !emu::in_shared(base, 16)) half[h] = 0xffff;   // reported above
+      else std::memcpy(&half[h], base + 2 * col, 2);
+    }
+    r[j] = uint32_t(half[0]) | uint32_t(half[1]) << 16;
+  }
+  w.barrier.arrive_and_wait();
 }
 
 // ---- controls for tests (ctypes) ------------------------------------------------------------

@@ -17,12 +17,15 @@
 //                        memory. A row with context_len == 0 (a padding row) gets zeros.
 //                        head_dim 64 and 128 (16-bit) have their own instances, others the
 //                        generic one; __launch_bounds__ keeps 4 blocks resident per SM.
+//   decode_mma_kernel    the same blocks on tensor cores for bf16/fp16 at head_dim 64 and 128
+//                        (csrc/decode_mma_cuda.cuh).
 //   reduce_kernel        one block per (row, head), launched whenever max_parts > 1; merges the
 //                        partitions of a split row (flash-decoding style), other rows exit.
 //   prefill_kernel       one thread block per (prefill item = tile of query rows, KV head); K/V
 //                        chunks staged in shared memory and reused by every query of the tile.
 //                        Not launched in a pure-decode step.
-//   reshape_and_cache_kernel  the fused KV write; slot -1 means "do not cache this row".
+//   reshape_and_cache_kernel  the fused KV write; slot -1 means "do not cache this row". Its _vec
+//                        twin moves 16-byte pieces when the cache has the keys' dtype.
 // Queries and new K/V rows may be strided views (rows of the fused qkv output): only the row
 // stride is free, the heads of a row are contiguous. Only plain pointers and ints cross the
 // boundary (the extern "C" functions at the end), so this file needs only the CUDA toolkit;
@@ -54,7 +57,7 @@ constexpr unsigned kMaxGridX = 2147483647u, kMaxGridY = 65535;
 #ifdef PLANT_BUGS
 // Bugs a GPU would show and a lenient emulation would not; tests switch one on with plant_bug.
 enum Bug { kNoBug, kOldPrefillGrid, kTooManyThreads, kSharedOver48KB, kSharedOptIn, kUnzeroedTail,
-           kGlobalQuery, kLastBlockMerges, kNoAsyncWait };
+           kGlobalQuery, kLastBlockMerges, kNoAsyncWait, kOffByOneWait, kLdmatrixNoTrans, kUnalignedTile };
 int planted_bug = kNoBug;
 __device__ float planted_global_query[kMaxGroup][kMaxHeadDim];   // a "forgot __shared__" scratch
 #define PLANTED(bug) (planted_bug == (bug))
@@ -84,9 +87,17 @@ struct Params {
   float scale;
 };
 
-// Decode items of a row: its context in partitions (a row with no context still gets one).
+// Decode items of a row: its context in partitions (a row with no context still gets one). The
+// planner makes the partition whole pages; part i of n takes pages [i * pages / n, (i + 1) * pages / n),
+// so a row's parts differ by at most one page (paged_attention.part_pages).
 __host__ __device__ __forceinline__ int num_parts(int context_len, int partition_size) {
   return context_len <= partition_size ? 1 : (context_len + partition_size - 1) / partition_size;
+}
+
+// Tokens [x, y) of part `part` of `parts`: the row's pages split evenly at page boundaries.
+__device__ __forceinline__ int2 part_range(int ctx, int part, int parts, int block_size) {
+  const int64_t pages = (ctx + block_size - 1) / block_size;
+  return {int(part * pages / parts) * block_size, min(ctx, int((part + 1) * pages / parts) * block_size)};
 }
 
 // Offset of (token pos, kv_head, 0) of a sequence in the cache, through its block table.
@@ -192,7 +203,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) decode_kernel(Params p
   const int q_row = p.query_start_loc[seq], ctx = p.context_lens[seq], partition = *p.partition_size;
   const int parts = num_parts(ctx, partition);
   if (p.query_start_loc[seq + 1] - q_row != 1 || part >= parts) return;   // not decoding, or a spare block
-  const int start = part * partition, end = min(ctx, start + partition);
+  const int2 range = part_range(ctx, part, parts, p.block_size);
+  const int start = range.x, end = range.y;
   const int G = p.group, D = kHeadDim ? kHeadDim : p.head_dim;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const KV* key_cache = static_cast<const KV*>(p.key_cache);
@@ -325,6 +337,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) decode_kernel(Params p
 #endif
 }
 
+#include "decode_mma_cuda.cuh"   // decode_mma_kernel: the group's heads as the rows of an MMA tile
+
 // Merge the partitions of one (split row, head).
 template <typename Q>
 __global__ void reduce_kernel(Params p) {
@@ -429,14 +443,35 @@ __global__ void prefill_kernel(Params p) {
 // ---- the fused KV write -------------------------------------------------------------------
 
 template <typename Q, typename KV>
-__global__ void reshape_and_cache_kernel(const Q* key, const Q* value, KV* key_cache, KV* value_cache,
-                                         const int64_t* slot_mapping, int row, int64_t key_stride,
+__global__ void reshape_and_cache_kernel(const Q* __restrict__ key, const Q* __restrict__ value,
+                                         KV* __restrict__ key_cache, KV* __restrict__ value_cache,
+                                         const int64_t* __restrict__ slot_mapping, int row, int64_t key_stride,
                                          int64_t value_stride) {
   const int64_t slot = slot_mapping[blockIdx.x];
   if (slot < 0) return;                                        // -1: padding row, not cached
   for (int i = threadIdx.x; i < row; i += blockDim.x) {
     key_cache[slot * row + i] = from_float<KV>(to_float(key[int64_t(blockIdx.x) * key_stride + i]));
     value_cache[slot * row + i] = from_float<KV>(to_float(value[int64_t(blockIdx.x) * value_stride + i]));
+  }
+}
+
+// The same write for a cache of the keys' own dtype, 16 bytes a thread: thread t loads piece t of
+// the token's K and V rows (both loads issued before either store), then stores both. One pass while
+// the row has at most 1,024 pieces (8 KV heads x 128 in bf16: 128).
+template <typename T>
+__global__ void reshape_and_cache_vec_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                             T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                             const int64_t* __restrict__ slot_mapping, int row, int64_t key_stride,
+                                             int64_t value_stride) {
+  constexpr int V = 16 / sizeof(T);
+  const int64_t slot = slot_mapping[blockIdx.x];
+  if (slot < 0) return;                                        // -1: padding row, not cached
+  for (int i = threadIdx.x * V; i < row; i += blockDim.x * V) {
+    alignas(16) T k[V], v[V];
+    copy16(k, key + int64_t(blockIdx.x) * key_stride + i);
+    copy16(v, value + int64_t(blockIdx.x) * value_stride + i);
+    copy16(key_cache + slot * row + i, k);
+    copy16(value_cache + slot * row + i, v);
   }
 }
 
@@ -449,14 +484,15 @@ struct DecodeKernel {
   const char* name;
 };
 
-// head_dim 64 and 128 in what a GPU serves (bf16 or fp16 queries and cache alike) get their own
-// kernels; every other case (float32 or mixed dtypes, head_dim 32 or 96) the generic one: each
-// instance adds about 2 s of nvcc time (sm_80 + sm_90).
+// head_dim 64 and 128 in what a GPU serves (bf16 or fp16 queries and cache alike, query rows 4-byte
+// aligned) run on tensor cores; every other case (float32 or mixed dtypes, head_dim 32 or 96) the
+// generic kernel.
 template <typename Q, typename KV>
-DecodeKernel<Q, KV> pick_decode(int head_dim) {
+DecodeKernel<Q, KV> pick_decode(const Params& p) {
   if constexpr (std::is_same_v<Q, KV> && sizeof(KV) == 2) {
-    if (head_dim == 64) return {decode_kernel<Q, KV, 64>, "decode_d64"};
-    if (head_dim == 128) return {decode_kernel<Q, KV, 128>, "decode_d128"};
+    const bool aligned = reinterpret_cast<uintptr_t>(p.query) % 4 == 0 && p.q_row_stride % 2 == 0;
+    if (aligned && p.head_dim == 64) return {decode_mma_kernel<Q, 64>, "decode_mma_d64"};
+    if (aligned && p.head_dim == 128) return {decode_mma_kernel<Q, 128>, "decode_mma_d128"};
   }
   return {decode_kernel<Q, KV, 0>, "decode"};
 }
@@ -465,7 +501,7 @@ DecodeKernel<Q, KV> pick_decode(int head_dim) {
 // reduce whenever a row may be split, prefill over the planned tiles.
 template <typename Q, typename KV>
 void launch_attention(const Params& p, int num_seqs, int num_prefill_items, cudaStream_t stream) {
-  const DecodeKernel<Q, KV> decode = pick_decode<Q, KV>(p.head_dim);
+  const DecodeKernel<Q, KV> decode = pick_decode<Q, KV>(p);
   auto* reduce = reduce_kernel<Q>;          // named pointers: a template's comma would split the macro
   auto* prefill = prefill_kernel<Q, KV>;
 #ifdef PLANT_BUGS
@@ -490,9 +526,22 @@ void dispatch_kv(int kv_dtype, const Params& p, int num_seqs, int num_prefill, c
   if (kv_dtype == kFloat16) launch_attention<Q, f16>(p, num_seqs, num_prefill, stream);
 }
 
+// 16-byte pieces when the cache has the keys' dtype and every row starts 16-byte aligned; else
+// one element a thread (a cast on the way, or a view of odd offset).
 template <typename Q, typename KV>
 void launch_cache(const void* key, const void* value, void* key_cache, void* value_cache, const int64_t* slots,
                   int num_tokens, int row, int64_t key_stride, int64_t value_stride, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(Q);
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const bool vec = std::is_same_v<Q, KV> && row % V == 0 && key_stride % V == 0 && value_stride % V == 0 &&
+                   aligned(key) && aligned(value) && aligned(key_cache) && aligned(value_cache);
+  if (vec && !PLANTED(kTooManyThreads)) {
+    const dim3 block(min(1024, (row / V + kWarpSize - 1) / kWarpSize * kWarpSize));
+    LAUNCH_KERNEL_NAMED("reshape_and_cache_vec", (reshape_and_cache_vec_kernel<Q>), dim3(num_tokens), block, stream,
+                        static_cast<const Q*>(key), static_cast<const Q*>(value), static_cast<Q*>(key_cache),
+                        static_cast<Q*>(value_cache), slots, row, key_stride, value_stride);
+    return;
+  }
   auto* kernel = reshape_and_cache_kernel<Q, KV>;
   const dim3 block(PLANTED(kTooManyThreads) ? 2 * 1024 : kThreads);
   LAUNCH_KERNEL(kernel, dim3(num_tokens), block, stream, static_cast<const Q*>(key), static_cast<const Q*>(value),

@@ -1,8 +1,8 @@
-// PyTorch binding of csrc/paged_attention_cuda.cu and csrc/fused_cuda.cu: checks shapes, dtypes,
-// devices and strides (with the CPU backend's messages where the rule is the same), allocates the
-// outputs and the split-context workspace, and hands raw pointers to the launchers on torch's
-// current stream. Registered as torch.ops.nanoserve_cuda.{paged_attention, reshape_and_cache,
-// rms_norm, add_rms_norm_, rope_, silu_and_mul}.
+// PyTorch binding of csrc/paged_attention_cuda.cu, csrc/fused_cuda.cu and csrc/sampling_cuda.cu:
+// checks shapes, dtypes, devices and strides (with the CPU backend's messages where the rule is the
+// same), allocates the outputs and the split-context workspace, and hands raw pointers to the
+// launchers on torch's current stream. Registered as torch.ops.nanoserve_cuda.{paged_attention,
+// reshape_and_cache, rms_norm, add_rms_norm_, rope_, silu_and_mul, sample}.
 //
 // It reads no tensor data: the model runner validated the batch and planned the launch on the
 // host, from the lists it built the tensors from (paged_attention.plan_cuda_launch), so a call
@@ -49,6 +49,8 @@ extern "C" const char* rope_launch(void* qkv, int64_t stride, const float* cos, 
                                    int num_heads, int head_dim, int dtype, void* stream);
 extern "C" const char* silu_and_mul_launch(const void* gate_up, int64_t stride, void* out, int rows, int inter,
                                            int dtype, void* stream);
+extern "C" const char* sample_launch(const float* logits, int64_t stride, int rows, int vocab, const float* params,
+                                     int64_t* out, uint8_t* kept, void* stream);
 #ifdef NANOSERVE_CUDA_EMU
 extern "C" const char* cuda_emu_host_read(const char* what);
 #endif
@@ -303,6 +305,23 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ---- the sampler's filters and draw (csrc/sampling_cuda.cu): sampler.draw's contract -------------
+
+at::Tensor sample(const at::Tensor& logits, const at::Tensor& params) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "logits must be float32 [rows, vocab] with contiguous rows");
+  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() && params.dim() == 2 &&
+                  params.size(0) == logits.size(0) && params.size(1) == 5,
+              "params must be float32 [rows, 5]: 1 / temperature, top_k, top_p, min_p, uniform");
+  check_devices({{&logits, "logits"}, {&params, "params"}});
+  const DeviceGuard guard(logits.device());
+  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  const char* err = sample_launch(logits.const_data_ptr<float>(), logits.stride(0), logits.size(0), logits.size(1),
+                                  params.const_data_ptr<float>(), out.data_ptr<int64_t>(), nullptr, current_stream());
+  TORCH_CHECK(err == nullptr, "sample (cuda): ", err);
+  return out;
+}
+
 }  // namespace
 
 // through a second macro, so the library's name and dispatch key are expanded first
@@ -319,6 +338,7 @@ DEFINE_LIBRARY(NANOSERVE_LIBRARY, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("sample(Tensor logits, Tensor params) -> Tensor");
 }
 
 IMPLEMENT_LIBRARY(NANOSERVE_LIBRARY, NANOSERVE_DISPATCH, m) {
@@ -328,4 +348,5 @@ IMPLEMENT_LIBRARY(NANOSERVE_LIBRARY, NANOSERVE_DISPATCH, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &rope_);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("sample", &sample);
 }

@@ -21,12 +21,15 @@ import multiprocessing
 import os
 import signal
 import sys
-from multiprocessing.connection import Listener
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Listener
 
 from engine import Engine, EngineConfig, EngineStats
 from engine_client import EngineClient, Run, ServerMetrics
-from engine_core import CoreUpdate, JoinCore, Stop, run_remote_core
-from scaleout.kv_transfer import host_store, open_ranks
+from engine_core import CoreUpdate, EngineCore, Stop, run_core_process
+from scaleout.handoff import HandoffCore
+from scaleout.kv_transfer import host_store, join_as, open_ranks
 from openai_api import APIError
 from scaleout.router import Router, RouterConfig
 
@@ -204,6 +207,14 @@ class DataParallelClient:
         return lines
 
 
+@dataclass
+class JoinCore:
+    """Remote core -> front end, first on its connection: the rank it took (kv_transfer.join_as)."""
+    rank: int
+    role: str
+
+
+
 def accept_cores(address: tuple[str, int], authkey: bytes, remote: dict[str, list[int]]) -> dict:
     """The front end's side of a remote join: each core took an open rank of its role from the front end's
     TCPStore (kv_transfer.join_as), connects to the listener at `address` (authenticated: the messages
@@ -252,3 +263,25 @@ def run_headless(config: EngineConfig, local: int, address: tuple[str, int], key
     for core in cores:
         core.join()
     sys.exit(max(0, *(c.exitcode or 0 for c in cores)))
+
+
+def run_remote_core(config: EngineConfig, address: tuple[str, int], authkey: bytes, grammar_timeout: float = 10.0,
+                    wait_s: float = 120.0, role: str = "both") -> None:
+    """serve.py --headless: one engine core on this machine serving a front end on another. It connects
+    to the front end's listener (authenticated: the messages are pickles), retrying while the front end
+    starts, then runs exactly as a local core does over its pipe. First it takes its rank (its core index;
+    for a prefill or decode core, its rank in the KV-transfer group too) from the front end's TCPStore
+    at the next port, and says which on the connection."""
+    group = join_as(role, address[0], address[1] + 1, wait_s)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            conn = Client(address, authkey=authkey)
+            break
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no front end listening at {address[0]}:{address[1]} after {wait_s:g} s")
+            time.sleep(0.5)
+    conn.send(JoinCore(group.rank, role))
+    make_core = EngineCore if role == "both" else functools.partial(HandoffCore.joining, group, role)
+    run_core_process(config, conn, grammar_timeout, make_core)

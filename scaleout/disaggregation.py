@@ -16,13 +16,15 @@ Owns which core takes each stage, the requests in transit and the transfer metri
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
 
 from scaleout.data_parallel import DataParallelClient, accept_cores, dp_key
 from engine import Engine, EngineConfig
 from engine_client import EngineClient, Failed
-from engine_core import CoreUpdate, ImportRequest, SendBlocks
+from engine_core import CoreUpdate
+from scaleout.handoff import HandoffCore, ImportRequest, SendBlocks
 from scaleout.kv_transfer import KVTransfer, TransferGroup, host_store, open_ranks
 from openai_api import APIError
 from scaleout.router import Router, RouterConfig
@@ -81,9 +83,10 @@ class DisaggregatedClient(DataParallelClient):
         open_ranks(store, size, remote)
         threads = max(1, (config.num_threads or os.cpu_count()) // max(1, len(ranks)))
         role = lambda rank: "prefill" if rank < num_prefill else "decode"
+        joining = lambda rank: functools.partial(HandoffCore.joining, TransferGroup(host, store.port, rank, size),
+                                                 role(rank))
         starting = {rank: EngineClient.launch(dataclasses.replace(config, num_threads=threads), grammar_timeout,
-                                              TransferGroup(host, store.port, rank, size), role(rank))
-                    for rank in ranks}
+                                              joining(rank)) for rank in ranks}
         joined = {}                         # rank -> (connection, address) of a remote core
         try:
             if num_remote:
@@ -108,7 +111,8 @@ class DisaggregatedClient(DataParallelClient):
         groups = [TransferGroup("127.0.0.1", store.port, rank, len(engines), timeout_s) for rank in range(len(engines))]
         with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
             transfers = list(pool.map(KVTransfer, groups))    # each waits for all the others
-        cores = [EngineClient.in_thread(e, t, "prefill" if i < len(prefill) else "decode")
+        cores = [EngineClient.in_thread(e, functools.partial(HandoffCore, transfer=t,
+                                                             role="prefill" if i < len(prefill) else "decode"))
                  for i, (e, t) in enumerate(zip(engines, transfers))]
         return DisaggregatedClient(cores[:len(prefill)], cores[len(prefill):], store)
 

@@ -150,6 +150,16 @@ H100_RUN_2026_11_24 = {"roofline": {"num_layers": 30, "launches_per_step": 1430,
                             (8, 25.4, 2.61, (0.06, 0.52, 24.5, 0.102, 0.132)),
                             (32, 25.5, 2.46, (0.138, 0.606, 24.0, 0.151, 0.338)),
                             (64, 25.9, 2.53, (0.234, 0.7, 23.9, 0.207, 0.586))]}}}
+# The CUDA-graph run (2026-11-27, SmolLM2-135M bf16 on an H100, bench.py roofline): the sampler's read
+# is the first sync after the replay, so its "sample" phase is the wait for the device, counted as device time
+# (step - the host phases). Host: 0.42 ms at batch 1, 1.31 ms at 64; device: 1.44 and 1.59 ms.
+H100_GRAPHS_2026_11_27 = {b: dict(step_s=step / 1e3, host_s=(sch + prep + fwd + upd) / 1e3)
+                          for b, step, sch, prep, fwd, upd in [(1, 1.86, 0.02, 0.36, 0.02, 0.02),
+                                                                (64, 2.90, 0.23, 0.56, 0.02, 0.50)]}
+# async scheduling (async_engine.py): what a step adds to max(host, device) when the host plans it while
+# the device runs the last one: the event wait's wake-up, and the copy and gather that feed the last
+# step's tokens in on the device. Assumed (about 3 launches and a sync), not yet measured
+OVERLAP_SYNC_S = 50e-6
 GRAPH_REPLAY_S = 20e-6    # assumed, not measured (no graph run exists yet): torch.cuda.CUDAGraph.replay()
                           # from Python, one launch of a captured graph plus the binding's overhead
 
@@ -180,8 +190,17 @@ def fit_host_overhead(results: dict) -> HostOverhead:
                         graph_replay_s=r.get("graph_replay_s", results.get("gpu_decode", {}).get("graph_replay_s", GRAPH_REPLAY_S)))
 
 
+def fit_graph_run(run: dict) -> HostOverhead:
+    """HostOverhead of a CUDA-graph run given as {batch: {step_s, host_s}}: host_s is a line in the batch;
+    the replay's launch is the forward phase already inside host_s."""
+    xs, ys = zip(*sorted((b, d["host_s"]) for b, d in run.items()))
+    per_seq = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+    return HostOverhead(per_step_s=ys[0] - per_seq * xs[0], per_seq_s=per_seq, graph_replay_s=0.0)
+
+
 HOST_OVERHEADS = {
     "vllm": HostOverhead(per_step_s=STEP_OVERHEAD_S),           # the constant above; graphs or not, the same
+    "nanoserve-h100-graphs": fit_graph_run(H100_GRAPHS_2026_11_27),   # ~0.41 ms + 14 us/seq; with graphs
     "nanoserve-h100": fit_host_overhead(H100_RUN_2026_11_24),  # ~0.6 ms + 18 us/seq; 16.7 us per launch
     "none": HostOverhead(),
 }
@@ -238,12 +257,15 @@ def tp_comm_time(model: ModelConfig, num_tokens: int, tp: int, link: Link) -> fl
 
 
 def step_time(gpu: GPU, model: ModelConfig, rows, tp: int = 1, ideal: bool = False, *,
-              host: HostOverhead = HOST_OVERHEADS["vllm"], graphs: bool = False, link: Link | None = None) -> float:
+              host: HostOverhead = HOST_OVERHEADS["vllm"], graphs: bool = False, link: Link | None = None,
+              overlap: bool = False) -> float:
     """Seconds for one step on tp GPUs. GPU time: the slower of memory and compute at the fitted
     efficiencies (weights split tp ways, KV kv_shards ways, FLOPs tp ways) plus the all-reduces over
     link (default: the GPU's NVLink). Then the host: its serial part, and the longer of the GPU time
     and the launches (one graph replay when graphs and the step is decode-only). ideal=True is the
-    bare roofline: efficiency 1, no host, no communication."""
+    bare roofline: efficiency 1, no host, no communication. overlap=True (async scheduling): the host's
+    whole part runs while the device runs the step before, so a step is the longer of the two plus
+    OVERLAP_SYNC_S."""
     bytes_moved, flops = step_cost(model, rows)
     gpu_bytes = model.weight_bytes / tp + (bytes_moved - model.weight_bytes) / kv_shards(model, tp)
     if ideal:
@@ -251,6 +273,8 @@ def step_time(gpu: GPU, model: ModelConfig, rows, tp: int = 1, ideal: bool = Fal
     gpu_s = max(gpu_bytes / (gpu.hbm_bandwidth * MEM_EFFICIENCY), flops / (tp * gpu.peak_flops * FLOP_EFFICIENCY))
     gpu_s += tp_comm_time(model, sum(n for n, _ in rows), tp, link or resolve_link("nvlink", gpu))
     serial, launch = host.time(model, len(rows), tp, graph=graphs and all(n == 1 for n, _ in rows))
+    if overlap:
+        return max(serial + launch, gpu_s) + OVERLAP_SYNC_S
     return serial + max(gpu_s, launch)
 
 
@@ -276,8 +300,9 @@ def roofline(gpu: GPU, model: ModelConfig, batch: int, context: int, tp: int = 1
            "gflop": flops / 1e9,
            "bound": "memory" if bytes_moved / gpu.hbm_bandwidth >= flops / gpu.peak_flops else "compute",
            "all_reduce_ms": 1e3 * tp_comm_time(model, batch, tp, timing.get("link") or resolve_link("nvlink", gpu))}
-    for kind in ("ideal", "modelled"):
-        t = step_time(gpu, model, rows, tp, ideal=(kind == "ideal"), **timing)
+    timing.pop("overlap", None)
+    for kind, extra in (("ideal", dict(ideal=True)), ("modelled", {}), ("modelled_async_scheduling", dict(overlap=True))):
+        t = step_time(gpu, model, rows, tp, **extra, **timing)
         out[kind] = {"step_ms": t * 1e3, "steps_per_s": 1 / t, "tok_s": batch / t}
     return out
 

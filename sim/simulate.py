@@ -13,32 +13,25 @@ Owns: one engine under a workload. The workloads (ShareGPT/Alpaca-like length st
 prompts, uniform, tenants sharing system prompts) with Poisson arrivals, the simulation loop, the
 metrics, the table and the plots. Several engines (data parallel behind router.py, disaggregated
 prefill/decode) live in simulate_cluster.py; the command line that picks one or the other is cli.py
-(`python -m sim`); the hardware, the models and the step's cost live in cost_model.py. Does not decide anything the
-scheduler decides, and does not touch the engine, the kernels or the tokenizer.
+(`python -m sim`); the hardware, the models and the step's cost live in cost_model.py. Does not decide
+anything the scheduler decides, and does not touch the engine, the kernels or the tokenizer.
 A request stops at exactly its drawn output length (max_tokens = that length, like ignore_eos).
 Prompts are distinct tokens except the tenants' shared system prompts; under
 --scheduling-policy priority, request k gets priority k % 3.
 
-  python -m sim --gpu h100-sxm --model llama-3-8b --workload sharegpt --num-requests 1000
-  python -m sim --workload tenants --enable-prefix-caching --data-parallel-size 2 --routing cache_aware
-  python -m sim --workload long-prompt --disaggregation 1:1 --kv-link infiniband --request-rate 4
-  python -m sim roofline --gpu a100-80gb --model llama-2-13b --batch 32
-  python -m sim tp-sweep                       # where tensor parallelism stops paying (cost_model.py)
-  python -m sim disagg-sweep --out docs/       # disaggregated vs colocated goodput per GPU
+The commands that run it: cli.py.
 """
 import argparse
-import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 
 # re-exported too: test_all.py reads the cost model's names as simulate.X
 from sim.cost_model import (FLOP_EFFICIENCY, GPUS, HOST_OVERHEADS, LINK_CHOICES, MEM_EFFICIENCY, MODELS,  # noqa: F401
-                        STEP_OVERHEAD_S, check_tensor_parallel, host_overhead, kv_pool_bytes, kv_pool_tokens,
-                        resolve_link, roofline, step_cost, step_time, tp_sweep_main)
+                            STEP_OVERHEAD_S, check_tensor_parallel, host_overhead, kv_pool_bytes, kv_pool_tokens,
+                            resolve_link, roofline, step_cost, step_time)
 from kv_cache import BlockManager, SwapIn, SwapOut
 from scheduler import Scheduler, SchedulerConfig
 from sequence import Sequence
@@ -148,7 +141,7 @@ def step_clock(args):
     gpu, model, tp = GPUS[args.gpu], MODELS[args.model], args.tensor_parallel_size
     check_tensor_parallel(model, tp)
     timing = dict(host=host_overhead(args.host_overhead), graphs=not args.enforce_eager,
-                  link=resolve_link(args.tp_link, gpu))
+                  link=resolve_link(args.tp_link, gpu), overlap=args.async_scheduling)
     block_bytes = model.kv_bytes_per_token * args.block_size
 
     def clock(rows, swapped=0):
@@ -316,6 +309,8 @@ def add_engine_args(p):
                         "GPU run (fit_host_overhead says which fields it reads)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode steps pay every launch (graphs replay decode-only steps)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the host plans each step while the GPU runs the last: a step is max(host, GPU) + a sync")
 
 
 def check_engine_args(p, args):
