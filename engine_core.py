@@ -116,9 +116,6 @@ class EngineCore:
     def __init__(self, engine: Engine, conn: Connection, grammar_timeout: float = 10.0):
         self.engine, self.conn, self.grammar_timeout = engine, conn, grammar_timeout
         self.compiling: list[Compiling] = []
-        if role == "prefill" and engine.overlap is not None:   # a hand-off needs the first token on the host
-            log.info("async_scheduling off: a prefill core hands each request off after its first token")
-            engine.overlap = None
 
     def run(self) -> None:
         """Serve until the front end sends Stop or hangs up; then abort whatever is left."""

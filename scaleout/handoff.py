@@ -173,6 +173,9 @@ class HandoffCore(EngineCore):
     def __init__(self, engine: Engine, conn: Connection, grammar_timeout: float, transfer: KVTransfer, role: str):
         super().__init__(engine, conn, grammar_timeout)
         self.transfer, self.role = transfer, role       # role: prefill | decode
+        if role == "prefill" and engine.overlap is not None:   # a hand-off needs the first token on the host
+            log.info("async_scheduling off: a prefill core hands each request off after its first token")
+            engine.overlap = None
 
     @classmethod
     def joining(cls, group: TransferGroup, role: str, engine: Engine, conn: Connection,
