@@ -259,10 +259,12 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None =
 
 # quantization="gguf" at a few rows always sums in float32 (batch-1 logits are the float32
 # engine's up to summation order); from GGUF_Q8_ROWS rows on it could take 8-bit activations where
-# they are faster at start-up (choose_gguf_path). On SmolLM2 they keep 97.3% of greedy top-1
-# agreement and perplexity within 0.3% (test_all.py). They stay off (GGUF_Q8_ACTIVATIONS): on the
-# Zen 1 they measured 0.85-1.1x the float32 sums' time, run to run, and a path picked by a timing at
-# start-up would make a run's tokens depend on that timing.
+# they are faster at start-up (choose_gguf_path). On SmolLM2 they keep 96-98% of greedy top-1
+# agreement and perplexity within 1% (test_all.py). csrc/gguf_q8_cpu.cpp's kernel is now faster than
+# the float32 sums at every row count measured (1-64 rows, both the AVX2 and the AVX512_VNNI build:
+# docs/quantization.md), but they stay off (GGUF_Q8_ACTIVATIONS): they change the tokens, which
+# quantization="gguf"'s tests hold to transformers', and a path picked by a timing at start-up would
+# make a run's tokens depend on that timing.
 GGUF_Q8_ROWS = 16
 GGUF_Q8_ACTIVATIONS = False
 
@@ -283,46 +285,18 @@ def choose_gguf_path(blocks: GGUFBlocks, rows: int = 64, repeats: int = 3) -> tu
     q8 = GGUF_Q8_ACTIVATIONS and best["8-bit activations"] < best["float32 sums"]
     line = (f"from {GGUF_Q8_ROWS} rows {'8-bit activations' if q8 else 'float32 sums'} (measured now at {rows} rows: "
             f"float32 sums {best['float32 sums'] * 1e3:.2f} ms, 8-bit activations {best['8-bit activations'] * 1e3:.2f} ms, "
-            f"AVX2 maddubs, no VNNI kernel{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: no faster on AVX2'})")
+            f"{torch.ops.nanoserve_linear.gguf_q8_dot()}{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: they change the tokens'})")
     return (GGUF_Q8_ROWS if q8 else None), line
 
 
-def quantize_rows(x2: torch.Tensor, q4: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x2 float32 [M, K] -> (xq int8 [M, K], dx float32 [M, K/32], block sums float32 [M, K/32]):
-    each block of 32 values of a row as round(x / dx) with dx = max |x| / 127 (llama.cpp's Q8_0),
-    the bytes of each group laid out like the weight's lanes (csrc/linear_cpu.cpp, linear_gguf_q8),
-    so the integer dot products pair the right values; the sums are the rounded values' (dx * sum q,
-    llama.cpp's Q8_1 s), for the mins' term."""
-    M, K = x2.shape
-    xs = x2.view(M, K // 32, 32)
-    dx = xs.abs().amax(-1) / 127                                      # [M, K/32]
-    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-    xr = torch.round(xs * inv[..., None])                             # [M, K/32, 32], |q| <= 127
-    sums = xr.sum(-1) * dx                                            # [M, K/32]: exact sums of integers, one rounding
-    xq = xr.to(torch.int8)
-    if q4:   # per 64 values: value 8 (2k + h) + L at byte 32 h + 4 L + k
-        xq = xq.view(M, K // 64, 4, 2, 8).permute(0, 1, 3, 4, 2)
-    else:    # per 32 values: value 8 i + L at byte 4 L + i
-        xq = xq.view(M, K // 32, 4, 8).transpose(-1, -2)
-    return xq.reshape(M, K), dx, sums
-
-
 def gguf_linear_q8(x2: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x2 float32 [M, K] -> [M, N]: 8-bit activations (quantize_rows) against the blocks, integer dot
-    products per block; the mins' term (Q4_1, Q4_0) from the block sums of the same 8-bit x, so the
-    result is the rounded x times the weight (d q + m). (Summing x itself there, as before, leaves
-    the rounding error times d q, with q in 0..15 never centred: 2.6% perplexity on SmolLM2 against
-    0.6%, docs/quantization.md.)"""
-    M, K = x2.shape
-    q4 = blocks.mins is not None
-    xq, dx, sums = quantize_rows(x2, q4)
-    if q4:
-        out = sums @ blocks.mins.T                                     # [M, N]: sum_b m_b * dx_b * sum_k q_k
-        out = out if bias is None else out.add_(bias)
-    else:
-        out = torch.zeros(M, blocks.qs.shape[0]) if bias is None else bias.repeat(M, 1)   # a copy: written in place
-    torch.ops.nanoserve_linear.linear_gguf_q8(xq, dx, blocks.qs, blocks.scales, q4, out)
-    return out
+    """x2 float32 [M, K] -> [M, N]: each row quantized per block of 32 to int8 (max |x| / 127, round
+    half to even; llama.cpp's Q8_1, with the block sums for the mins' term), integer dot products per
+    block, one float order across blocks (csrc/gguf_q8_cpu.cpp). The mins' term takes the sums of
+    the *rounded* x, so the result is the rounded x times the weight (d q + m). (Summing x itself
+    there leaves the rounding error times d q, with q in 0..15 never centred: 2.6% perplexity on
+    SmolLM2 against 0.6%, docs/quantization.md.)"""
+    return torch.ops.nanoserve_linear.linear_gguf_q8(x2, blocks.qs, blocks.scales, blocks.mins, bias)
 
 
 @dataclass

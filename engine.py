@@ -258,13 +258,14 @@ class Engine:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = set(mc.eos_token_id) | {self.tokenizer.eos_token_id} - {None}
         self._init_kv_cache(dtype)
+        self.scheduler = self.builder.scheduler(config, self.blocks)
+        bounds = self.scheduler.step_bounds()     # the runner's buffers hold any step this scheduler makes
         runner_args = (self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
-                       config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.enforce_eager)
+                       bounds.max_rows, bounds.max_tokens, self.max_model_len, config.enforce_eager)
         self.runner = self.builder.runner(*runner_args)
         self.runner.capture_graphs()       # decode steps at every batch-size bucket (CUDA backend only)
-        self.scheduler = self.builder.scheduler(config, self.blocks)
         self.speculator = self.builder.speculator(config, dtype, self.device, self.attention_backend, self.blocks,
-                                                  self.model_config.vocab_size, self.max_model_len)
+                                                  self.model_config.vocab_size, self.max_model_len, bounds)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
@@ -390,8 +391,9 @@ class Engine:
         if not batch.seqs:
             self.kv_pool.run(batch.block_ops)
             return None, prompt_rows
-        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: an extra forward
-            self.record_prompt_logprobs(self.runner.forward_cached(seq, lo, hi), [(seq.request, lo, hi)])
+        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: extra forwards
+            for a, b, logits in self.runner.forward_cached(seq, lo, hi):   # in chunks the runner's buffers hold
+                self.record_prompt_logprobs(logits, [(seq.request, a, b)])
         with self.phase_times.phase("prepare"):
             inputs = self.runner.prepare(batch, prompt_rows.rows)
         with self.phase_times.phase("forward"):

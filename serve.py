@@ -553,7 +553,7 @@ async def wait_until(done, timeout: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if launcher.run_tensor_parallel_worker():       # torchrun's other ranks: only rank 0 serves HTTP
+    if launcher.run_tensor_parallel_worker(args.device or "auto"):   # torchrun's other ranks: only rank 0 serves HTTP
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.headless:

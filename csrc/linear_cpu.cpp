@@ -14,8 +14,8 @@
 // Registered as torch.ops.nanoserve_linear.linear_small_m (float32; needs K % 8 == 0 and
 // N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0), linear_gguf (float32
 // activations against a GGUF file's Q4_1 / Q4_0 / Q8_0 blocks, a sixth / a quarter of the
-// float32 bytes, at any M; K % 64 == 0 and N % 2 == 0), linear_gguf_q8 (the same blocks against
-// 8-bit activations, quantization="gguf" where chosen), linear_int8 (quantization="int8":
+// float32 bytes, at any M; K % 64 == 0 and N % 2 == 0; the same blocks against 8-bit activations are
+// csrc/gguf_q8_cpu.cpp's linear_gguf_q8, in this library), linear_int8 (quantization="int8":
 // int8 weight panels against x quantized to 8 bits per row and group, exact int32 sums, any K, N),
 // pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
 // AVX512_BF16, N % 32 == 0 and K % 2 == 0, without it N % 16 == 0: panel_columns says; float_out:
@@ -328,95 +328,6 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     });
   }
   return out;
-}
-
-// ---- GGUF blocks against 8-bit activations: integer dot products (quantization="gguf", large M) ----
-// As llama.cpp does on AVX2: each row of x is quantized per block of 32 to int8 with its own
-// scale dx (cpu_linear.quantize_rows, which also lays the bytes out to match the weight lanes),
-// and a block's dot product is exact in integers: _mm256_maddubs_epi16 multiplies 32 unsigned
-// bytes (the weights' q; Q8_0's made positive, its sign moved onto x) by 32 signed ones and adds
-// pairs into int16, _mm256_madd_epi16 adds pairs of those into int32. Then one FMA per block:
-//   out[m, n] += d_b * dx_b * sum_k q_k xq_k      (+ m_b * sum_k x_k, added before, in float)
-// No VNNI here (vpdpbusd would fuse the two steps): this CPU has neither AVX-VNNI nor AVX-512.
-//   Q4_1 pair of blocks: lo = v & 0x0F.. holds in lane L the values L, 16+L (block b) and 32+L,
-//   48+L (block b+1) as bytes 0..3; hi = (v >> 4) & 0x0F.. the values 8+L, 24+L, 40+L, 56+L. x's
-//   64 bytes come as [lo's order, hi's order], so after maddubs the low int16 of each lane is block
-//   b's and the high one block b+1's; two madds with (1, 0) and (0, 1) keep them apart.
-//   Q8_0 block: lane L holds values 8i + L as bytes i, and x's 32 bytes come in the same order.
-constexpr int kQ8TileM = 4;
-
-template <bool Q4, int MR>
-void tile_gguf_q8(const int8_t* xq, const float* dx, const uint8_t* qs, const float* d, float* out,
-                  int64_t m0, int64_t n, int64_t K, int64_t N) {
-  const int64_t nb = K / 32;
-  __m256 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  const __m256i lo16 = _mm256_set1_epi32(1), hi16 = _mm256_set1_epi32(1 << 16), ones = _mm256_set1_epi16(1);
-  if constexpr (Q4) {
-    for (int64_t b = 0; b < nb; b += 2) {
-      const __m256i v = load8x32(qs + 16 * b);
-      const __m256i wlo = _mm256_and_si256(v, nib), whi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      for (int i = 0; i < MR; ++i) {
-        const int8_t* xr = xq + (m0 + i) * K + 32 * b;
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wlo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
-                                           _mm256_maddubs_epi16(whi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32))));
-        const float* dxr = dx + (m0 + i) * nb + b;
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, lo16)), _mm256_set1_ps(d[b] * dxr[0]), acc[i]);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, hi16)), _mm256_set1_ps(d[b + 1] * dxr[1]), acc[i]);
-      }
-    }
-  } else {
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256i v = load8x32(qs + 32 * b), w = _mm256_abs_epi8(v);
-      for (int i = 0; i < MR; ++i) {
-        const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m0 + i) * K + 32 * b)), v);
-        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d[b] * dx[(m0 + i) * nb + b]), acc[i]);
-      }
-    }
-  }
-  for (int i = 0; i < MR; ++i) out[(m0 + i) * N + n] += hsum8(acc[i]);
-}
-
-template <bool Q4>
-using GgufQ8Tile = void (*)(const int8_t*, const float*, const uint8_t*, const float*, float*, int64_t, int64_t,
-                            int64_t, int64_t);
-template <bool Q4, int... MR>
-constexpr std::array<GgufQ8Tile<Q4>, sizeof...(MR)> gguf_q8_tiles(std::integer_sequence<int, MR...>) {
-  return {tile_gguf_q8<Q4, MR + 1>...};
-}
-template <bool Q4>   // [rows - 1]
-constexpr auto kGgufQ8Tiles = gguf_q8_tiles<Q4>(std::make_integer_sequence<int, kQ8TileM>{});
-
-// xq int8 [M, K] and dx float32 [M, K / 32] from cpu_linear.quantize_rows; qs, scales as
-// linear_gguf's; out float32 [M, N] holding the mins term and the bias: the blocks' sums are
-// added to it, in place
-void linear_gguf_q8(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& qs, const at::Tensor& scales,
-                    bool q4, at::Tensor& out) {
-  const int64_t M = xq.size(0), K = xq.size(1), N = qs.size(0), nb = K / 32;
-  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && xq.dim() == 2 && K % 64 == 0, "xq must be int8 [M, K], K % 64 == 0");
-  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.numel() == M * nb, "dx must be float32 [M, K/32]");
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (q4 ? K / 2 : K) &&
-              qs.scalar_type() == (q4 ? at::kByte : at::kChar), "qs must be uint8 [N, K/2] (Q4) or int8 [N, K] (Q8_0), in lanes");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * nb, "scales must be float32 [N, K/32]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M && out.size(1) == N, "out must be float32 [M, N]");
-  const auto* xp = xq.const_data_ptr<int8_t>();
-  const float *dxp = dx.const_data_ptr<float>(), *dp = scales.const_data_ptr<float>();
-  const auto* qp = static_cast<const uint8_t*>(qs.const_data_ptr());
-  float* op = out.mutable_data_ptr<float>();
-  const int64_t block = std::max<int64_t>(kQ8TileM, 393216 / K / kQ8TileM * kQ8TileM);   // xq's rows within ~384 KB (L2)
-  for (int64_t m0 = 0; m0 < M; m0 += block) {
-    const int64_t m1 = std::min(M, m0 + block);
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t m = m0; m < m1; m += kQ8TileM) {
-          const int rows = int(std::min<int64_t>(kQ8TileM, m1 - m));
-          if (q4) kGgufQ8Tiles<true>[rows - 1](xp, dxp, qp + n * (K / 2), dp + n * nb, op, m, n, K, N);
-          else kGgufQ8Tiles<false>[rows - 1](xp, dxp, qp + n * K, dp + n * nb, op, m, n, K, N);
-        }
-    });
-  }
 }
 
 // ---- float32 GEMM on weight panels: from a few rows up ------------------------------------
@@ -831,8 +742,6 @@ TORCH_LIBRARY(nanoserve_linear, m) {
   m.impl("linear_small_m_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_small_m_bf16));
   m.def("linear_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? mins, Tensor? bias) -> Tensor");
   m.impl("linear_gguf", c10::DispatchKey::CPU, TORCH_FN(linear_gguf));
-  m.def("linear_gguf_q8(Tensor xq, Tensor dx, Tensor qs, Tensor scales, bool q4, Tensor(a!) out) -> ()");
-  m.impl("linear_gguf_q8", c10::DispatchKey::CPU, TORCH_FN(linear_gguf_q8));
   m.def("panel_columns(bool bf16) -> int", TORCH_FN(panel_columns));
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.impl("pack_panels", c10::DispatchKey::CPU, TORCH_FN(pack_panels));
