@@ -41,8 +41,11 @@ from benchmarks import peers as bench_peers
 from benchmarks import report
 from benchmarks import scaleout as bench_scaleout
 from benchmarks import spec_decode as bench_spec_decode
+from benchmarks import tiers as bench_tiers
 from cpu_linear import cpu_linear_path
-from benchmarks.harness import make_engine, md_table, model_dtype, section_header
+from benchmarks.harness import bench_device, make_engine, md_table, section_header
+from model import resolve_dtype
+from paged_attention import resolve_backend
 
 
 @dataclass
@@ -90,6 +93,8 @@ class Sizes:
     prefix_len: int = 256
     prefix_requests: int = 12
     prefix_out: int = 8
+    tier_tenants: int = 32               # prefix-cache tiers: tenants cycling, each with its own system prompt
+    tier_prefix_len: int = 1000
     conversations: int = 3
     turns: int = 3
     cow_prompt: int = 500
@@ -125,6 +130,7 @@ QUICK = Sizes(name="quick", num_requests=6, out_range=(4, 12), prompt_median=16,
               peer_max_num_seqs=8, peer_kv_cache_memory="128MiB", b1_tokens=8, hf_requests=2, hf_batch_sizes=(2,),
               decode_batches=(1, 4), decode_prompt=16, kernel_batch=8, kernel_contexts=(128,), kernel_e2e_batch=4,
               kernel_e2e_prompt=16, repeats=2, api_rounds=1, prefix_len=32, prefix_requests=3, prefix_out=4, conversations=2, turns=2,
+              tier_tenants=8, tier_prefix_len=64,
               cow_prompt=40, cow_out=4, pressure_requests=3, pressure_out_range=(20, 28), pressure_prompt_median=16,
               fused_compile=False, fused_rounds=1, gguf_rows=(1, 4), gguf_batches=(1,), int8_rows=(1, 4), int8_batches=(1,), panel_rows=(1, 8),
               panel_batches=(4,), spec_batches=(2,), spec_min_requests=2, spec_out=12, spec_kv_cache_memory="128MiB")
@@ -231,8 +237,8 @@ def print_gguf_blocks(g):
 
 
 def print_int8(d):
-    """quantization="int8" (csrc linear_int8) vs the float32 panels and the GGUF's blocks, per pass and per decode step."""
-    title = 'Hot path: linear layers, quantization="int8" vs float32 panels and GGUF blocks (bench_hot.py)'
+    """quantization="int8" (csrc linear_int8) vs float32 and the GGUF's blocks, per pass and per decode step."""
+    title = 'Hot path: linear layers, quantization="int8" vs float32 and GGUF blocks (bench_hot.py)'
     if "skipped" in d:
         section_header(title, [f"skipped: {d['skipped']}"])
         return
@@ -244,7 +250,7 @@ def print_int8(d):
             for r, v in d["per_pass"].items()]
     rows += [[f"decode step, batch {b} (ms)", v["int8_ms"], v["float32_ms"], "-", v["float32_ms"] / v["int8_ms"]]
              for b, v in d["step"].items()]
-    print(md_table(["measurement", "int8", "float32 panels", "GGUF blocks", "float32 / int8"], rows))
+    print(md_table(["measurement", "int8", "float32 (panels or oneDNN)", "GGUF blocks", "float32 / int8"], rows))
 
 
 def print_panels(p):
@@ -288,16 +294,25 @@ def cpu_flags_path():
             else "AVX2 only" if "avx2" in flags else "no AVX2")
 
 
-def machine_info():
-    """(the run's header: date, machine, CPU model and flags, commit, dtype; the machine table bench.py prints)."""
-    engine = make_engine(kv_cache_memory="16MiB")
+MODEL_FREE = {"gpu_decode"}    # sections on random weights of their own: the embedded model is never read
+
+
+def machine_info(sections):
+    """(the run's header: date, machine, CPU model and flags, commit, dtype; the machine table bench.py prints).
+    An engine on the embedded model tells the dtype, linear layers and backend it runs, built only when a
+    section needs that model; otherwise they come from what Engine would resolve on this device."""
+    engine = make_engine(kv_cache_memory="16MiB") if set(sections) - MODEL_FREE else None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    dtype = str(getattr(engine, "dtype", model_dtype(engine))).removeprefix("torch.")
+    dtype_ = engine.dtype if engine else resolve_dtype("auto", bench_device())[0]
+    dtype = str(dtype_).removeprefix("torch.")
     h = report.run_header(gpu, dtype)
     info = {"date": h["date"], "machine": h["machine"], "commit": h["commit"] + (" (uncommitted changes)" if h["dirty"] else ""),
             "cpu": h["cpu_model"] or platform.processor(), "cores": h["cores"], "gpu": gpu, "cpu flags": " ".join(h["cpu_flags"]),
             "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": dtype,
-            "linear layers": f"{cpu_linear_path(engine.dtype)}; {engine.model.gguf_log}", "attention backend": engine.attention_backend, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
+            "linear layers": f"{cpu_linear_path(dtype_)}; "
+                             + (engine.model.gguf_log if engine else "model not loaded (no section of this run reads it)"),
+            "attention backend": engine.attention_backend if engine else resolve_backend("auto", bench_device().type),
+            "torch": torch.__version__, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "vLLM": bench_peers.vllm_unavailable() or os.environ["VLLM_PYTHON"],
             "load avg at start": os.getloadavg()[0]}
     return h, info
@@ -325,9 +340,9 @@ def targets(results):
     if p and "gguf" in p["nanoserve"]:
         q, lc = p["nanoserve"]["gguf"], p.get("llamacpp", {})
         rows.append(('quantization="gguf" batch-1 decode >= 1.5x llama.cpp batch 1 (tok/s)',
-                     lc.get("skipped") or q["batch1_decode_tok_s"] / lc["batch1_decode_tok_s"], 1.5))
+                     q.get("skipped") or lc.get("skipped") or q["batch1_decode_tok_s"] / lc["batch1_decode_tok_s"], 1.5))
         rows.append(('quantization="gguf" peers workload >= 1.3x nanoserve default (useful tok/s)',
-                     q["useful_tok_s"] / p["nanoserve"]["default"]["useful_tok_s"], 1.3))
+                     q.get("skipped") or q["useful_tok_s"] / p["nanoserve"]["default"]["useful_tok_s"], 1.3))
     if r:
         big = str(max(int(b) for b in r["decode"]))
         rows.append((f"decode step at batch {big} >= 50% of the {r['dtype']} matmul roofline",
@@ -360,6 +375,14 @@ def targets(results):
         rows.append(("scaleout: cache_aware >= 1.3x round_robin's out tok/s", so["ratios"]["throughput"], 1.3))
         rows.append(("scaleout: disaggregated 1:1 TPOT p99 <= 0.6x colocated (colocated / 1:1 >= 1/0.6)",
                      1 / so["ratios"]["tpot_p99"], 1 / 0.6))
+    t = results.get("tiers")
+    if t:
+        q = t["ratios"]
+        rows.append(("tiers: prefix-hit rate with the host tier >= 0.8", q["hit_rate_host"], 0.8))
+        rows.append(("tiers: TTFT p50 >= 2x better with the host tier (off / host)", q["ttft_p50_off_over_host"], 2.0))
+        rows.append(("tiers: first request after a restart on disk, TTFT p50 >= 3x better than cold",
+                     q["first_ttft_p50_cold_over_disk_restart"], 3.0))
+        rows.append(("tiers: no reuse, out tok/s with the host tier >= 0.97x without", q["no_reuse_tok_s_host_over_off"], 0.97))
     notes = []
     if p and r and "lm_head_params" in r:
         # the most any engine could give on these requests here: every matmul FLOP at the best rate measured
@@ -371,7 +394,8 @@ def targets(results):
         best = p["vllm"].get(p["vllm"].get("best_dtype", ""), {})
         if "useful_tok_s" in best:
             notes[-1] += f" Twice vLLM's best here is {2 * best['useful_tok_s']:.0f} tok/s."
-    if p and r and "gguf" in p["nanoserve"] and "batch1_decode_tok_s" in p.get("llamacpp", {}) and "1" in r["decode"]:
+    if p and r and "batch1_decode_tok_s" in p["nanoserve"].get("gguf", {}) and "batch1_decode_tok_s" in p.get("llamacpp", {}) \
+            and "1" in r["decode"]:
         notes.append(gguf_batch1_ceiling(r, p))
     i8 = results.get("int8", {}).get("per_pass")
     if i8:                                   # the batched steps are bound by arithmetic: the kernels' own ratio caps them
@@ -380,7 +404,7 @@ def targets(results):
         quant = {k[:-3]: t for k, t in v.items() if k != "float32_ms"}
         notes.append(f"Batched ceiling of the integer paths here: one pass over the linear layers at {big} rows takes "
                      + ", ".join(f"{t:.0f} ms in {k}" for k, t in quant.items())
-                     + f" against {v['float32_ms']:.0f} ms on float32 panels (hot section), so a quantized engine's "
+                     + f" against {v['float32_ms']:.0f} ms on float32 layers (hot section), so a quantized engine's "
                      f"batched steps gain at most {v['float32_ms'] / min(quant.values()):.2f}x there.")
     section_header("Targets (measured in this run)", notes)
     print(md_table(["target", "measured", "needed", "result"],
@@ -411,7 +435,7 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "latency": bench_online.bench_latency, "chunked_prefill": bench_online.bench_chunked_prefill,
                "http": bench_online.bench_http, "peers": bench_peers.bench_peers,
                "roofline": bench_hardware.bench_roofline, "kernel": bench_hardware.bench_kernel,
-               "prefix": bench_batching.bench_prefix, "copy_on_write": bench_batching.bench_copy_on_write,
+               "prefix": bench_batching.bench_prefix, "tiers": bench_tiers.bench_tiers, "copy_on_write": bench_batching.bench_copy_on_write,
                "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
                "gpu_decode": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
                "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative,
@@ -474,7 +498,7 @@ def run(args, sz, command):
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    header, info = machine_info()
+    header, info = machine_info(args.sections or SECTIONS)
     results = header | {"sizes": asdict(sz), "sections": args.sections or SECTIONS,
                         "command": command, "machine_table": info, "section_seconds": {}}
     print("# nanoserve benchmark" + ("" if sz.name == "default" else f" (--{sz.name})"))

@@ -43,9 +43,10 @@ class EngineBuilder:
         return Scheduler(config, blocks)
 
     def speculator(self, config, dtype: torch.dtype, device: torch.device, attention_backend: str, blocks,
-                   vocab_size: int, max_model_len: int):
+                   vocab_size: int, max_model_len: int, bounds):
         """speculative_config's Speculator (spec_decode.py), with a draft model on a pool of as many blocks
-        as ours for method "draft_model"; None without speculative decoding."""
+        as ours for method "draft_model" (its runner sized by the scheduler's step bounds); None without
+        speculative decoding."""
         spec = config.speculative_config
         if spec is None:
             return None
@@ -54,7 +55,8 @@ class EngineBuilder:
         if spec.method == "draft_model":
             from draft_model import DraftModelProposer
             draft = DraftModelProposer(spec.model, dtype, device, attention_backend, blocks.num_blocks,
-                                       config.block_size, vocab_size, config.enforce_eager)
+                                       config.block_size, vocab_size, bounds, max_model_len,
+                                       config.enforce_eager)
         return Speculator(spec, max_model_len, draft)
 
     def shutdown(self):

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import kv_offload
 import paged_attention
 from builder import EngineBuilder
 from cpu_linear import cpu_linear_path
@@ -62,6 +63,11 @@ class EngineConfig(SchedulerConfig):
     kv_cache_dtype: str = "auto"        # auto = the model dtype
     enable_prefix_caching: bool = True
     swap_space: int | str = 0           # bytes of host memory for swapped-out blocks
+    # the prefix cache's tiers below the device (kv_offload.py): evicted blocks go to host memory,
+    # and from there to files under kv_offload_dir, and come back on a hit
+    kv_offload_memory: int | str = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | str = 0
     attention_backend: str = "auto"     # auto | cpu | cuda | torch
     enforce_eager: bool = False         # no CUDA graphs: every decode step runs eagerly (vLLM's name)
     num_threads: int | None = None      # default: all cores (under tensor parallelism: shared by the ranks)
@@ -141,6 +147,7 @@ class EngineStats:
     spec_decode_emitted_tokens_last_step: int = 0
     spec_decode_num_steps_off: int = 0          # steps speculation sat out: a verify step there did not pay
     spec_decode_step_gain: float = 0.0          # measured speculative / plain tokens per second, last decision
+    kv_offload: dict = field(default_factory=dict)   # per tier: hits, bytes, seconds, evictions (kv_offload.py)
 
 
 @dataclass(frozen=True)
@@ -253,14 +260,15 @@ class Engine:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = set(mc.eos_token_id) | {self.tokenizer.eos_token_id} - {None}
         self._init_kv_cache(dtype)
+        self.scheduler = self.builder.scheduler(config, self.blocks)
+        bounds = self.scheduler.step_bounds()     # the runner's buffers hold any step this scheduler makes
         runner_args = (self.model, self.kv_pool, config.block_size, self.device, self.attention_backend,
-                       config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.enforce_eager)
+                       bounds.max_rows, bounds.max_tokens, self.max_model_len, config.enforce_eager)
         spec_k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         self.runner = self.builder.runner(*runner_args, num_speculative_tokens=spec_k)
         self.runner.capture_graphs()       # decode (and verify) steps at every batch-size bucket (CUDA backend only)
-        self.scheduler = self.builder.scheduler(config, self.blocks)
         self.speculator = self.builder.speculator(config, dtype, self.device, self.attention_backend, self.blocks,
-                                                  self.model_config.vocab_size, self.max_model_len)
+                                                  self.model_config.vocab_size, self.max_model_len, bounds)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
@@ -289,6 +297,8 @@ class Engine:
         self.kv_pool = self.builder.kv_pool(mc.num_hidden_layers, num_blocks, c.block_size, mc.num_key_value_heads,
                                             mc.head_dim, kv_dtype, self.device, num_host_blocks)
         self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, num_host_blocks)
+        model_id = f"{os.path.basename(os.path.normpath(str(self.model_dir)))} {c.quantization} {self.model_config}"
+        self.offload = kv_offload.build(c, self.kv_pool, self.blocks, model_id, kv_dtype, c.tensor_parallel_size > 1)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
 
@@ -374,6 +384,8 @@ class Engine:
         with self.phase_times.phase("schedule"):
             batch = self.scheduler.schedule()
             self.last_step = self.scheduler.step_counts(batch)
+            if self.offload is not None:
+                self.offload.step_done(batch.block_ops)
         return batch
 
     def run_model(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, "PromptLogprobRows"]:
@@ -384,8 +396,9 @@ class Engine:
         if not batch.seqs:
             self.kv_pool.run(batch.block_ops)
             return None, prompt_rows
-        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: an extra forward
-            self.record_prompt_logprobs(self.runner.forward_cached(seq, lo, hi), [(seq.request, lo, hi)])
+        for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: extra forwards
+            for a, b, logits in self.runner.forward_cached(seq, lo, hi):   # in chunks the runner's buffers hold
+                self.record_prompt_logprobs(logits, [(seq.request, a, b)])
         with self.phase_times.phase("prepare"):
             inputs = self.runner.prepare(batch, prompt_rows.rows)
         with self.phase_times.phase("forward"):
@@ -600,7 +613,8 @@ class Engine:
             prompt_tokens_total=self.num_prompt_tokens, generation_tokens_total=self.num_generation_tokens,
             num_unforked_samples=sum(r.params.n - 1 for r in self.requests.values()
                                      if r.params.n > 1 and r.completions[1].seq is None),
-            **self.last_step, **(self.speculator.engine_stats() if self.speculator else {}))
+            **self.last_step, **(self.speculator.engine_stats() if self.speculator else {}),
+            kv_offload=self.offload.stats() if self.offload is not None else {})
 
 
 @functools.cache

@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import itertools
 import math
+import os
 import re
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ class KVCachePool:
             pool, self.pages = zeros_on_huge_pages((num_layers, 2) + shape, dtype)
         else:
             pool, self.pages = torch.zeros((num_layers, 2) + shape, dtype=dtype, device=device), "device memory"
+        self.pool = pool                                 # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         # per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(num_layers)]
         host_shape = (num_host_blocks,) + shape[1:]
@@ -133,6 +135,9 @@ class KVCachePool:
         device, host = self.kv_caches, self.host_caches or self.kv_caches
         for kind, group in itertools.groupby(ops, key=type):
             group = list(group)
+            if hasattr(kind, "run_all"):             # a wing's op (kv_offload.Restore) brings its own copy
+                kind.run_all(self, group)
+                continue
             src = torch.tensor([op.src for op in group])
             dst = torch.tensor([op.dst for op in group])
             for (dk, dv), (hk, hv) in zip(device, host):
@@ -186,11 +191,17 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.cached_hash = [None] * num_blocks        # hash of a full, registered block
         # What a registered block holds, checked on every hit so that a hash collision can never hand
-        # out another request's KV: (parent's registration id, its tokens, cache_salt). Registration ids
-        # are never reused, so a child whose parent block was evicted and refilled no longer matches.
+        # out another request's KV: (parent's registration id, its tokens, cache_salt). A registration id
+        # names one content for ever, so a child whose parent block was evicted and refilled no longer
+        # matches. Ids start at a random 64-bit offset, so engines sharing an offload directory never
+        # reuse one another's (a block restored from a tier takes back the id it left with).
         self.cached_content = [None] * num_blocks
         self.registration_id = [None] * num_blocks
-        self.registrations = itertools.count()
+        self.registrations = itertools.count(int.from_bytes(os.urandom(8), "little") << 64)
+        # kv_offload.Offloader, when the prefix cache has tiers below the device: evicted blocks go
+        # there, prefix lookups continue there, and restores come back as block ops (pending_ops)
+        self.offload = None
+        self.pending_ops: list = []
         self.hash_to_block = {}                       # prefix cache: hash -> block id
         self.evictable = OrderedDict()                # refcount-0 cached blocks, least recently used first
         self.num_host_blocks = num_host_blocks
@@ -220,6 +231,9 @@ class BlockManager:
             block, _ = self.evictable.popitem(last=False)
             self.num_evictions += 1
             self.evicted_hashes.append(self.cached_hash[block])
+            if self.offload is not None:
+                parent, tokens, salt = self.cached_content[block]
+                self.offload.evicted(block, self.cached_hash[block], self.registration_id[block], parent, tokens, salt)
             del self.hash_to_block[self.cached_hash[block]]
             self.cached_hash[block] = self.cached_content[block] = self.registration_id[block] = None
         self.ref_counts[block] = 1
@@ -249,8 +263,9 @@ class BlockManager:
 
     def allocate_slots(self, seq, num_new_tokens: int) -> list[BlockOp]:
         """Grow seq's block table (one block at a time, as tokens arrive) to hold num_new_tokens more.
-        Returns the copy-on-write op, if the block written next was shared."""
-        ops = []
+        Returns the copy-on-write op, if the block written next was shared, after any restore from a
+        tier that take_cached_prefix left pending."""
+        ops, self.pending_ops = self.pending_ops, []
         if self._needs_copy(seq):
             i = seq.num_computed_tokens // self.block_size
             old = seq.block_table[i]
@@ -294,14 +309,17 @@ class BlockManager:
         """Disaggregation's import: blocks for all of seq's tokens, whose KV another core computed: the
         cached prefix first, fresh blocks for the rest. -> the number of leading blocks the cache already
         holds (the others are to be received), or None, holding nothing, when the pool cannot take them."""
-        hits = self.take_cached_prefix(seq) // self.block_size
-        rest = len(seq.token_ids) - seq.num_computed_tokens
-        if not self.can_allocate(seq, rest):
-            self.free(seq)
-            seq.num_computed_tokens = 0
+        if self.admission_cost(seq, len(seq.token_ids) - self.num_cached_tokens(seq)) > self.num_free_blocks():
             return None
-        self.allocate_slots(seq, rest)
+        hits = self.take_cached_prefix(seq) // self.block_size
+        # a prefix restored from an offload tier comes as a block op: the importer runs take_pending_ops()
+        self.pending_ops = self.allocate_slots(seq, len(seq.token_ids) - seq.num_computed_tokens)
         return hits
+
+    def take_pending_ops(self) -> list[BlockOp]:
+        """Block ops issued outside a step (allocate_for_import's restores), to run now."""
+        ops, self.pending_ops = self.pending_ops, []
+        return ops
 
     def finish_import(self, seq):
         """The imported KV arrived: all of seq's tokens are computed, and its full blocks join the cache."""
@@ -320,7 +338,8 @@ class BlockManager:
     def num_cached_tokens(self, seq) -> int:
         """How much of seq's prefix the cache holds; at least one token is always left to compute,
         because the last one's logits are needed to sample."""
-        return len(self._cached_prefix_blocks(seq)) * self.block_size
+        hits = self._cached_prefix_blocks(seq)
+        return (len(hits) + len(self._tier_hits(seq, hits))) * self.block_size
 
     def _cached_prefix_blocks(self, seq) -> list[int]:
         """The cached blocks that hold seq's prefix: found by hash, accepted only if their tokens, salt
@@ -340,27 +359,61 @@ class BlockManager:
             parent = self.registration_id[block]
         return blocks
 
+    def _tier_hits(self, seq, hits: list[int]) -> list:
+        """The offload tiers' entries that continue the device hits along seq's prefix."""
+        if self.offload is None:
+            return []
+        parent = self.registration_id[hits[-1]] if hits else None
+        return self.offload.lookup(seq.block_hashes, len(hits), parent, seq.token_ids, cache_salt_of(seq),
+                                   self.block_size, (len(seq.token_ids) - 1) // self.block_size)
+
     def admission_cost(self, seq, num_new_tokens: int) -> int:
         """Free blocks consumed to admit seq and compute num_new_tokens after its cached prefix.
-        Reviving an evictable cached block takes it off the free count too."""
+        Reviving an evictable cached block takes it off the free count too; a block restored from a
+        tier takes a fresh one."""
         hits = self._cached_prefix_blocks(seq)
+        restored = len(self._tier_hits(seq, hits))
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
-        return self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits) + revived
+        return self.blocks_needed((len(hits) + restored) * self.block_size + num_new_tokens) - len(hits) + revived
 
     def take_cached_prefix(self, seq) -> int:
         """On admission: take every cached block that matches seq's prefix and skip its prefill."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         hits = self._cached_prefix_blocks(seq)
-        num_tokens = len(hits) * self.block_size
+        entries = self._tier_hits(seq, hits)
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
+        if entries:
+            self._restore(seq, entries)
+        num_tokens = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = num_tokens
         self.prefix_queries += len(seq.token_ids)
         self.prefix_hits += num_tokens
         return num_tokens
+
+    def _restore(self, seq, entries):
+        """Fresh device blocks for the tier entries that continue seq's prefix, registered under the
+        ids they left with; their KV arrives by a Restore op that the next allocate_slots returns.
+        An entry whose KV cannot be read (a bad file) ends the restore there: the rest is computed."""
+        data = self.offload.fetch(entries)               # [k, L, 2, block_size, kv_heads, head_dim], k <= len
+        bs, salt, register, restored = self.block_size, cache_salt_of(seq), True, []
+        parent = self.registration_id[seq.block_table[-1]] if seq.block_table else None
+        for entry in entries[:len(data)]:
+            block = self._take_block()
+            i = len(seq.block_table)
+            register = register and seq.block_hashes[i] not in self.hash_to_block
+            if register:                                 # as cache_full_blocks would, under the entry's id
+                self.cached_hash[block], self.hash_to_block[seq.block_hashes[i]] = seq.block_hashes[i], block
+                self.cached_content[block] = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), salt)
+                self.registration_id[block] = entry.uid
+            parent = entry.uid
+            seq.block_table.append(block)
+            restored.append(block)
+        if restored:
+            self.pending_ops.append(self.offload.restore_op(data, restored))
 
     def cache_full_blocks(self, seq):
         """After a step: register seq's newly computed full blocks so later requests can share them.
@@ -442,3 +495,6 @@ class BlockManager:
         host_used = sum(len(s.host_block_table) for s in seqs)
         assert host_used + len(self.free_host_blocks) == self.num_host_blocks, "host blocks leaked"
         assert len(set(self.free_host_blocks)) == len(self.free_host_blocks)
+        assert not self.pending_ops, "a restore was never handed to the engine"
+        if self.offload is not None:
+            self.offload.check_invariants()

@@ -43,14 +43,15 @@ def launch_client(config: EngineConfig, args: argparse.Namespace):
     return EngineClient.in_process(config, args.grammar_compile_timeout)   # builds the engine there
 
 
-def run_tensor_parallel_worker() -> bool:
-    """torchrun's ranks other than 0 serve no HTTP: each runs scale-out's worker loop. -> whether this was one."""
+def run_tensor_parallel_worker(device: str = "auto") -> bool:
+    """torchrun's ranks other than 0 serve no HTTP: each runs scale-out's worker loop on serve.py's --device
+    (rank 0's). -> whether this was one."""
     if int(os.environ.get("RANK", "0")) == 0:
         return False
     from scaleout import parallel
     if not parallel.launched_by_torchrun():
         return False
-    parallel.run_worker()
+    parallel.run_worker(device)
     return True
 
 

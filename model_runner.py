@@ -5,11 +5,14 @@ It packs the scheduled tokens of every row into flat host arrays, with no paddin
 input ids, positions, and the AttentionMetadata every layer reads (slot mapping, block tables,
 context lengths, query offsets). It checks them once, plans the CUDA kernels' launch on the host
 (paged_attention.plan_cuda_launch), and uploads them all into persistent device buffers with one
-copy (non_blocking, from pinned memory, on a GPU), so the forward reads nothing back. Decode-only
-steps on a GPU replay a CUDA graph captured at the smallest batch-size bucket that fits, padding
-rows with slot -1 and context 0; prefill and mixed steps, and everything on a CPU, run eagerly on
-the same buffers. Then the model runs, with logits only for the rows that need them (the rows
-that sample, plus any prompt-logprob rows the engine names). Owns the step's device inputs, the
+copy (non_blocking, from pinned memory, on a GPU), so the forward reads nothing back. The buffers
+are sized once, from the most rows and tokens any step of the engine's scheduler can hold
+(Scheduler.step_bounds); a step past them (none the engine's scheduler makes) runs eagerly on
+one-off buffers, and the persistent buffers and graphs stay. Decode-only steps on a GPU (static
+batching's scratch rows included) replay a CUDA graph captured at the smallest batch-size bucket
+that fits, padding rows with slot -1 and context 0; prefill and mixed steps, and everything on a
+CPU, run eagerly on the same buffers. Then the model runs, with logits only for the rows that need
+them (the rows that sample, plus any prompt-logprob rows the engine names). Owns the step's device inputs, the
 graphs and the KV pool's tensors; does not decide what runs (scheduler.py), pick blocks
 (kv_cache.py) or sample (sampler.py).
 """
@@ -89,6 +92,9 @@ class InputBuffers:
     def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.width
 
+    def fits_host(self, host: "HostBatch") -> bool:
+        return self.fits(len(host.input_ids), *host.block_tables.shape)
+
     def reuse_staging(self):
         """Before a step writes the pinned twin: wait for the copy that last read it."""
         if self.uploaded is not None:
@@ -128,6 +134,8 @@ class ModelRunner:
     def __init__(self, model, kv_pool: KVCachePool, block_size: int, device: torch.device, attention_backend: str,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048,
                  enforce_eager: bool = False, num_speculative_tokens: int = 0):
+        """max_num_seqs, max_num_batched_tokens: the most rows and tokens of any step this runner gets
+        (the engine passes its scheduler's step_bounds: 2B - 1 rows for static batching)."""
         self.model, self.kv_pool, self.block_size = model, kv_pool, block_size
         self.device, self.attention_backend = device, attention_backend
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -145,6 +153,7 @@ class ModelRunner:
         self.verify_graphs: dict[int, CapturedStep] = {}   # rows -> a verify step of rows x verify_width tokens
         self.graph_pool = None
         self.graph_pool_bytes = 0
+        self.warned_oversize = False
 
     # ------------------------------------------------------------------ host side
     def build(self, batch: ScheduledBatch, extra_rows=()) -> HostBatch:
@@ -201,9 +210,10 @@ class ModelRunner:
     def bucket(self, batch: ScheduledBatch, host: HostBatch) -> int | None:
         """The captured batch size this step replays, or None (eager): decode-only steps whose rows
         each get one row of logits."""
-        n = len(batch.seqs)
-        if not self.graphs or n > self.max_num_seqs or any(q != 1 for q in host.q_lens) \
-                or len(host.logits_rows) != n or not np.array_equal(host.logits_rows, np.arange(n)):
+        n, num_logits = len(batch.seqs), len(host.logits_rows)
+        # the leading rows sample; trailing scratch rows (static batching's) are computed and never read
+        if not self.graphs or n > max(self.graphs) or any(q != 1 for q in host.q_lens) or num_logits > n \
+                or not np.array_equal(host.logits_rows, np.arange(num_logits)) or not self.buffers.fits_host(host):
             return None
         return min(b for b in self.graphs if b >= n)
 
@@ -273,19 +283,23 @@ class ModelRunner:
         if bucket is not None:
             host = self.pad(host, bucket)
         elif (bucket := self.verify_bucket(batch, host)) is not None:
-            host, graphs = self.pad_verify(host, bucket, self.verify_width), self.verify_graphs
+            padded = self.pad_verify(host, bucket, self.verify_width)
+            if self.buffers.fits_host(padded):                   # else eager, on one-off buffers
+                host, graphs = padded, self.verify_graphs
+            else:
+                bucket = None
         inputs = self.upload(host, max_parts=self.graph_max_parts(bucket) if graphs is self.graphs and bucket else None)
         inputs.num_logits = num_logits
         inputs.graph = graphs.get(bucket)
         return inputs
 
     def upload(self, host: HostBatch, max_parts: int | None = None) -> StepInputs:
-        """One copy per buffer; the CUDA plan from the host arrays (a fixed grid when max_parts is given)."""
+        """One copy per buffer; the CUDA plan from the host arrays (a fixed grid when max_parts is given).
+        A step past the buffers' bounds gets one-off buffers of its own size, and runs eagerly."""
         b = self.buffers
         rows, width = host.block_tables.shape
-        if not b.fits(len(host.input_ids), rows, width) or 2 + 2 * len(host.input_ids) > len(b.dev["plan"]):
-            self.grow(len(host.input_ids), rows, width)
-            b = self.buffers
+        if not b.fits_host(host):
+            b = self.one_off_buffers(len(host.input_ids), rows, width)
         b.reuse_staging()
         tables = np.zeros((rows, b.width), dtype=np.int32)             # the buffer's full width: one copy
         tables[:, :width] = host.block_tables
@@ -305,17 +319,16 @@ class ModelRunner:
         b.flush()
         return inputs
 
-    def grow(self, num_tokens: int, num_seqs: int, width: int):
-        """Buffers too small for this step (a context past max_model_len, more rows than max_num_seqs):
-        new, larger ones. The captured graphs read the old ones, so they go (and say so once)."""
-        if self.graphs or self.verify_graphs:
-            print("nanoserve: a step outgrew the input buffers; CUDA graphs dropped (eager from now on)",
-                  file=sys.stderr, flush=True)
-            self.graphs.clear()
-            self.verify_graphs.clear()
-        b = self.buffers
-        self.buffers = InputBuffers(max(num_tokens, b.max_tokens), max(num_seqs, b.max_seqs), max(width, b.width),
-                                    self.device)
+    def one_off_buffers(self, num_tokens: int, num_seqs: int, width: int) -> InputBuffers:
+        """Buffers for one step past the declared bounds (a caller that sized this runner too small):
+        self.buffers and the graphs that read them stay as they are. Said once, with the sizes."""
+        if not self.warned_oversize:
+            self.warned_oversize = True
+            b = self.buffers
+            print(f"nanoserve: a step of {num_tokens} tokens, {num_seqs} rows, {width} blocks a row exceeds the "
+                  f"model runner's bounds ({b.max_tokens}, {b.max_seqs}, {b.width}): it runs eagerly on one-off "
+                  f"buffers (graphs kept)", file=sys.stderr, flush=True)
+        return InputBuffers(num_tokens, num_seqs, width, self.device)
 
     # ------------------------------------------------------------------ forward
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -325,16 +338,19 @@ class ModelRunner:
             return inputs.graph.logits[:inputs.num_logits]
         return self.model(inputs.input_ids, inputs.positions, self.kv_pool.kv_caches, inputs.meta, inputs.logits_rows)
 
-    def forward_cached(self, seq: Sequence, lo: int, hi: int) -> torch.Tensor:
-        """Logits [hi - lo, vocab] at positions [lo, hi) of seq, whose K/V already sit in its cached
-        blocks: one extra forward that reads the cache and writes nothing (slot -1)."""
-        q = hi - lo
-        host = HostBatch(np.asarray(seq.token_ids[lo:hi], dtype=np.int64), np.arange(lo, hi, dtype=np.int64),
-                         np.full(q, -1, dtype=np.int64), np.asarray([seq.block_table], dtype=np.int32),
-                         np.asarray([hi], dtype=np.int32), np.asarray([0, q], dtype=np.int32),
-                         np.arange(q, dtype=np.int64), [q])
-        self.check_batch(host)
-        return self.forward(self.upload(host))
+    def forward_cached(self, seq: Sequence, lo: int, hi: int):
+        """Yields (a, b, logits [b - a, vocab]) for positions [lo, hi) of seq, whose K/V already sit in
+        its cached blocks, in chunks of at most the buffers' tokens: extra forwards that read the cache
+        and write nothing (slot -1)."""
+        for a in range(lo, hi, self.buffers.max_tokens):
+            b = min(a + self.buffers.max_tokens, hi)
+            q = b - a
+            host = HostBatch(np.asarray(seq.token_ids[a:b], dtype=np.int64), np.arange(a, b, dtype=np.int64),
+                             np.full(q, -1, dtype=np.int64), np.asarray([seq.block_table], dtype=np.int32),
+                             np.asarray([b], dtype=np.int32), np.asarray([0, q], dtype=np.int32),
+                             np.arange(q, dtype=np.int64), [q])
+            self.check_batch(host)
+            yield a, b, self.forward(self.upload(host))
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_max_parts(self, bucket: int) -> int:

@@ -71,6 +71,14 @@ class ScheduledBatch:
         return len(self.seqs) - self.num_scratch_rows
 
 
+@dataclass(frozen=True)
+class StepBounds:
+    """The most rows and tokens any step of a scheduler can hold: the model runner sizes its persistent
+    buffers and CUDA graph buckets from these once, so no step outgrows them."""
+    max_rows: int
+    max_tokens: int
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
         self.config, self.blocks = config, blocks
@@ -104,6 +112,11 @@ class Scheduler:
         self.blocks.fork(parent, child)
         child.status = Status.RUNNING
         self.running.append(child)
+
+    def step_bounds(self) -> StepBounds:
+        """Rows: only running sequences run, and admission, swap-in and fork stop at max_num_seqs. Tokens:
+        every row's tokens, drafts included (_fit_drafts), come out of the max_num_batched_tokens budget."""
+        return StepBounds(self.config.max_num_seqs, self.config.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledBatch:

@@ -244,6 +244,7 @@ def render_metrics(server: OpenAIServer) -> str:
     for name, kind, help_text, value in series:
         lines += [f"# HELP nanoserve:{name} {help_text}", f"# TYPE nanoserve:{name} {kind}",
                   f"nanoserve:{name}{{{labels}}} {value}"]
+    lines += kv_offload_lines(stats.kv_offload, labels)
     lines += ["# HELP nanoserve:finished_sequences_total Finished choices (n per request) by finish_reason.",
               "# TYPE nanoserve:finished_sequences_total counter"]
     lines += [f'nanoserve:finished_sequences_total{{{labels},finished_reason="{reason}"}} {count}'
@@ -252,6 +253,28 @@ def render_metrics(server: OpenAIServer) -> str:
         lines += histogram.render(labels)
     lines += client.metrics_lines(labels)             # a data-parallel client's per-core series; else none
     return "\n".join(lines) + "\n"
+
+
+def kv_offload_lines(tiers: dict, labels: str) -> list[str]:
+    """The prefix cache's offload tiers (kv_offload.py), one series per figure with a tier label."""
+    if not tiers:
+        return []
+    lines = []
+    for name, help_text in [("hits", "Blocks restored to the device from the tier."),
+                            ("bytes_read", "Bytes read from the tier."), ("bytes_written", "Bytes written to the tier."),
+                            ("read_s", "Seconds spent reading the tier."), ("write_s", "Seconds spent writing the tier."),
+                            ("evictions", "Blocks the tier dropped (host: moved on to disk when there is one)."),
+                            ("errors", "Files skipped and failed reads or writes."), ("blocks", "Blocks the tier holds.")]:
+        metric = f"kv_offload_{name.removesuffix('_s')}" + ("_seconds" if name.endswith("_s") else "") + \
+            ("" if name == "blocks" else "_total")
+        kind = "gauge" if name == "blocks" else "counter"
+        lines += [f"# HELP nanoserve:{metric} {help_text}", f"# TYPE nanoserve:{metric} {kind}"]
+        lines += [f'nanoserve:{metric}{{{labels},tier="{tier}"}} {t[name]}' for tier, t in tiers.items()
+                  if isinstance(t, dict)]
+    lines += ["# HELP nanoserve:kv_offload_restored_blocks_last_step Blocks brought back to the device in the last step.",
+              "# TYPE nanoserve:kv_offload_restored_blocks_last_step gauge",
+              f"nanoserve:kv_offload_restored_blocks_last_step{{{labels}}} {tiers['restored_blocks_last_step']}"]
+    return lines
 
 
 # ----------------------------------------------------------------------------- app and CLI
@@ -356,6 +379,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preemption-mode", help=f"recompute or swap (default {default.preemption_mode})")
     p.add_argument("--swap-space",
                    help=f"host memory for --preemption-mode swap, bytes or e.g. 1GiB (default {default.swap_space})")
+    p.add_argument("--kv-offload-memory",
+                   help="host memory that keeps evicted prefix-cache blocks, bytes or e.g. 4GiB (default: none)")
+    p.add_argument("--kv-offload-dir", help="a directory for evicted blocks below host memory; survives restarts")
+    p.add_argument("--kv-offload-disk", help="the disk budget in --kv-offload-dir, e.g. 20GiB")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks that split each layer; under torchrun, its number of processes (default 1)")
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -438,7 +465,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Only flags the user gave override EngineConfig, so the engine's defaults stay the single source."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     given = {name: value for name, value in vars(args).items() if name in fields and value is not None}
-    for name in ("kv_cache_memory", "swap_space"):  # "1073741824" means bytes; "1GiB" stays a string
+    for name in ("kv_cache_memory", "swap_space", "kv_offload_memory", "kv_offload_disk"):  # "1073741824" means bytes; "1GiB" stays a string
         if isinstance(given.get(name), str) and given[name].isdigit():
             given[name] = int(given[name])
     return EngineConfig(**given)
@@ -530,7 +557,7 @@ async def wait_until(done, timeout: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if launcher.run_tensor_parallel_worker():       # torchrun's other ranks: only rank 0 serves HTTP
+    if launcher.run_tensor_parallel_worker(args.device or "auto"):   # torchrun's other ranks: only rank 0 serves HTTP
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.headless:

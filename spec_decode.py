@@ -386,6 +386,8 @@ class Speculator:
         rows, limits = [], []
         for c in completions:
             seq = c.seq
+            if seq.num_uncomputed != 1:          # not decoding: an n > 1 fork queued for a slot (Scheduler.fork)
+                continue
             tracker = self.trackers.setdefault(seq.seq_id, AcceptanceTracker())
             limit = draft_budget(tracker.num_drafts(self.config.num_speculative_tokens, self.config.min_acceptance_rate),
                                  seq.num_output_tokens, seq.max_tokens, len(seq.token_ids), self.max_model_len)

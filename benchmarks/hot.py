@@ -254,11 +254,15 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 5, 8, 16), batches=(1, 4), engine=None
 
 
 def int8_vs_float32(rows=(1, 2, 4, 8, 16, 64), batches=(1, 16), steps=6, repeats=3, rounds=2) -> dict:
-    """quantization="int8" (csrc/linear_cpu.cpp's linear_int8) against the float32 panels and the
-    GGUF's blocks (float32 sums, quantization="gguf"'s kernel) on the same layers: ms of one pass
+    """quantization="int8" (csrc/linear_cpu.cpp's linear_int8) against the float32 engine's kernel (panels
+    or oneDNN) and the GGUF's blocks (float32 sums, quantization="gguf"'s kernel) on the same layers: ms of one pass
     over the 120 linear layers int8 quantizes (lm_head, float32 in both engines, left out) at each
     row count, the three taking turns; then a decode step at each batch, an int8 engine and a
     float32 one taking turns `rounds` times."""
+    from weights import quantization_unavailable
+    why = quantization_unavailable("int8", torch.float32, bench_device().type)
+    if why:                                   # the engine's own refusal, before any engine is built
+        return {"skipped": f"quantization={why} (the engines here run on {bench_device().type})"}
     if not CL._cpu_linear_kernels()[0]:
         return {"skipped": f"csrc/linear_cpu.cpp did not build: {extensions.failed.get('linear_cpu')}"}
     engines = {"int8": _engine(dtype="float32", quantization="int8"), "float32": _engine(dtype="float32")}
@@ -268,7 +272,8 @@ def int8_vs_float32(rows=(1, 2, 4, 8, 16, 64), batches=(1, 16), steps=6, repeats
     packed = [m.packed_weight() for m in layers]
     blocks = [m.gguf_blocks() for m in layers]
     kernels = {"int8": lambda x, i: CL.int8_linear(x, w8[i]),
-               "float32": lambda x, i: torch.ops.nanoserve_linear.linear_panels(x, packed[i], None, False)}
+               "float32": lambda x, i: CL.linear(x, layers[i].weight, None, packed[i])}   # the float32 engine's kernel
+    # (panels on AVX2, oneDNN on its prepacked weight elsewhere: linear_panels refuses a oneDNN-packed weight)
     if all(b is not None for b in blocks):
         kernels["gguf"] = lambda x, i: torch.ops.nanoserve_linear.linear_gguf(x, blocks[i].qs, blocks[i].scales, blocks[i].mins, None)
     per_pass = {}
@@ -297,6 +302,8 @@ def panels_vs_onednn(rows=(1, 8, 64, 256), batches=(16, 64), steps=6, repeats=3,
     dtype auto picks here: ms of one pass over every Linear of the model at each row count (GGUF
     blocks off on both sides), then a decode step at each batch, an engine of each kind taking
     turns `rounds` times."""
+    if bench_device().type != "cpu":          # its engines would run on the GPU, its layers timed on the CPU
+        return {"skipped": f"CPU linear layers: the engines here run on {bench_device().type}"}
     dtype, why = M.resolve_dtype("auto", torch.device("cpu"))
     name = str(dtype).removeprefix("torch.")
     if not CL.panels_available(dtype):

@@ -21,13 +21,32 @@ from benchmarks.harness import greedy, md_table, section_header
 
 
 def make_checkpoint(out_dir: str, layers: int) -> str:
-    import transformers
+    """A random Llama checkpoint in Hugging Face's layout (config.json + model.safetensors, tied embeddings),
+    written directly: the runtime requirements alone build it (transformers is only a test oracle). Weights
+    normal(0, 0.02), norms at 1, as transformers initialises a Llama; their values do not change the time."""
+    import json
+    from safetensors.torch import save_file
     from weights import resolve_model_dir
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                                   num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=2048,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(out_dir, safe_serialization=True)
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+               intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=12, num_key_value_heads=6,
+               max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+               bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * hidden // cfg["num_attention_heads"]            # KV heads x head_dim
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,)}
+    tensors = {name: torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=g) * 0.02
+               for name, shape in shapes.items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
     shutil.copy(os.path.join(resolve_model_dir(None), "gguf_tokenizer.json"), out_dir)   # SmolLM2's tokenizer
     return out_dir
 

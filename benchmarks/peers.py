@@ -199,14 +199,15 @@ def nanoserve_runs(sz, reqs, b1_prompt):
     from benchmarks.harness import greedy, make_engine, model_dtype, run_interleaved, run_timed, warm_up
     engines = {"default": make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
                                       enable_prefix_caching=False)}
-    if model_dtype(engines["default"]) != "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if model_dtype(engines["default"]) != "bfloat16" and engines["default"].device.type == "cpu" \
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         engines["bfloat16"] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
                                           enable_prefix_caching=False, dtype="bfloat16")
-    if engines["default"].device.type == "cpu":   # the GGUF's own blocks, float32 sums on the CPU
-        engines["gguf"] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
-                                      enable_prefix_caching=False, dtype="float32", quantization="gguf")
-        engines["int8"] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
-                                      enable_prefix_caching=False, dtype="float32", quantization="int8")
+    skipped = quantized_rows_skipped()
+    for q in ("gguf", "int8"):                      # the GGUF's own blocks and int8, float32 sums on the CPU
+        if q not in skipped:
+            engines[q] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
+                                     enable_prefix_caching=False, dtype="float32", quantization=q)
     for e in engines.values():
         warm_up(e, sz)
     label = "nanoserve: " + " and ".join(engines) + (", in turn" if len(engines) > 1 else "")
@@ -216,7 +217,18 @@ def nanoserve_runs(sz, reqs, b1_prompt):
         walls = [run_timed(e, [b1_prompt], [greedy(n)], "b1")[1] for n in (sz.b1_tokens, 1)]
         out[name] = {"dtype": model_dtype(e), "useful_tok_s": r["useful_tok_s"], "wall_s": r["wall_s"],
                      "preemptions": r["preemptions"], "batch1_decode_tok_s": batch1_decode_tok_s(*walls, sz.b1_tokens)}
-    return out, engines["default"].model_dir
+    return out | skipped, engines["default"].model_dir
+
+
+def quantized_rows_skipped() -> dict:
+    """{"gguf" | "int8": {"skipped": why}} for the quantized rows the engine would refuse on this machine's
+    device (the engine's own reason, weights.quantization_unavailable), before any engine is built."""
+    import torch
+    from benchmarks.harness import bench_device
+    from weights import quantization_unavailable
+    why = {q: quantization_unavailable(q, torch.float32, bench_device().type) for q in ("gguf", "int8")}
+    return {q: {"skipped": f"quantization={w} (the engines here run on {bench_device().type})"}
+            for q, w in why.items() if w}
 
 
 def vllm_runs(sz, reqs, b1_prompt, model_dir):
@@ -275,7 +287,7 @@ def bench_peers(sz, seed, results):
     lcpp = llamacpp_runs(sz, reqs, embedded_gguf_path(), torch.get_num_threads())
     base = ours["default"]["useful_tok_s"]
     rows = [[f"nanoserve {k} ({v['dtype']})", len(reqs), v["useful_tok_s"], base / v["useful_tok_s"], v["batch1_decode_tok_s"]]
-            for k, v in ours.items()]
+            for k, v in ours.items() if "skipped" not in v]
     rows += [[f"vLLM CPU {d}", len(reqs), v["useful_tok_s"], base / v["useful_tok_s"], v["batch1_decode_tok_s"]]
              for d, v in vllm.items() if isinstance(v, dict) and "skipped" not in v]
     if "skipped" not in lcpp:
@@ -291,6 +303,7 @@ def bench_peers(sz, seed, results):
         + (f" HF skipped: {hf['skipped']}" if "skipped" in hf else "")]
         + ([] if "bfloat16" in ours or ours["default"]["dtype"] == "bfloat16" else
            ["nanoserve bfloat16 not run: oneDNN has no bfloat16 path on this CPU (it would be emulated)."])
+        + [f"nanoserve {k} skipped: {v['skipped']}" for k, v in ours.items() if "skipped" in v]
         + ([f"vLLM setup: {VLLM_SETUP}"] if "skipped" in vllm else [])
         + ([f"llama.cpp skipped: {lcpp['skipped']}"] if "skipped" in lcpp else
            ["llama.cpp: llama-batched-bench on the same GGUF at fixed shapes (the workload's mean prompt and output "

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 
+import kv_offload
 from engine import Engine, EngineConfig, EngineStats
 from engine_client import EngineClient, Run, ServerMetrics
 from engine_core import CoreUpdate, EngineCore, Stop, run_core_process
@@ -93,7 +94,9 @@ class DataParallelClient:
     def stats(self) -> EngineStats:
         """The cores' stats summed (kv_usage over all blocks, hit rate: the mean of the live cores')."""
         live = [c.stats for c in self.cores if c.alive()] or [c.stats for c in self.cores]
-        total = {f.name: sum(getattr(s, f.name) for s in live) for f in dataclasses.fields(EngineStats)}
+        total = {f.name: sum(getattr(s, f.name) for s in live) for f in dataclasses.fields(EngineStats)
+                 if f.name != "kv_offload"}
+        total["kv_offload"] = kv_offload.merge_stats([s.kv_offload for s in live])
         total["kv_usage"] = 1 - total["num_free_blocks"] / max(1, total["num_blocks"])
         total["prefix_cache_hit_rate"] /= len(live)
         total["spec_decode_mean_acceptance_length"] /= len(live)

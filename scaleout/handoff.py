@@ -141,6 +141,7 @@ def import_request(engine: Engine, h: Handoff) -> list[int]:
     hits = engine.blocks.allocate_for_import(holder)
     if hits is None:
         raise EngineError(f"the decode core has no free KV blocks for a {len(ids)}-token prompt")
+    engine.kv_pool.run(engine.blocks.take_pending_ops())     # a prefix restored from an offload tier
     engine.importing[h.request_id] = (req, holder)
     return list(range(hits, h.num_blocks))
 

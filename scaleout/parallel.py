@@ -9,11 +9,14 @@ vocabulary on rank 0. KV heads are split with the query heads that read them; wh
 KV heads each KV head is replicated (vLLM's rule). Attention runs unchanged on each rank's heads.
 Rank 0 is the engine: it schedules, owns the block manager, broadcasts each step's inputs and block
 copies to the other ranks on a gloo group, and alone samples. The other ranks run worker_loop.
-Launch: torch.multiprocessing (from a fork server) on one machine, or torchrun's environment (vLLM's external
-launcher). gloo on CPUs, NCCL on GPUs; collectives have a timeout, and a dead rank ends the engine.
+Launch: torch.multiprocessing (from a fork server, never re-running the user's __main__) on one machine, or
+torchrun's environment (vLLM's external launcher); one GPU per rank, checked before any rank starts.
+gloo on CPUs (device="cpu" runs them there on a GPU machine too), NCCL on GPUs; collectives have a
+timeout, and a dead rank ends the engine.
 Owns the process groups, the sharded layers and the shard plan; weights.py reads the slices, and
 model.py, the scheduler and the kernels do not know about ranks.
 """
+import contextlib
 import ctypes
 import datetime
 import multiprocessing.connection
@@ -23,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import weakref
 from dataclasses import dataclass, replace
 
@@ -392,11 +396,23 @@ def set_threads(local_rank: int, local_size: int, num_threads: int | None) -> st
     return f"{per_rank} threads per rank, rank pinned to cores {mine}"
 
 
+def check_devices(tp: int, local_size: int, device_type: str):
+    """Each rank on a machine takes its own GPU (cuda:LOCAL_RANK): refuse, before any rank joins the
+    group, ranks per machine that outnumber the GPUs this process sees. Ranks on the CPU (gloo) share it."""
+    seen = torch.cuda.device_count() if device_type == "cuda" else 0
+    if device_type == "cuda" and local_size > seen:
+        raise InvalidRequest("tensor_parallel_size", (
+            f"--tensor-parallel-size / tensor_parallel_size={tp} puts {local_size} ranks per node on this machine, "
+            f"one GPU each, but {seen} CUDA device{'s' * (seen != 1)} seen (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use at most {seen} ranks per node, or run the "
+            f"ranks on the CPU: --device cpu / device=\"cpu\""))
+
+
 def launch(config, model_dir: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
            attention_backend: str) -> TPGroup:
-    """Rank 0 (the engine): check the size, start or join the group, and tell the workers what to load.
-    Under torchrun the other ranks are already running (serve.py calls run_worker on them); otherwise
-    they are spawned here with torch.multiprocessing."""
+    """Rank 0 (the engine): check the size and the devices, start or join the group, and tell the workers
+    what to load. Under torchrun the other ranks are already running (serve.py calls run_worker on them);
+    otherwise they are spawned here with torch.multiprocessing."""
     tp = config.tensor_parallel_size
     check_size(tp, model_config)
     if launched_by_torchrun():
@@ -404,9 +420,12 @@ def launch(config, model_dir: str, model_config: ModelConfig, dtype: torch.dtype
         if world != tp or rank != 0:
             raise InvalidRequest("tensor_parallel_size", f"torchrun started {world} ranks (this is rank {rank}); "
                                  f"tensor_parallel_size={tp} needs {tp}, with the engine on rank 0")
-        group = TPGroup(0, tp, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", tp)),
-                        device.type, config.num_threads, torchrun_address(0))
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
+        check_devices(tp, local_size, device.type)
+        group = TPGroup(0, tp, int(os.environ.get("LOCAL_RANK", 0)), local_size, device.type, config.num_threads,
+                        torchrun_address(0))
     else:
+        check_devices(tp, tp, device.type)
         address = ("127.0.0.1", free_port())
         procs = spawn_workers(tp, address, device.type, config.num_threads)
         try:
@@ -433,11 +452,27 @@ def spawn_workers(tp: int, address: tuple[str, int], device_type: str, num_threa
     try:
         procs = [context.Process(target=worker_main, args=(rank, tp, address, device_type, num_threads),
                                  name=f"nanoserve-tp-rank-{rank}", daemon=True) for rank in range(1, tp)]
-        for p in procs:
-            p.start()
+        with main_module_left_out():
+            for p in procs:
+                p.start()
     finally:
         me.daemon = was_daemon
     return procs
+
+
+@contextlib.contextmanager
+def main_module_left_out():
+    """multiprocessing runs the parent's __main__ again in each child it starts (spawn and forkserver alike),
+    before the target: a plain script (vLLM's examples, no `if __name__ == "__main__":` guard) would run its
+    top-level code, LLM(...) included, in every rank. A worker needs nothing from __main__ (its target is
+    worker_main, pickled by this module's name), so while the workers start multiprocessing sees a __main__
+    with no file and no module name, and the child runs no part of the user's script."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 # ---------------------------------------------------------------------------- rank 0's side of a step
@@ -535,13 +570,16 @@ def worker_main(rank: int, size: int, address: tuple[str, int], device_type: str
     worker_loop(group)
 
 
-def run_worker():
-    """A torchrun rank other than 0 (serve.py calls this): join the group from torchrun's environment
-    and serve rank 0's steps until it says stop."""
-    rank = int(os.environ["RANK"])
-    group = TPGroup(rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
-                    int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
-                    "cuda" if torch.cuda.is_available() else "cpu", None, torchrun_address(rank))
+def run_worker(device: str = "auto"):
+    """A torchrun rank other than 0 (serve.py calls this with its --device, so every rank picks rank 0's:
+    auto is CUDA where there is a GPU): join the group from torchrun's environment and serve rank 0's steps
+    until it says stop."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device_type = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")).type
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_devices(world, local_size, device_type)
+    group = TPGroup(rank, world, int(os.environ.get("LOCAL_RANK", 0)), local_size, device_type, None,
+                    torchrun_address(rank))
     worker_loop(group)
 
 

@@ -290,6 +290,22 @@ def kv_pool_tokens(gpu: GPU, model: ModelConfig, gpu_memory_utilization: float, 
                // model.kv_bytes_per_token)
 
 
+NVME_BANDWIDTH = 7e9      # bytes/s, one PCIe Gen4 x4 NVMe drive reading sequentially (datasheets: 6.5-7.4 GB/s)
+
+
+def restore_vs_recompute(gpu: GPU, model: ModelConfig, context: int, tier_bandwidth: float,
+                         new_tokens: int = 16) -> dict:
+    """The prefix cache's tiers (kv_offload.py) at GPU scale: a request whose first `context` tokens'
+    KV sits in a tier read at tier_bandwidth (the GPU's PCIe for host memory, NVME_BANDWIDTH for a
+    drive) either brings it back, then computes its new tokens, or computes everything again. The
+    restore is not overlapped with compute here: an upper bound on its cost."""
+    kv_bytes = context * model.kv_bytes_per_token
+    restore_s = kv_bytes / tier_bandwidth + step_time(gpu, model, [(new_tokens, context)])
+    recompute_s = step_time(gpu, model, [(context + new_tokens, 0)])
+    return {"kv_bytes": kv_bytes, "restore_s": restore_s, "recompute_s": recompute_s,
+            "speedup": recompute_s / restore_s}
+
+
 def roofline(gpu: GPU, model: ModelConfig, batch: int, context: int, tp: int = 1, **timing) -> dict:
     """A full decode batch: batch rows of one new token after `context` cached tokens each.
     timing: step_time's host, graphs and link."""
