@@ -32,7 +32,7 @@ BUILDS = {   # torch.utils.cpp_extension.load arguments per library
         extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"]),
     # not attention: model.py's small-batch linear layers
     "linear_cpu": dict(
-        name="nanoserve_linear_cpu", sources=["linear_cpu.cpp", "gguf_q8_cpu.cpp"],
+        name="nanoserve_linear_cpu", sources=["gguf_q8_cpu.cpp", "linear_cpu.cpp"],   # the last names the library in warnings
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"]),
     # model.py's fused per-layer ops: residual add + RMSNorm, RoPE in place, SwiGLU
     # (no trapping math: else GCC 12 keeps SwiGLU's compares as branches and the loop scalar on AVX2)

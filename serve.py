@@ -284,7 +284,7 @@ def build_app(engine: Engine | EngineClient, served_model_name: str, max_waiting
               body_timeout: float = 30.0, metrics_require_key: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine core. serve.py passes the client of a
     core process; tests may pass an Engine, whose core then runs in a thread of this process."""
-    client = EngineClient.in_thread(engine) if isinstance(engine, Engine) else engine
+    client = EngineClient.in_thread(engine) if hasattr(engine, "step") else engine   # an Engine (or a test's wrapper)
     server = OpenAIServer(client, served_model_name, max_waiting, max_request_bytes, limits, body_timeout)
 
     @asynccontextmanager

@@ -4253,12 +4253,14 @@ def record_uploads(runner) -> list[tuple[int, int, int]]:
     return seen
 
 
-def assert_within_bounds(runner, seen, max_rows, max_tokens, max_model_len, block_size=16):
+def assert_within_bounds(runner, seen, max_rows, max_tokens, max_model_len, block_size=16, k=0):
     """runner's buffers are the hand-computed bounds (tokens never fewer than rows: a graph bucket pads a
-    row to a token), every batch in seen fits them, and none ran on one-off buffers."""
-    width = -(-max_model_len // block_size)
+    row to a token; with k drafts a verify bucket pads every row to 1 + k tokens, and a context may run k
+    past max_model_len while its drafts are checked), every batch in seen fits them, and none ran on
+    one-off buffers."""
+    width = -(-(max_model_len + k) // block_size)
     b = runner.buffers
-    assert (b.max_seqs, b.max_tokens, b.width) == (max_rows, max(max_tokens, max_rows), width)
+    assert (b.max_seqs, b.max_tokens, b.width) == (max_rows, max(max_tokens, max_rows * (1 + k)), width)
     assert seen and all(t <= b.max_tokens and r <= b.max_seqs and w <= width for t, r, w in seen), \
         [x for x in seen if not b.fits(*x)]
     assert not runner.warned_oversize
@@ -4296,7 +4298,8 @@ def test_no_step_of_a_random_workload_exceeds_the_runners_declared_bounds(tiny, 
     assert [len(c.token_ids) for o in outs for c in o.outputs] == [p.max_tokens for p in params for _ in range(p.n)]
     members = max(b, seqs)                          # static: B admitted, n = 2 forks up to max_num_seqs
     rows, tokens = (members + b - 1, budget + members - 1) if mode == "static" else (seqs, budget)
-    assert_within_bounds(engine.runner, seen, rows, tokens, 256)
+    k = {"ngram": NGRAM["num_speculative_tokens"], "draft_model": 3}.get(mode, 0)
+    assert_within_bounds(engine.runner, seen, rows, tokens, 256, k=k)
     assert engine.runner.buffers is buffers
     if draft:
         assert_within_bounds(draft.runner, draft_seen, rows, tokens, 256)

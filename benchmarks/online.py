@@ -74,7 +74,8 @@ def decode_gaps(engine, long_len, settle_steps, num_running=8):
     last, gaps = {}, {"before": [], "during": []}
     long_id, t_arrive, ttft = None, None, None
     for step in range(10_000):
-        if step == settle_steps:            # steady decode recorded; now the long prompt arrives
+        if long_id is None and step >= settle_steps and gaps["before"]:   # steady decode recorded (outputs come
+            # a step late under async scheduling); now the long prompt arrives
             long_id, t_arrive = new_id("long"), time.perf_counter()
             engine.add_request(long_id, random_prompt(rng, long_len, vocab), greedy(4))
         outs = engine.step()
