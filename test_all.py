@@ -4548,7 +4548,7 @@ def test_gpu_decode_forward_never_syncs(gpu_engines):
         engine = llm_.engine
         for i in range(3):
             engine.add_request(f"sync-{i}", [1, 2, 3 + i], SamplingParams(max_tokens=4, temperature=0))
-        engine.step()
+        engine.plain_step()             # the plain loop: async scheduling would leave its step N pending
         batch = engine.schedule()
         inputs = engine.runner.prepare(batch)
         torch.cuda.synchronize()
