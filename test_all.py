@@ -7991,6 +7991,18 @@ def test_cost_model_restoring_a_prefix_from_a_tier_beats_recompute_only_past_sho
         assert cm.restore_vs_recompute(h100, m, 4096, bandwidth)["speedup"] > 1.3
 
 
+def test_sim_tiers_command_prints_each_contexts_kv_bytes_and_where_a_restore_pays(capsys):
+    """`python -m sim tiers`: a row per context with its KV bytes by hand (Llama-3-8B: K and V, 32 layers,
+    8 KV heads x 128, bf16), and a drive at a tenth of the link's bandwidth gaining less than host memory."""
+    from sim import cli
+    rows = cli.main(["tiers", "--contexts", "16,4096", "--host-bandwidth", "50e9", "--disk-bandwidth", "5e9"])
+    assert [r["host"]["kv_bytes"] for r in rows] == [c * 2 * 32 * 8 * 128 * 2 for c in (16, 4096)]
+    assert "| 4096 | 536.9 |" in capsys.readouterr().out
+    assert rows[0]["host"]["speedup"] < 1.05 and rows[1]["host"]["speedup"] > rows[1]["disk"]["speedup"] > 1
+    with pytest.raises(SystemExit):
+        cli.main(["tiers", "--disk-bandwidth", "0"])
+
+
 def test_simulator_cost_model_matches_hand_computed_step_times():
     # one decode row after 1000 cached tokens, Llama-2-7B on an A100: memory-bound
     weights, kv = 2 * 6_738_415_616, 2 * 32 * 32 * 128 * 2

@@ -10,13 +10,15 @@ the simulation itself lives in the modules it calls.
   python -m sim roofline --gpu a100-80gb --model llama-2-13b --batch 32
   python -m sim tp-sweep                       # where tensor parallelism stops paying (cost_model.py)
   python -m sim disagg-sweep --out docs/       # disaggregated vs colocated goodput per GPU
+  python -m sim tiers --model llama-3-8b       # restoring a prefix from host memory or disk vs recompute
 """
 import argparse
 import json
 import sys
 
 from sim import simulate_cluster
-from sim.cost_model import GPUS, MODELS, check_tensor_parallel, host_overhead, resolve_link, roofline, tp_sweep_main
+from sim.cost_model import (GPUS, MODELS, check_tensor_parallel, host_overhead, resolve_link, roofline, tiers_main,
+                            tp_sweep_main)
 from sim import simulate as sim_one
 from sim.simulate import parse_roofline, parse_run, plot, simulate
 
@@ -60,6 +62,8 @@ def main(argv=None):
         return
     if argv[:1] == ["tp-sweep"]:
         return tp_sweep_main(argv[1:])
+    if argv[:1] == ["tiers"]:
+        return tiers_main(argv[1:])
     if argv[:1] == ["disagg-sweep"]:
         return simulate_cluster.disagg_sweep_main(argv[1:])
     args = parse_run(argv)

@@ -306,6 +306,33 @@ def restore_vs_recompute(gpu: GPU, model: ModelConfig, context: int, tier_bandwi
             "speedup": recompute_s / restore_s}
 
 
+def tiers_main(argv):
+    """`python -m sim tiers`: per context, recompute a prefix or restore its KV from host memory (over the
+    GPU's PCIe) or from a drive; the bandwidths are flags, so a fork can ask about its own machine."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m sim tiers", description="When restoring a prefix beats recompute.")
+    p.add_argument("--gpu", default="h100-sxm", choices=list(GPUS))
+    p.add_argument("--model", default="llama-3-8b", choices=list(MODELS))
+    p.add_argument("--contexts", default="16,256,1024,4096,16384", help="cached prefix lengths, comma-separated")
+    p.add_argument("--host-bandwidth", type=float, default=None, help="bytes/s host -> GPU (default: the GPU's PCIe)")
+    p.add_argument("--disk-bandwidth", type=float, default=NVME_BANDWIDTH, help="bytes/s drive -> GPU")
+    a = p.parse_args(argv)
+    gpu, model = GPUS[a.gpu], MODELS[a.model]
+    host = a.host_bandwidth or gpu.pcie_bandwidth
+    if host <= 0 or a.disk_bandwidth <= 0:
+        p.error("--host-bandwidth and --disk-bandwidth must be > 0")
+    print(f"{model.name} on {gpu.name}: host tier at {host / 1e9:.1f} GB/s, disk tier at {a.disk_bandwidth / 1e9:.1f} GB/s\n")
+    print("| context | KV MB | recompute ms | host restore ms | speedup | disk restore ms | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for context in (int(x) for x in a.contexts.split(",")):
+        h, d = restore_vs_recompute(gpu, model, context, host), restore_vs_recompute(gpu, model, context, a.disk_bandwidth)
+        rows.append({"context": context, "host": h, "disk": d})
+        print(f"| {context} | {h['kv_bytes'] / 1e6:.1f} | {1e3 * h['recompute_s']:.2f} | {1e3 * h['restore_s']:.2f} | "
+              f"{h['speedup']:.2f}x | {1e3 * d['restore_s']:.2f} | {d['speedup']:.2f}x |")
+    return rows
+
+
 def roofline(gpu: GPU, model: ModelConfig, batch: int, context: int, tp: int = 1, **timing) -> dict:
     """A full decode batch: batch rows of one new token after `context` cached tokens each.
     timing: step_time's host, graphs and link."""
