@@ -5,8 +5,8 @@ scheduler and its speculator.
 EngineBuilder makes them for one process. scaleout/parallel.py's TensorParallelBuilder makes rank 0's
 instead (they broadcast each step to the other ranks), and llm.builder_for picks one from the config.
 Engine takes whichever it is given and never asks which kind it got. The parts a config may leave out
-(the static baseline, speculative decoding, a draft model) are imported only when it asks for them, so a
-reader of the continuous path never loads them. Owns no scheduling and no requests: only what is built,
+(the static baseline, speculative decoding, a draft model, the KV tiers, the overlap loop) are imported
+only when it asks for them, so a reader of the continuous path never loads them. Owns no scheduling and no requests: only what is built,
 and the shutdown of whatever building it started.
 """
 import torch
@@ -34,6 +34,18 @@ class EngineBuilder:
 
     def runner(self, *args, num_speculative_tokens: int = 0) -> ModelRunner:
         return ModelRunner(*args, num_speculative_tokens=num_speculative_tokens)
+
+    def offloader(self, config, pool, blocks, model_id: str, dtype):
+        """The prefix cache's tiers below the device (kv_offload.py), or None when the config asks for none."""
+        if not (config.kv_offload_memory or config.kv_offload_dir):
+            return None
+        import kv_offload                   # an optional wing: loaded only when asked for
+        return kv_offload.build(config, pool, blocks, model_id, dtype, config.tensor_parallel_size > 1)
+
+    def overlap_loop(self, engine):
+        """async_scheduling's two-slot pipeline around the engine's step (async_engine.py)."""
+        from async_engine import OverlapLoop   # loaded only when asked for (the default on CUDA)
+        return OverlapLoop(engine)
 
     def scheduler(self, config, blocks) -> Scheduler:
         """The continuous-batching scheduler, or (scheduler_mode="static") the baseline it replaces."""

@@ -31,14 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import kv_offload
 import paged_attention
 from builder import EngineBuilder
 from cpu_linear import cpu_linear_path
 from errors import InvalidRequest, need
 from kv_cache import BlockManager, bytes_per_block, parse_memory
 from model import resolve_dtype
-from async_engine import OverlapLoop
 from sampler import SamplingParams, SamplingState, bad_words_token_ids, make_generator, sample_on_device, top_logprobs
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
@@ -284,7 +282,7 @@ class Engine:
         self.step_start = None                              # the running step's first event (CUDA)
         self.step_wall, self.step_probe = time.perf_counter(), None   # speculation's measure of a decode step
         use_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        self.overlap = OverlapLoop(self) if use_async else None    # async_scheduling: async_engine.py
+        self.overlap = self.builder.overlap_loop(self) if use_async else None   # async_scheduling: async_engine.py
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model.config      # the model's own: under tensor parallelism this rank's heads
@@ -298,7 +296,7 @@ class Engine:
                                             mc.head_dim, kv_dtype, self.device, num_host_blocks)
         self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, num_host_blocks)
         model_id = f"{os.path.basename(os.path.normpath(str(self.model_dir)))} {c.quantization} {self.model_config}"
-        self.offload = kv_offload.build(c, self.kv_pool, self.blocks, model_id, kv_dtype, c.tensor_parallel_size > 1)
+        self.offload = self.builder.offloader(c, self.kv_pool, self.blocks, model_id, kv_dtype)
         if self.device.type == "cpu":
             _log_once(f"nanoserve: KV pool on {self.kv_pool.pages}")
 
