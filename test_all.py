@@ -4305,7 +4305,6 @@ def test_no_step_of_a_random_workload_exceeds_the_runners_declared_bounds(tiny, 
         assert_within_bounds(draft.runner, draft_seen, rows, tokens, 256)
 
 
-@pytest.mark.unit
 def test_a_step_past_the_runners_bounds_runs_eagerly_on_one_off_buffers_and_keeps_its_own(capsys):
     """A caller that sized the runner for 2 rows hands it 3: the step runs eagerly on buffers of its own and
     gives the logits a runner sized for 8 gives; the runner's buffers and graphs stay, and it says so once."""
@@ -8976,7 +8975,6 @@ def test_bench_quick_reports_every_section(tmp_path):
     assert (tmp_path / "throughput.png").exists()
 
 
-@pytest.mark.unit
 def test_bench_skips_the_quantized_rows_with_the_engines_reason_where_the_device_is_cuda(monkeypatch, capsys):
     """On a GPU machine (the device check forced to report CUDA) the engine refuses quantization="int8" and
     "gguf": the hot section's int8 A/B and the peers' quantized rows print `skipped: <why>` (the reason
