@@ -3030,16 +3030,21 @@ def test_cuda_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path, sourc
     assert spills and all(line.endswith(" 0 bytes spill stores, 0 bytes spill loads") for line in spills), spills
 
 
+def build_emulated(tmp_path_factory, source: str, *flags: str) -> ctypes.CDLL:
+    """csrc/<source> built by the host compiler against cuda_emu.h as a plain shared library (ctypes)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to build the CUDA emulation")
+    so = tmp_path_factory.mktemp(source.split(".")[0] + "_emu") / (source.split(".")[0] + "_emu.so")
+    subprocess.run([cxx, *EMU_FLAGS, *flags, "-x", "c++", str(CSRC / source), "-o", str(so)], check=True)
+    return ctypes.CDLL(str(so))
+
+
 @pytest.fixture(scope="module")
 def emulated_sampler(tmp_path_factory):
     """csrc/sampling_cuda.cu built by the host compiler against cuda_emu.h (plain pointers: no torch),
     as a function of (logits [rows, vocab] float32, params [rows, 5]) -> (tokens [rows], kept [rows, vocab])."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler to build the CUDA emulation")
-    so = tmp_path_factory.mktemp("sampling_emu") / "sampling_emu.so"
-    subprocess.run([cxx, *EMU_FLAGS, "-x", "c++", str(CSRC / "sampling_cuda.cu"), "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build_emulated(tmp_path_factory, "sampling_cuda.cu")
     lib.sample_launch.restype = ctypes.c_char_p
 
     def run(logits, params):
@@ -3186,13 +3191,7 @@ def emulated_binding(tmp_path_factory):
 @pytest.fixture(scope="module")
 def emulated_cuda(tmp_path_factory):
     """csrc/paged_attention_cuda.cu alone, built with -DPLANT_BUGS against cuda_emu.h (ctypes)."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler to build the CUDA emulation")
-    so = tmp_path_factory.mktemp("cuda_emu") / "paged_attention_cuda_emu.so"
-    subprocess.run([cxx, *EMU_FLAGS, "-DPLANT_BUGS", "-x", "c++", str(CSRC / "paged_attention_cuda.cu"),
-                    "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build_emulated(tmp_path_factory, "paged_attention_cuda.cu", "-DPLANT_BUGS")
     P, I, F, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
     lib.paged_attention_workspace_floats.argtypes = [I] * 4
     lib.paged_attention_workspace_floats.restype = ctypes.c_int64
@@ -3550,12 +3549,7 @@ def test_emulation_catches_planted_tensor_core_decode_bugs(emulator, bug, sympto
 @pytest.fixture(scope="module")
 def tensor_core_selftest(tmp_path_factory):
     """csrc/tensor_core_selftest.cu against cuda_emu.h (ctypes): one kernel per warp primitive."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler to build the CUDA emulation")
-    so = tmp_path_factory.mktemp("tensor_core_selftest") / "selftest.so"
-    subprocess.run([cxx, *EMU_FLAGS, "-x", "c++", str(CSRC / "tensor_core_selftest.cu"), "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build_emulated(tmp_path_factory, "tensor_core_selftest.cu")
     lib.mma_selftest_launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
     lib.mma_selftest_launch.restype = ctypes.c_char_p
     lib.ring_selftest_launch.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
