@@ -1664,7 +1664,11 @@ def test_two_writers_on_one_disk_tier_leave_only_whole_files(tiny, tmp_path):
     reader = disk_llm(tiny, tmp_path)               # a restart: every file it indexes and reads must be whole
     out = reader.generate(prompt, greedy(8))[0]
     stats = tier_stats(reader)
-    assert out.metrics.num_cached_tokens == 64 and stats["disk"]["hits"] == 4 and stats["disk"]["errors"] == 0
+    # each writer chains its blocks to its own parent ids: where the two interleaved, the last file of a
+    # block may belong to the other writer's chain, and the hit stops there (a recompute, never a wrong
+    # token); the first block always hits, and no file is torn
+    hits = stats["disk"]["hits"]
+    assert 1 <= hits <= 4 and out.metrics.num_cached_tokens == 16 * hits and stats["disk"]["errors"] == 0
     assert_greedy_under(tiny[1], prompt, out.outputs[0].token_ids, "after two writers")
 
 
