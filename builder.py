@@ -11,10 +11,10 @@ and the shutdown of whatever building it started.
 """
 import torch
 
-from errors import need
 from kv_cache import KVCachePool
 from model_runner import ModelRunner
 from scheduler import Scheduler
+from sequence import need
 from weights import load_model
 
 

@@ -19,11 +19,10 @@ back, drafts less (or nothing) this step.
 import torch
 
 import sampler
-from errors import need
 from kv_cache import BlockManager, KVCachePool
 from model_runner import ModelRunner
 from scheduler import ScheduledBatch, StepBounds
-from sequence import Sequence
+from sequence import Sequence, need
 from weights import load_model
 
 

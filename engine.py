@@ -34,17 +34,18 @@ import torch
 import paged_attention
 from builder import EngineBuilder
 from cpu_linear import cpu_linear_path
-from errors import InvalidRequest, need
 from kv_cache import BlockManager, bytes_per_block, parse_memory
 from model import resolve_dtype
-from sampler import SamplingParams, SamplingState, bad_words_token_ids, make_generator, sample_on_device, top_logprobs
+from sampler import (SamplingParams, SamplingState, StructuredOutputsParams, bad_words_token_ids, make_generator,
+                     sample_on_device, top_logprobs)
 from scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from sequence import Completion, CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from structured_output import GrammarCompiler, StructuredOutputsParams
+from sequence import (Completion, CompletionOutput, InvalidRequest, Request, RequestMetrics, RequestOutput, Sequence,
+                      need)
 from tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:                       # optional parts, loaded by the builder only when a config asks
     from spec_decode import SpeculativeConfig
+    from structured_output import GrammarCompiler
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequest", "PromptLimits", "SamplingParams",
            "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
@@ -275,7 +276,7 @@ class Engine:
         self.importing: dict[str, tuple[Request, Sequence]] = {}
         self.seq_ids = itertools.count()
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded sampling
-        self.grammars: GrammarCompiler | None = None                   # built at the first structured request
+        self.grammars: "GrammarCompiler | None" = None                  # built at the first structured request
         self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step = self.scheduler.step_counts(ScheduledBatch([], []))
         self.phase_times = PhaseTimes()
@@ -326,9 +327,10 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
-    def grammar_compiler(self) -> GrammarCompiler:
+    def grammar_compiler(self) -> "GrammarCompiler":
         """Built at the first structured request; engine_core.py compiles ahead on its worker thread."""
         if self.grammars is None:
+            from structured_output import GrammarCompiler    # llguidance: loaded with the first structured request
             self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         return self.grammars
 

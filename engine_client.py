@@ -24,8 +24,8 @@ from fastapi import Request
 from engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from engine_core import AbortRequests, AddRequests, CoreDied, CoreUpdate, EngineCore, EngineInfo, Stop, \
     run_core_process
-from errors import EngineError
 from openai_api import APIError
+from sequence import EngineError
 from tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.serve")

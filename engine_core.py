@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from engine import Engine, EngineConfig, EngineStats, PromptLimits, RequestOutput, SamplingParams
-from errors import EngineError, InvalidRequest
 from llm import build_engine
+from sequence import EngineError, InvalidRequest
 
 log = logging.getLogger("nanoserve.engine_core")
 MAX_STEP_FAILURES = 3      # consecutive engine.step() exceptions before the core gives up

@@ -7,6 +7,7 @@ library so its ops appear under torch.ops, and the warn-once record of builds th
 Does not decide which backend runs (paged_attention.resolve_backend and model.linear do)
 and holds no math. cache_root() is also where weights.py keeps converted weights.
 """
+import functools
 import hashlib
 import os
 import platform
@@ -110,3 +111,13 @@ def try_load(kind: str, fallback: str) -> bool:
         warnings.warn(f"csrc/{BUILDS[kind]['sources'][-1]} unavailable ({failed[kind]}); {fallback}",
                       RuntimeWarning, stacklevel=3)
         return False
+
+
+@functools.cache
+def _fused_cpu_built() -> bool:
+    return try_load("fused_cpu", "RMSNorm, RoPE and SwiGLU run as separate PyTorch ops (slower)")
+
+
+def fused_ops_available(device, dtype) -> bool:
+    """csrc/fused_cpu.cpp runs here: the per-layer ops (model.py) and the sampler's row kernels."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _fused_cpu_built()

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, asdict
 
 import torch
 
-from errors import need
 from kv_cache import parse_memory
+from sequence import need
 
 MAGIC = b"nskvblk1"                      # file format: MAGIC, u32 header length, JSON header, payload, u32 crc32
 SUFFIX = ".kv"

@@ -20,9 +20,9 @@ from typing import AsyncIterator
 from pydantic import ValidationError
 
 from engine import PromptLimits, RequestOutput, SamplingParams
-from errors import InvalidRequest
 from openai_request import APIError, ChatRequest, CompletionRequest, RequestLimits, SamplingRequest, \
     logit_bias, reject_unsupported, structured_field, structured_outputs, validation_error
+from sequence import InvalidRequest
 from tokenizer import Tokenizer
 
 __all__ = ["APIError", "ChatExchange", "ChatRequest", "CompletionExchange", "CompletionRequest", "Exchange",

@@ -17,8 +17,8 @@ from typing import Any, Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from errors import quoted
-from structured_output import StructuredOutputsParams
+from sampler import StructuredOutputsParams
+from sequence import quoted
 
 MAX_MESSAGE = 400   # characters of an error message: our own fit; one echoing a megabyte of input is cut
 

@@ -16,17 +16,54 @@ then a cumsum of one block: see inverse_cdf), and takes a single random number p
 so it samples the same token whatever else is in the batch; unseeded rows share one call.
 (Drawing Exp(1) noise for every logit, as the exponential race does, cost more than the model.)
 """
+import dataclasses
 import functools
+import importlib.util
+import json
 import math
 from dataclasses import dataclass
 
 import torch
 
-import errors
-from fused_ops import fused_ops_available
-from structured_output import StructuredOutputsParams, apply_grammar_masks
+from extensions import fused_ops_available
+from sequence import InvalidRequest, need
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 1999     # llguidance's Earley parser takes at most 2000 items in one row
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of these constrains the output (as in vLLM 0.32's SamplingParams.structured_outputs)."""
+    json: str | dict | None = None        # a JSON schema (dict or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None            # a Lark grammar (llguidance's dialect)
+    json_object: bool | None = None       # any JSON object
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens (shorter outputs)
+
+    def validate(self):
+        """Raise InvalidRequest('structured_outputs', ...) unless exactly one kind is set. Whether it
+        compiles is GrammarCompiler's to say (off the engine's loop), under the same field name."""
+        need(len(self.kinds()) == 1, "structured_outputs", "exactly one of json, regex, choice, grammar, "
+                    "json_object", self.kinds())
+        if importlib.util.find_spec("llguidance") is None:       # found, not imported: structured_output.py loads it
+            raise InvalidRequest("structured_outputs", "structured outputs need the llguidance package "
+                                                       "(pip install llguidance)")
+        need(not isinstance(self.choice, list) or len(self.choice) <= MAX_CHOICES, "structured_outputs",
+                    f"a choice list of at most {MAX_CHOICES} entries (llguidance's parser stops past that)",
+                    f"{len(self.choice or ())} entries")
+
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
+
+    def cache_key(self) -> str:
+        """The same schema, however it was written, compiles once. Computed once per request: it is
+        as long as the schema."""
+        if "_key" not in self.__dict__:
+            fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+            self.__dict__["_key"] = json.dumps(fields, sort_keys=True, default=repr)
+        return self.__dict__["_key"]
 
 
 @dataclass
@@ -88,45 +125,45 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self, vocab_size: int | None = None):
-        def need(ok, field, allowed):
-            errors.need(ok, field, allowed, getattr(self, field))
+        def check(ok, field, allowed):
+            need(ok, field, allowed, getattr(self, field))
 
         def number(x):   # finite: Infinity and NaN parse from JSON but mean nothing here
             return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
         vocab = vocab_size or 2**31
-        need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
-        need(number(self.temperature) and self.temperature >= 0, "temperature", ">= 0")
-        need(number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        need(isinstance(self.top_k, int) and -1 <= self.top_k < 2**31, "top_k",
+        check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
+        check(number(self.temperature) and self.temperature >= 0, "temperature", ">= 0")
+        check(number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        check(isinstance(self.top_k, int) and -1 <= self.top_k < 2**31, "top_k",
              "-1 (off), 0 (off) or a positive integer below 2**31")
-        need(number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
-        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        check(number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"an integer in [0, max_tokens={self.max_tokens}]")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
-        need(number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
-        need(number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
-        need(number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"), "repetition_penalty",
+        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
+        check(number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        check(number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        check(number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"), "repetition_penalty",
              "a finite number > 0 (1 is off)")
-        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+        check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             isinstance(t, int) and 0 <= t < vocab for t in self.logit_bias)), "logit_bias",
             f"a map from token ids in [0, {vocab}) to biases")
-        need(self.logit_bias is None or all(number(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+        check(self.logit_bias is None or all(number(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
              "logit_bias", "a map whose biases are in [-100, 100]")
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(self, field)
-            need(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), field,
+            check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), field,
                  f"an integer in [0, {MAX_LOGPROBS}] or None")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
-        need(all(isinstance(t, int) and 0 <= t < vocab for t in self.stop_token_ids),
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
+        check(all(isinstance(t, int) and 0 <= t < vocab for t in self.stop_token_ids),
              "stop_token_ids", f"token ids in [0, {vocab})")
-        need(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+        check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
              and all(isinstance(t, int) and 0 <= t < vocab for t in self.allowed_token_ids)), "allowed_token_ids",
              f"a non-empty list of token ids in [0, {vocab})")
-        need(self.bad_words is None or (isinstance(self.bad_words, list) and all(
+        check(self.bad_words is None or (isinstance(self.bad_words, list) and all(
             isinstance(w, str) and w.strip() for w in self.bad_words)), "bad_words", "a list of non-blank strings")
         if self.structured_outputs is not None:
-            need(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+            check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                  "a StructuredOutputsParams")
             self.structured_outputs.validate()
 
@@ -195,7 +232,9 @@ def sample_on_device(logits, states: list[SamplingState], generator: torch.Gener
     params = [s.params for s in states]
     want = [p.logprobs for p in params]
     raw_logprobs = logits.log_softmax(dim=-1) if any(w is not None for w in want) else None   # [num_seqs, vocab]
-    apply_grammar_masks(logits, [s.grammar for s in states])
+    if any(s.grammar is not None for s in states):
+        from structured_output import apply_grammar_masks   # llguidance loads with the first structured request
+        apply_grammar_masks(logits, [s.grammar for s in states])
     apply_allowed_and_bad_words(logits, states)
     apply_min_tokens(logits, states)
     apply_logit_bias(logits, params)

@@ -24,9 +24,8 @@ The request-level baseline that this loop replaces lives apart, in static_schedu
 from collections import deque
 from dataclasses import dataclass, field
 
-from errors import need
 from kv_cache import BlockManager, BlockOp, rollback_num_blocks
-from sequence import Sequence, Status
+from sequence import Sequence, Status, need
 
 
 @dataclass

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-import errors
 import sampler
+from sequence import need
 from verify import SpecOutput, verify   # noqa: F401  (one-pass verification: verify.py)
 
 MAX_SPECULATIVE_TOKENS = 16      # more drafts than this are almost never all accepted, yet each is verified
@@ -86,46 +86,46 @@ class SpeculativeConfig:
             return None
         if isinstance(d, SpeculativeConfig):
             d = {f.name: getattr(d, f.name) for f in fields(cls)}
-        errors.need(isinstance(d, dict), "speculative_config", "a dict (JSON object)", d)
+        need(isinstance(d, dict), "speculative_config", "a dict (JSON object)", d)
         known = {f.name for f in fields(cls)}
         for key in d:
-            errors.need(key in known, f"speculative_config.{key}", f"one of {sorted(known)}", key)
+            need(key in known, f"speculative_config.{key}", f"one of {sorted(known)}", key)
         config = cls(**d)
         config.validate()
         return config
 
     def validate(self):
-        def need(ok, name, allowed):
-            errors.need(ok, f"speculative_config.{name}", allowed, getattr(self, name))
+        def check(ok, name, allowed):
+            need(ok, f"speculative_config.{name}", allowed, getattr(self, name))
 
         def integer(x):
             return isinstance(x, int) and not isinstance(x, bool)
-        need(self.method in ("ngram", "draft_model"), "method", "'ngram' or 'draft_model'")
-        need(integer(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+        check(self.method in ("ngram", "draft_model"), "method", "'ngram' or 'draft_model'")
+        check(integer(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              "num_speculative_tokens", f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
-        need(self.disable_by_batch_size is None or (integer(self.disable_by_batch_size)
+        check(self.disable_by_batch_size is None or (integer(self.disable_by_batch_size)
                                                     and self.disable_by_batch_size >= 2),
              "disable_by_batch_size", "None or an integer >= 2")
-        need(isinstance(self.min_acceptance_rate, (int, float)) and not isinstance(self.min_acceptance_rate, bool)
+        check(isinstance(self.min_acceptance_rate, (int, float)) and not isinstance(self.min_acceptance_rate, bool)
              and 0 <= self.min_acceptance_rate <= 1, "min_acceptance_rate", "a number in [0, 1]")
-        need(isinstance(self.adaptive, bool), "adaptive", "true or false")
+        check(isinstance(self.adaptive, bool), "adaptive", "true or false")
         if self.method == "ngram":
-            need(self.model is None, "model", "None with method 'ngram' (it drafts from the sequence itself)")
+            check(self.model is None, "model", "None with method 'ngram' (it drafts from the sequence itself)")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 value = getattr(self, name)
-                need(value is None or (integer(value) and 1 <= value <= MAX_PROMPT_LOOKUP), name,
+                check(value is None or (integer(value) and 1 <= value <= MAX_PROMPT_LOOKUP), name,
                      f"None or an integer in [1, {MAX_PROMPT_LOOKUP}]")
             if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
                 self.prompt_lookup_min = self.prompt_lookup_max = 5     # vLLM's defaults
             self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
             self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
-            need(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+            check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                  f"<= prompt_lookup_max={self.prompt_lookup_max}")
         else:
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
-                need(getattr(self, name) is None, name, "None with method 'draft_model' (only ngram looks up)")
+                check(getattr(self, name) is None, name, "None with method 'draft_model' (only ngram looks up)")
             m = self.model
-            need(isinstance(m, str) and ((m.endswith(".gguf") and os.path.isfile(m))
+            check(isinstance(m, str) and ((m.endswith(".gguf") and os.path.isfile(m))
                                          or os.path.isfile(os.path.join(m, "config.json"))),
                  "model", "a checkpoint directory with config.json or a .gguf file (method 'draft_model')")
 

@@ -2,7 +2,7 @@
 Structured outputs: a JSON schema, a regex, a list of choices or a Lark grammar turned into a
 per-token mask, so that every sampled token keeps the output inside the grammar.
 
-Owns StructuredOutputsParams (vLLM 0.32's name and fields), the compilation of each kind into an
+Owns the compilation of each kind of StructuredOutputsParams (sampler.py) into an
 llguidance grammar, one Grammar (an llguidance matcher) per completion that advances with every
 token, and the batched mask: one bitmask row per constrained completion (32 tokens per int32 word),
 applied in place to just those rows of the logits by csrc/grammar_mask_cpu.cpp on the CPU (a
@@ -19,18 +19,22 @@ compiled grammars in a cache keyed by the request's schema (each completion gets
 `prepare` compiles into it on a worker thread (llguidance releases the GIL while it compiles), so
 the engine core admits a structured request only once its grammar is ready.
 """
+from __future__ import annotations      # StructuredOutputsParams is sampler.py's: named, not imported
+
 import collections
 import concurrent.futures
-import dataclasses
 import json
 import os
 import threading
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-import errors
 import extensions
+from sequence import InvalidRequest, clipped, need
+
+if TYPE_CHECKING:
+    from sampler import StructuredOutputsParams
 
 try:
     import llguidance      # not llguidance.torch: its import runs torch.compile, ~5 s per process
@@ -38,65 +42,29 @@ except ImportError:   # only structured requests need it; they get a clear error
     llguidance = None
 
 
-MAX_CHOICES = 1999     # llguidance's Earley parser takes at most 2000 items in one row
-
-
-@dataclass
-class StructuredOutputsParams:
-    """Exactly one of these constrains the output (as in vLLM 0.32's SamplingParams.structured_outputs)."""
-    json: str | dict | None = None        # a JSON schema (dict or its text)
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None            # a Lark grammar (llguidance's dialect)
-    json_object: bool | None = None       # any JSON object
-    disable_any_whitespace: bool = False  # JSON without whitespace between tokens (shorter outputs)
-
-    def validate(self):
-        """Raise InvalidRequest('structured_outputs', ...) unless exactly one kind is set. Whether it
-        compiles is GrammarCompiler's to say (off the engine's loop), under the same field name."""
-        errors.need(len(self.kinds()) == 1, "structured_outputs", "exactly one of json, regex, choice, grammar, "
-                    "json_object", self.kinds())
-        if llguidance is None:
-            raise errors.InvalidRequest("structured_outputs", "structured outputs need the llguidance package "
-                                                              "(pip install llguidance)")
-        errors.need(not isinstance(self.choice, list) or len(self.choice) <= MAX_CHOICES, "structured_outputs",
-                    f"a choice list of at most {MAX_CHOICES} entries (llguidance's parser stops past that)",
-                    f"{len(self.choice or ())} entries")
-
-    def kinds(self) -> list[str]:
-        return [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
-
-    def cache_key(self) -> str:
-        """The same schema, however it was written, compiles once. Computed once per request: it is
-        as long as the schema."""
-        if "_key" not in self.__dict__:
-            fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
-            self.__dict__["_key"] = json.dumps(fields, sort_keys=True, default=repr)
-        return self.__dict__["_key"]
-
-    def to_grammar(self) -> str:
-        """The llguidance grammar text of whichever kind is set."""
-        M = llguidance.LLMatcher
-        options = {"whitespace_flexible": not self.disable_any_whitespace}
-        try:
-            if self.json is not None:
-                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-                return M.grammar_from_json_schema(schema, defaults=options)
-            if self.json_object:
-                return M.grammar_from_json_schema({"type": "object"}, defaults=options)
-        except (ValueError, TypeError) as exc:
-            raise errors.InvalidRequest("structured_outputs", f"structured_outputs json is not a JSON schema: "
-                                                              f"{exc}") from None
-        if self.regex is not None:
-            errors.need(isinstance(self.regex, str), "structured_outputs", "a regex string", self.regex)
-            return M.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            errors.need(isinstance(self.choice, list) and self.choice and all(isinstance(c, str) and c
-                                                                               for c in self.choice),
-                        "structured_outputs", "a non-empty list of non-empty strings as choice", self.choice)
-            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
-        errors.need(isinstance(self.grammar, str), "structured_outputs", "a Lark grammar string", self.grammar)
-        return M.grammar_from_lark(self.grammar)
+def to_grammar(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar text of whichever kind of StructuredOutputsParams is set."""
+    M = llguidance.LLMatcher
+    options = {"whitespace_flexible": not params.disable_any_whitespace}
+    try:
+        if params.json is not None:
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            return M.grammar_from_json_schema(schema, defaults=options)
+        if params.json_object:
+            return M.grammar_from_json_schema({"type": "object"}, defaults=options)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest("structured_outputs", f"structured_outputs json is not a JSON schema: "
+                                                          f"{exc}") from None
+    if params.regex is not None:
+        need(isinstance(params.regex, str), "structured_outputs", "a regex string", params.regex)
+        return M.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        need(isinstance(params.choice, list) and params.choice and all(isinstance(c, str) and c
+                                                                           for c in params.choice),
+                    "structured_outputs", "a non-empty list of non-empty strings as choice", params.choice)
+        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+    need(isinstance(params.grammar, str), "structured_outputs", "a Lark grammar string", params.grammar)
+    return M.grammar_from_lark(params.grammar)
 
 
 class TokenBytes:
@@ -148,8 +116,8 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputsParams) -> "Grammar":
         """This completion's own matcher; raises InvalidRequest('structured_outputs') if it does not compile."""
         compiled = self._compiled(params)
-        if isinstance(compiled, errors.InvalidRequest):
-            raise errors.InvalidRequest(compiled.field, str(compiled), compiled.code)
+        if isinstance(compiled, InvalidRequest):
+            raise InvalidRequest(compiled.field, str(compiled), compiled.code)
         return Grammar(compiled.deep_copy())
 
     def _compiled(self, params: StructuredOutputsParams):
@@ -159,15 +127,15 @@ class GrammarCompiler:
                 self.cache.move_to_end(key)
                 return self.cache[key]
         try:
-            matcher = llguidance.LLMatcher(self.lltokenizer, params.to_grammar())
-            compiled = matcher if not matcher.is_error() else errors.InvalidRequest(
+            matcher = llguidance.LLMatcher(self.lltokenizer, to_grammar(params))
+            compiled = matcher if not matcher.is_error() else InvalidRequest(
                 "structured_outputs", f"structured_outputs is not a valid {params.kinds()[0]}: "
-                                      f"{errors.clipped(matcher.get_error())}")
-        except errors.InvalidRequest as exc:
+                                      f"{clipped(matcher.get_error())}")
+        except InvalidRequest as exc:
             compiled = exc
         except Exception as exc:            # llguidance refuses some inputs by raising
-            compiled = errors.InvalidRequest("structured_outputs", f"structured_outputs is not a valid "
-                                                                   f"{params.kinds()[0]}: {errors.clipped(str(exc))}")
+            compiled = InvalidRequest("structured_outputs", f"structured_outputs is not a valid "
+                                                                   f"{params.kinds()[0]}: {clipped(str(exc))}")
         with self.lock:
             self.cache[key] = compiled
             while len(self.cache) > self.CACHE_SIZE:

@@ -48,18 +48,16 @@ import numpy as np
 import pytest
 import torch
 
-import errors
-from errors import InvalidRequest
+import sequence as errors
 import extensions
 import kv_cache
 import cpu_linear as CL
-import fused_ops as FO
 import model as M
 import sampler
 from sampler import SamplingParams, SamplingState, make_generator, sample
 from kv_cache import BlockManager, CopyBlock, SwapIn, SwapOut
 from scheduler import Scheduler, SchedulerConfig
-from sequence import Sequence, Status
+from sequence import InvalidRequest, Sequence, Status
 from static_scheduler import StaticScheduler
 import paged_attention as pa
 from sim import cost_model as cm
@@ -1713,7 +1711,7 @@ ASYNC_POOLS = {   # a small pool: preemption by recompute, or by swap
 def async_workload(stop_text: str, stop_id: int) -> list:
     """16 requests: greedy and seeded rows with logprobs, max_tokens=1, n=2, a stop string, a stop id
     (EOS's path), a grammar, a victim aborted mid-stream, and prompts that hit the prefix cache."""
-    from structured_output import StructuredOutputsParams as SO
+    from sampler import StructuredOutputsParams as SO
     base = [list(range(100 + 37 * i, 100 + 37 * i + 18 + i % 5)) for i in range(10)]   # 18..22 tokens
     prompts = base + [base[0] + [900, 901], base[1] + list(range(950, 960)), base[0] + [7], base[2] * 2,
                       base[3][:17], base[4] + [42]]
@@ -1961,7 +1959,7 @@ def test_n_samples_copy_on_write_costs_one_prompt_plus_n_tails():
 
 
 # ##################################################################################################
-# model.py, cpu_linear.py, fused_ops.py: the decoder against transformers, the CPU kernels against their references
+# model.py (with its fused ops), cpu_linear.py: the decoder against transformers, the CPU kernels against their references
 # ##################################################################################################
 
 def test_logits_match_transformers_on_embedded_smollm2(hf_smollm):
@@ -2379,7 +2377,7 @@ def test_logits_match_transformers_on_tiny_random_configs(tmp_path, arch):
 
 @pytest.fixture(scope="module")
 def fused_ops():
-    if not FO._fused_cpu_built():
+    if not extensions._fused_cpu_built():
         pytest.skip(f"csrc/fused_cpu.cpp could not be built: {extensions.failed.get('fused_cpu')}")
 
 
@@ -2393,13 +2391,13 @@ def test_fused_add_rms_norm_matches_reference(fused_ops, dtype):
     g = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(37, 576, generator=g) * 3).to(dtype), torch.randn(37, 576, generator=g).to(dtype)
     weight = torch.rand(576, generator=g).to(dtype) + 0.5
-    want_norm = FO.rms_norm_reference(x, weight, 1e-5)
-    got_norm, same = FO.rms_norm(x.clone(), weight, 1e-5, fused=True)
+    want_norm = M.rms_norm_reference(x, weight, 1e-5)
+    got_norm, same = M.rms_norm(x.clone(), weight, 1e-5, fused=True)
     torch.testing.assert_close(got_norm, want_norm, **FUSED_TOL[dtype])
     want_sum = residual + x
-    want = FO.rms_norm_reference(want_sum, weight, 1e-5)
+    want = M.rms_norm_reference(want_sum, weight, 1e-5)
     got, got_sum = \
-        FO.rms_norm(x.clone(), weight, 1e-5, residual.clone(), fused=True)
+        M.rms_norm(x.clone(), weight, 1e-5, residual.clone(), fused=True)
     assert torch.equal(got_sum, want_sum)                      # one rounded add, as PyTorch's
     torch.testing.assert_close(got, want, **FUSED_TOL[dtype])
 
@@ -2411,9 +2409,9 @@ def test_fused_rope_in_place_matches_reference(fused_ops, dtype):
     qkv = torch.randn(21, (9 + 2 * 3) * 64, generator=g).to(dtype)            # [T, (nh + 2 nkv) hd]
     freqs = torch.randint(0, 2048, (21, 1)).float() * M.rope_inv_freq(cfg)     # [T, hd/2]
     want = qkv.clone()
-    FO.rope_(want, freqs.cos(), freqs.sin(), 12, 64)                             # q and k heads
+    M.rope_(want, freqs.cos(), freqs.sin(), 12, 64)                             # q and k heads
     got = qkv.clone()
-    FO.rope_(got, freqs.cos(), freqs.sin(), 12, 64, fused=True)
+    M.rope_(got, freqs.cos(), freqs.sin(), 12, 64, fused=True)
     torch.testing.assert_close(got, want, **FUSED_TOL[dtype])
     assert torch.equal(got[:, 12 * 64:], qkv[:, 12 * 64:])                      # v untouched
     q = qkv[:, :64].view(21, 1, 64).float()                                     # hand-written rotate-half
@@ -2427,7 +2425,7 @@ def test_fused_silu_and_mul_matches_reference(fused_ops, dtype):
     g = torch.Generator().manual_seed(2)
     gate_up = (torch.randn(19, 2 * 1536, generator=g) * 6).to(dtype)           # covers both sigmoid branches
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])                   # saturated and zero
-    torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=True), FO.silu_and_mul(gate_up), **FUSED_TOL[dtype])
+    torch.testing.assert_close(M.silu_and_mul(gate_up, fused=True), M.silu_and_mul(gate_up), **FUSED_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -2969,7 +2967,7 @@ AVX2_NUMERICS = """
 import sys, torch, extensions
 for build in extensions.BUILDS.values():   # this process builds and loads the AVX2-only variants
     build["extra_cflags"] = [f for f in build.get("extra_cflags", []) if f != "-march=native"] + sys.argv[1:]
-import cpu_linear as CL, fused_ops as FO, paged_attention as pa, test_all as T
+import cpu_linear as CL, model as M, paged_attention as pa, test_all as T
 for kind in ("cpu", "linear_cpu", "fused_cpu", "grammar_cpu"):
     extensions.load(kind)
 for kv in (torch.float32, torch.bfloat16):
@@ -2979,7 +2977,7 @@ torch.testing.assert_close(CL.linear(x, w), torch.nn.functional.linear(x, w), rt
 got = CL.linear(x.bfloat16(), w.bfloat16()).float()
 torch.testing.assert_close(got, torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float()), rtol=8e-3, atol=2e-2)
 gu = torch.randn(5, 64) * 4
-torch.testing.assert_close(FO.silu_and_mul(gu, fused=True), FO.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(M.silu_and_mul(gu, fused=True), M.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
 assert torch.ops.nanoserve_linear.gguf_q8_dot().startswith("AVX2")   # no VNNI in this build
 for kind in ("Q4_1", "Q4_0", "Q8_0"):   # the block kernels, 8-bit activations included, against float64
     T.test_gguf_block_kernel_matches_float64_dequantize_then_matmul(kind)
@@ -3629,7 +3627,7 @@ def test_emulation_enforces_launch_limits(emulator):
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
 def test_emulated_cuda_fused_ops_match_their_references(emulated_binding, dtype):
-    """csrc/fused_cuda.cu (fused_ops.py's GPU kernels) against the plain-PyTorch references, on rows
+    """csrc/fused_cuda.cu (model.py's fused ops on the GPU) against the plain-PyTorch references, on rows
     of a wider tensor (strided, as the model hands them over)."""
     ops, _ = emulated_binding
     tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
@@ -3637,21 +3635,21 @@ def test_emulated_cuda_fused_ops_match_their_references(emulated_binding, dtype)
     wide = (torch.randn(7, 2 * 160, generator=g) * 3).to(dtype)
     x, residual = wide[:, :160], torch.randn(7, 160, generator=g).to(dtype)        # x: rows 320 apart
     weight = torch.rand(160, generator=g) + 0.5                                     # float32, as a norm keeps it
-    torch.testing.assert_close(FO.rms_norm(x, weight, 1e-5, fused=ops)[0], FO.rms_norm_reference(x, weight, 1e-5), **tol)
+    torch.testing.assert_close(M.rms_norm(x, weight, 1e-5, fused=ops)[0], M.rms_norm_reference(x, weight, 1e-5), **tol)
     got_x, got_res = x.clone(), residual.clone()
-    FO.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)
-    want, want_res = FO.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+    M.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)
+    want, want_res = M.rms_norm(x.clone(), weight, 1e-5, residual.clone())
     assert torch.equal(got_res, want_res)                                           # one rounded add
     torch.testing.assert_close(got_x, want, **tol)
     width = (4 + 2 * 2) * 32
     qkv = torch.randn(5, width + 16, generator=g).to(dtype)                       # rows of [T, width] 16 apart
     freqs = torch.randint(0, 2048, (5, 1)).float() * M.rope_inv_freq(M.ModelConfig(head_dim=32))
     got, want = qkv.clone()[:, :width], qkv.clone()[:, :width]
-    FO.rope_(got, freqs.cos(), freqs.sin(), 6, 32, fused=ops)
-    FO.rope_(want, freqs.cos(), freqs.sin(), 6, 32)
+    M.rope_(got, freqs.cos(), freqs.sin(), 6, 32, fused=ops)
+    M.rope_(want, freqs.cos(), freqs.sin(), 6, 32)
     torch.testing.assert_close(got, want, **tol)
     gate_up = (torch.randn(9, 2 * 96 + 8, generator=g) * 6).to(dtype)[:, :2 * 96]
-    torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+    torch.testing.assert_close(M.silu_and_mul(gate_up, fused=ops), M.silu_and_mul(gate_up), **tol)
 
 
 # (id, dtype, hidden, columns of the tensor x is a view of, x's first column, kernel that must run):
@@ -3672,7 +3670,7 @@ NORM_LAYOUTS = [
 @pytest.mark.parametrize("name, dtype, hidden, width, first, kernel", NORM_LAYOUTS, ids=[c[0] for c in NORM_LAYOUTS])
 def test_emulated_cuda_norm_reads_16_byte_pieces_where_the_layout_allows(emulated_binding, name, dtype, hidden, width,
                                                                          first, kernel):
-    """RMSNorm and residual add + RMSNorm in place (out is x) against fused_ops.py's references, on
+    """RMSNorm and residual add + RMSNorm in place (out is x) against model.py's references, on
     each layout the vector kernel must take or leave; the launch log says which kernel ran."""
     ops, lib = emulated_binding
     tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
@@ -3683,12 +3681,12 @@ def test_emulated_cuda_norm_reads_16_byte_pieces_where_the_layout_allows(emulate
     residual = torch.randn(rows, hidden, generator=g).to(dtype)
     for weight in (torch.rand(hidden, generator=g) + 0.5, (torch.rand(hidden, generator=g) + 0.5).to(dtype)):
         lib.cuda_emu_take_launch_log()
-        torch.testing.assert_close(FO.rms_norm(x, weight, 1e-5, fused=ops)[0], FO.rms_norm_reference(x, weight, 1e-5),
+        torch.testing.assert_close(M.rms_norm(x, weight, 1e-5, fused=ops)[0], M.rms_norm_reference(x, weight, 1e-5),
                                    **tol)
         got_x, got_res = wide.clone()[:, first:first + hidden], residual.clone()   # x's layout
-        FO.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)             # in place: the norm lands in x
+        M.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)             # in place: the norm lands in x
         assert set(launches(lib)) == {kernel}
-        want, want_res = FO.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+        want, want_res = M.rms_norm(x.clone(), weight, 1e-5, residual.clone())
         assert torch.equal(got_res, want_res)                            # one rounded add
         torch.testing.assert_close(got_x, want, **tol)
 
@@ -3710,9 +3708,9 @@ def test_emulated_cuda_rope_reads_16_byte_pieces_where_the_layout_allows(emulate
     freqs = torch.randint(0, 4096, (5, 1)).float() * M.rope_inv_freq(M.ModelConfig(head_dim=head_dim))
     got, want = wide.clone()[:, :width], wide.clone()[:, :width]                 # rows width + pad apart
     lib.cuda_emu_take_launch_log()
-    FO.rope_(got, freqs.cos(), freqs.sin(), heads, head_dim, fused=ops)
+    M.rope_(got, freqs.cos(), freqs.sin(), heads, head_dim, fused=ops)
     assert set(launches(lib)) == {kernel}
-    FO.rope_(want, freqs.cos(), freqs.sin(), heads, head_dim)
+    M.rope_(want, freqs.cos(), freqs.sin(), heads, head_dim)
     torch.testing.assert_close(got, want, **tol)
 
 
@@ -3729,7 +3727,7 @@ def test_emulated_cuda_silu_and_mul_reads_16_byte_pieces_where_the_layout_allows
     tol = FUSED_TOL.get(dtype, dict(rtol=2e-3, atol=2e-3))
     gate_up = (torch.randn(2, width, generator=torch.Generator().manual_seed(inter)) * 6).to(dtype)[:, :2 * inter]
     lib.cuda_emu_take_launch_log()
-    torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+    torch.testing.assert_close(M.silu_and_mul(gate_up, fused=ops), M.silu_and_mul(gate_up), **tol)
     assert set(launches(lib)) == {kernel}
 
 
@@ -3897,7 +3895,7 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
 def test_cuda_tensor_core_decode_and_vector_ops_match_references_on_gpu(cuda_backend, dtype):
     """The tensor-core decode kernel (head_dim 64 and 128, GQA 1 to 8, contexts around page and tile
     edges, split in page-aligned parts) against the float32 reference, and the fused ops' vector and
-    scalar layouts against fused_ops.py's references, on the GPU."""
+    scalar layouts against model.py's references, on the GPU."""
     ctx = [1, 15, 16, 17, 31, 32, 33, 1000, 2048, 4097]
     for group, head_dim in [(1, 64), (3, 64), (4, 128), (8, 128)]:
         for rows in (ctx, ctx[-3:], [700] * 270):              # 270 rows x 2 KV heads fill an H100: no split
@@ -3912,24 +3910,24 @@ def test_cuda_tensor_core_decode_and_vector_ops_match_references_on_gpu(cuda_bac
     for _, _, hidden, width, first, _ in NORM_LAYOUTS:
         x = (torch.randn(3, width, device="cuda") * 3).to(dtype)[:, first:first + hidden]
         residual, weight = torch.randn(3, hidden, device="cuda").to(dtype), torch.rand(hidden, device="cuda") + 0.5
-        torch.testing.assert_close(FO.rms_norm(x, weight, 1e-5, fused=ops)[0], FO.rms_norm_reference(x, weight, 1e-5),
+        torch.testing.assert_close(M.rms_norm(x, weight, 1e-5, fused=ops)[0], M.rms_norm_reference(x, weight, 1e-5),
                                    **tol)
         got_x, got_res = x.clone(), residual.clone()
-        FO.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)
-        want, want_res = FO.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+        M.rms_norm(got_x, weight, 1e-5, got_res, fused=ops)
+        want, want_res = M.rms_norm(x.clone(), weight, 1e-5, residual.clone())
         assert torch.equal(got_res, want_res)
         torch.testing.assert_close(got_x, want, **tol)
     for inter, width in [(14336, 2 * 14336), (1536, 2 * 1536 + 4), (100, 200)]:
         gate_up = (torch.randn(5, width, device="cuda") * 6).to(dtype)[:, :2 * inter]
-        torch.testing.assert_close(FO.silu_and_mul(gate_up, fused=ops), FO.silu_and_mul(gate_up), **tol)
+        torch.testing.assert_close(M.silu_and_mul(gate_up, fused=ops), M.silu_and_mul(gate_up), **tol)
     for head_dim, pad in [(128, 0), (64, 4), (8, 0)]:                 # rope: vector, then scalar layouts
         width = 8 * head_dim
         wide = torch.randn(5, width + pad, device="cuda").to(dtype)
         freqs = torch.randint(0, 4096, (5, 1), device="cuda").float() * M.rope_inv_freq(
             M.ModelConfig(head_dim=head_dim)).cuda()
         got, want = wide.clone()[:, :width], wide.clone()[:, :width]
-        FO.rope_(got, freqs.cos(), freqs.sin(), 6, head_dim, fused=ops)
-        FO.rope_(want, freqs.cos(), freqs.sin(), 6, head_dim)
+        M.rope_(got, freqs.cos(), freqs.sin(), 6, head_dim, fused=ops)
+        M.rope_(want, freqs.cos(), freqs.sin(), 6, head_dim)
         torch.testing.assert_close(got, want, **tol)
 
 
@@ -4925,7 +4923,7 @@ SMALL_OBJECT = {"type": "object", "additionalProperties": False, "required": ["n
 
 def test_structured_outputs_parse_validate_and_leave_free_rows_alone(llm_f32):
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates the outputs")
-    from structured_output import StructuredOutputsParams as SO
+    from sampler import StructuredOutputsParams as SO
     questions = ["Describe a cat as a person.", "Invent a football player.", "Who was Ada Lovelace?"]
     chats = [llm_f32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     free_prompt = "The capital of France is"
@@ -4948,7 +4946,7 @@ def test_structured_outputs_parse_validate_and_leave_free_rows_alone(llm_f32):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_structured_outputs_survive_preemption(llm_f32, mode):
-    from structured_output import StructuredOutputsParams as SO
+    from sampler import StructuredOutputsParams as SO
     p = SamplingParams(temperature=0, max_tokens=24, structured_outputs=SO(json_object=True))
     prompts = [llm_f32.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:5]]
     expected = [o.outputs[0].text for o in llm_f32.generate(prompts, p)]
@@ -4964,7 +4962,7 @@ def test_structured_outputs_survive_preemption(llm_f32, mode):
 def test_min_tokens_with_a_grammar_holds_the_end_back_until_met_unless_the_grammar_is_done(tiny):
     """vLLM's rule: EOS and stop ids are masked until min_tokens, after the grammar's mask. A grammar
     that may go on goes on, inside the grammar; one that allows nothing but the end ends there, short."""
-    from structured_output import StructuredOutputsParams as SO
+    from sampler import StructuredOutputsParams as SO
     llm = tiny_llm(tiny)
     end_first = {t: 100.0 for t in llm.engine.eos_token_ids}           # the end wins wherever it is allowed
 
@@ -5021,7 +5019,7 @@ def test_grammar_masks_allow_exactly_the_tokens_a_regex_can_continue_with(tok):
     # oracle: [ab]{2,5} after k letters can take any token spelled with a and b alone, at most 5 - k
     # bytes long, and EOS once k >= 2; llguidance's mask must say the same through the whole path
     import structured_output as so
-    from structured_output import StructuredOutputsParams as SO
+    from sampler import StructuredOutputsParams as SO
     vocab = tok.vocab_size
     compiler = so.GrammarCompiler(tok, vocab)
 
@@ -5078,7 +5076,7 @@ def test_bad_sampling_fields_are_rejected_naming_the_field(llm, params, field):
     with pytest.raises(errors.InvalidRequest) as err:
         llm.engine.add_request("bad", "hi", SamplingParams(**params))
     assert err.value.field == field and field in str(err.value)
-    from structured_output import StructuredOutputsParams as SO
+    from sampler import StructuredOutputsParams as SO
     for bad in (SO(json={"type": "object", "properties": {"a": {"type": "nope"}}}), SO(regex="(", json={}), SO()):
         with pytest.raises(errors.InvalidRequest) as err:
             llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs=bad))
@@ -5605,7 +5603,8 @@ def test_grammar_drafts_are_trimmed_and_each_position_masked_after_its_drafted_p
     """Oracle: a hand loop over fresh matchers, each fed the tokens emitted so far, masking the
     logits of its position and taking the argmax. The logits favour a forbidden token at every
     position, so only masks computed after the right prefix keep verify on the oracle's tokens."""
-    from structured_output import StructuredOutputsParams as SO, apply_grammar_masks
+    from sampler import StructuredOutputsParams as SO
+    from structured_output import apply_grammar_masks
     tok, compiler = grammars
     vocab = tok.vocab_size
     regex = SO(regex="(cat|dog)s? and (cat|dog)s?")
@@ -6034,7 +6033,7 @@ def test_speculation_under_preemption_gives_transformers_outputs_and_rolls_back_
 def test_speculation_under_a_grammar_gives_the_plain_outputs(tiny):
     # the draft ignores the grammar: drafts it forbids are cut before verification (the choice), the
     # rest are verified under each position's mask, and a grammar may end inside an accepted run
-    from structured_output import StructuredOutputsParams as SO
+    from sampler import StructuredOutputsParams as SO
     params = [greedy(30, structured_outputs=so) for so in (SO(regex=r"(.|\n){0,40}"), SO(regex=r"[^\n]{0,25}"),
                                                           SO(choice=["alpha beta gamma", "delta epsilon"]))]
     expected = tiny_llm(tiny).generate(TINY_PROMPTS[:3], params)
@@ -7110,7 +7109,8 @@ def test_a_slow_grammar_compile_stalls_no_step_and_is_refused_past_its_timeout(t
     the engine while a plain request is served step after step; past --grammar-compile-timeout the
     structured request is refused with a 400 naming structured_outputs."""
     from engine_core import AddRequests, EngineCore, Stop
-    from structured_output import GrammarCompiler, StructuredOutputsParams as SO
+    from sampler import StructuredOutputsParams as SO
+    from structured_output import GrammarCompiler
     release, compiled = threading.Event(), GrammarCompiler._compiled
 
     def held(self, params):
@@ -7147,7 +7147,7 @@ def test_disconnect_while_being_added_leaks_nothing(tiny):
     """A client gone while its add waits for its grammar, or right after a plain add: the core answers
     the add (so the front end forgets it) and nothing stays in the engine."""
     from engine_core import AbortRequests, AddRequests, EngineCore, Stop
-    from structured_output import StructuredOutputsParams as SO
+    from sampler import StructuredOutputsParams as SO
     eng = tiny_llm(tiny).engine
     conn, core_conn = multiprocessing.Pipe()
     core = threading.Thread(target=EngineCore(eng, core_conn).run, daemon=True)

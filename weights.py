@@ -23,10 +23,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import extensions
-from errors import InvalidRequest
 from cpu_linear import (GGUF_ROWS, GGUFBlocks, Linear, _cpu_linear_kernels, choose_gguf_path, cpu_linear_path,
                         INT8_GROUP, quantize_int8)
 from model import Llama, ModelConfig
+from sequence import InvalidRequest
 
 
 def embedded_gguf_path() -> str:

@@ -115,8 +115,8 @@ FUSED_SHAPES = {"add_rms_norm_": (64, 4096), "silu_and_mul": (64, 2 * 14336)}   
 def bench_fused_ops(repeats: int, bandwidth_gbs: float) -> dict:
     """The fused per-layer ops (csrc/fused_cuda.cu) alone at Llama-3-8B's batch-64 shapes, bf16: us per
     call (a CUDA graph of calls over copies larger than L2) beside their bytes at the read bandwidth,
-    and fused_ops.py's PyTorch versions."""
-    import fused_ops as FO
+    and model.py's PyTorch versions."""
+    import model as FO
     import paged_attention as pa
     pa.resolve_backend("cuda", "cuda")
     ops = torch.ops.nanoserve_cuda

@@ -21,7 +21,6 @@ import torch
 
 import extensions
 import cpu_linear as CL
-import fused_ops as FO
 import model as M
 from benchmarks.harness import bench_device, decode_kernel_inputs, random_prompt, time_fn
 import paged_attention as pa
@@ -161,10 +160,10 @@ def fused_op_cases(rows, dtype, hidden=576, inter=1536, heads=9, kv_heads=3, hea
     ang = torch.rand(rows, head_dim // 2, generator=g) * 6.28
     cos, sin = ang.cos(), ang.sin()                                                        # float32 [T, head_dim/2]
     gate_up = torch.randn(rows, 2 * inter, generator=g).to(dtype)                           # [T, 2 * inter]
-    return {"residual add + RMSNorm": (lambda: FO.rms_norm(x, w, eps, res), lambda: FO.rms_norm(x, w, eps, res, True)),
-            "RoPE on q and k (in place)": (lambda: FO.rope_(qkv, cos, sin, heads + kv_heads, head_dim),
-                                           lambda: FO.rope_(qkv, cos, sin, heads + kv_heads, head_dim, True)),
-            "SwiGLU": (lambda: FO.silu_and_mul(gate_up), lambda: FO.silu_and_mul(gate_up, True))}
+    return {"residual add + RMSNorm": (lambda: M.rms_norm(x, w, eps, res), lambda: M.rms_norm(x, w, eps, res, True)),
+            "RoPE on q and k (in place)": (lambda: M.rope_(qkv, cos, sin, heads + kv_heads, head_dim),
+                                           lambda: M.rope_(qkv, cos, sin, heads + kv_heads, head_dim, True)),
+            "SwiGLU": (lambda: M.silu_and_mul(gate_up), lambda: M.silu_and_mul(gate_up, True))}
 
 
 def _compile_fused_ops(rows, dtype) -> tuple[dict, str | None, float | None]:
@@ -191,7 +190,7 @@ def fused_ops_vs_compile(rows=(64, 512), batch=64, engine=None, steps=6, calls=2
     compile_ops=False, or a compile that fails, leaves torch.compile out and says why."""
     engine = engine or _engine()
     dtype = engine.dtype
-    if not FO.fused_ops_available(engine.device, dtype):
+    if not extensions.fused_ops_available(engine.device, dtype):
         return {"skipped": f"csrc/fused_cpu.cpp does not run here ({engine.device.type}, {dtype}, or its build failed)"}
     compiled, why_not, compile_s = ({}, "not run (--quick: compiling takes tens of seconds)", None) if not compile_ops \
         else _compile_fused_ops(rows, dtype)

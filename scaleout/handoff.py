@@ -20,9 +20,8 @@ from multiprocessing.connection import Connection
 
 from engine import Engine
 from engine_core import CoreUpdate, EngineCore
-from errors import EngineError
 from scaleout.kv_transfer import KVTransfer, TransferGroup
-from sequence import Completion, Request, RequestMetrics, Sequence, Status
+from sequence import Completion, EngineError, Request, RequestMetrics, Sequence, Status
 from tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("nanoserve.handoff")

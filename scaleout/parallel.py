@@ -38,10 +38,10 @@ import torch.nn.functional as F
 
 from builder import EngineBuilder
 from cpu_linear import Linear
-from errors import EngineError, InvalidRequest, need
 from kv_cache import KVCachePool
 from model import ModelConfig
 from model_runner import ModelRunner, StepInputs
+from sequence import EngineError, InvalidRequest, need
 from weights import load_model, read_config
 
 # A collective that waits this long has lost a rank that is alive but stuck (a dead one is noticed at

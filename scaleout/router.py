@@ -23,8 +23,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from errors import need
 from kv_cache import block_hash
+from sequence import need
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
