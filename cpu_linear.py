@@ -14,7 +14,7 @@ Holds no model structure (model.py) and reads no files (weights.py attaches GGUF
 """
 import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -190,6 +190,26 @@ class GGUFBlocks:
     qs: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    q8: "Q8Panels | None" = field(default=None, repr=False, compare=False)   # gguf_q8_panels' copy, made at first use
+
+
+def to_lanes(q: torch.Tensor, q4: bool) -> torch.Tensor:
+    """Values q [N, K] -> csrc/linear_cpu.cpp's lane layout: value 8i + L of each group (64
+    values for Q4_1, 32 for Q8_0) goes to 32-bit lane L, at nibble i (Q4_1) or byte i (Q8_0)."""
+    N, K = q.shape
+    if not q4:
+        return q.view(N, K // 32, 4, 8).transpose(-1, -2).reshape(N, K)
+    q = q.view(N, K // 64, 4, 2, 8)                                   # value 8 * (2 * byte + half) + lane
+    return (q[:, :, :, 0] | q[:, :, :, 1] << 4).transpose(-1, -2).reshape(N, K // 2)
+
+
+def from_lanes(qs: torch.Tensor, q4: bool) -> torch.Tensor:
+    """to_lanes undone: rows in the lane layout -> the values q [T, K] (uint8 0..15 or int8)."""
+    T = qs.shape[0]
+    if not q4:
+        return qs.view(T, -1, 8, 4).transpose(-1, -2).reshape(T, -1)
+    b = qs.view(T, -1, 8, 4).transpose(-1, -2)                       # [T, K/64, 4 bytes, 8 lanes]
+    return torch.stack([b & 15, b >> 4], dim=3).reshape(T, -1)       # value 8 * (2 * byte + half) + lane
 
 
 # Below this many rows a float32 layer with GGUF blocks reads them instead of its float32 weight
@@ -260,7 +280,7 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None =
 # quantization="gguf" at a few rows always sums in float32 (batch-1 logits are the float32
 # engine's up to summation order); from GGUF_Q8_ROWS rows on it could take 8-bit activations where
 # they are faster at start-up (choose_gguf_path). On SmolLM2 they keep 96-98% of greedy top-1
-# agreement and perplexity within 1% (test_all.py). csrc/gguf_q8_cpu.cpp's kernel is now faster than
+# agreement and perplexity within 1% (test_all.py). csrc/int8_cpu.cpp's kernel is now faster than
 # the float32 sums at every row count measured (1-64 rows, both the AVX2 and the AVX512_VNNI build:
 # docs/quantization.md), but they stay off (GGUF_Q8_ACTIVATIONS): they change the tokens, which
 # quantization="gguf"'s tests hold to transformers', and a path picked by a timing at start-up would
@@ -285,43 +305,71 @@ def choose_gguf_path(blocks: GGUFBlocks, rows: int = 64, repeats: int = 3) -> tu
     q8 = GGUF_Q8_ACTIVATIONS and best["8-bit activations"] < best["float32 sums"]
     line = (f"from {GGUF_Q8_ROWS} rows {'8-bit activations' if q8 else 'float32 sums'} (measured now at {rows} rows: "
             f"float32 sums {best['float32 sums'] * 1e3:.2f} ms, 8-bit activations {best['8-bit activations'] * 1e3:.2f} ms, "
-            f"{torch.ops.nanoserve_linear.gguf_q8_dot()}{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: they change the tokens'})")
+            f"{torch.ops.nanoserve_linear.q8_dot()}{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: they change the tokens'})")
     return (GGUF_Q8_ROWS if q8 else None), line
 
 
 def gguf_linear_q8(x2: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x2 float32 [M, K] -> [M, N]: each row quantized per block of 32 to int8 (max |x| / 127, round
-    half to even; llama.cpp's Q8_1, with the block sums for the mins' term), integer dot products per
-    block, one float order across blocks (csrc/gguf_q8_cpu.cpp). The mins' term takes the sums of
+    half to even; llama.cpp's Q8_1, with the block sums for the mins' term), exact integer dot products per
+    block, one float order across blocks (csrc/int8_cpu.cpp). The mins' term takes the sums of
     the *rounded* x, so the result is the rounded x times the weight (d q + m). (Summing x itself
     there leaves the rounding error times d q, with q in 0..15 never centred: 2.6% perplexity on
     SmolLM2 against 0.6%, docs/quantization.md.)"""
-    return torch.ops.nanoserve_linear.linear_gguf_q8(x2, blocks.qs, blocks.scales, blocks.mins, bias)
+    p = gguf_q8_panels(blocks)
+    return torch.ops.nanoserve_linear.linear_q8(x2, p.w, p.d, p.m, None, p.out_features, 32, bias)
 
 
 @dataclass
-class Int8Weight:
-    """quantization="int8" (dynamic W8A8): a weight [N, K] as int8 with one scale per output
-    channel, w[n, k] ~ scales[n] * q[n, k], in the panels csrc/linear_cpu.cpp's linear_int8 reads:
-    panels int8 [ceil(N/16), ceil(K/2), 16, 2] (zeros pad N and K), scales float32 [ceil(N/16) * 16]."""
-    panels: torch.Tensor
-    scales: torch.Tensor
+class Q8Panels:
+    """A weight for csrc/int8_cpu.cpp's linear_q8 (8-bit activations, exact int32 sums; the layout
+    is described there), made once by pack_q8: panels of 8 output columns, K in blocks of 32.
+    w uint8 [ceil(N/8), ceil(K/32), 256] (8-bit weights as q + 128) or [..., 128] (Q4's nibbles);
+    the GGUF's d (and Q4's m) float16 [ceil(N/8), ceil(K/32), 8]; or int8's per-channel scales sw
+    float32 [ceil(N/8) * 8] (zeros pad N and K)."""
+    w: torch.Tensor
     out_features: int
+    d: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+    sw: torch.Tensor | None = None
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """weight float [N, K] -> Int8Weight: per output channel, symmetric, q = round(w / s) with
-    s = max_k |w[n, k]| / 127 (round half to even, |q| <= 127; a zero row has s = 0)."""
+def pack_q8(q: torch.Tensor, d: torch.Tensor | None = None, m: torch.Tensor | None = None,
+            sw: torch.Tensor | None = None) -> Q8Panels:
+    """q [N, K]: int8 (int8 weights with sw [N], or Q8_0 with d [N, K/32]) or uint8 0..15 (Q4, with d
+    and m [N, K/32]) -> Q8Panels."""
+    N, K = q.shape
+    P, nb = -(-N // 8), -(-K // 32)
+    q = F.pad(q, (0, nb * 32 - K, 0, P * 8 - N))                      # [8P, 32 nb]
+    if m is not None:                                                 # byte (t, c, j): values 4t + j | 16 + 4t + j << 4
+        v = q.view(P, 8, nb, 2, 4, 4)                                 # [P, c, b, half, t, j]
+        w = (v[:, :, :, 0] | v[:, :, :, 1] << 4).permute(0, 2, 3, 1, 4).reshape(P, nb, 128)
+    else:
+        v = (q.to(torch.int16) + 128).to(torch.uint8).view(P, 8, nb, 8, 4)   # [P, c, b, t, j]
+        w = v.permute(0, 2, 3, 1, 4).reshape(P, nb, 256)
+    def per_block(s):                                                 # [N, nb] -> float16 [P, nb, 8]
+        return None if s is None else F.pad(s.float(), (0, 0, 0, P * 8 - N)).view(P, 8, nb).transpose(1, 2).half().contiguous()
+    return Q8Panels(w.contiguous(), N, per_block(d), per_block(m),
+                    None if sw is None else F.pad(sw.float(), (0, P * 8 - N)).contiguous())
+
+
+def gguf_q8_panels(blocks: GGUFBlocks) -> Q8Panels:
+    """The blocks repacked for linear_q8, once per GGUFBlocks (kept on it). d and m are the file's
+    float16 halves, so the copy holds the same weights exactly."""
+    if blocks.q8 is None:
+        q4 = blocks.mins is not None
+        blocks.q8 = pack_q8(from_lanes(blocks.qs, q4), blocks.scales, blocks.mins)
+    return blocks.q8
+
+
+def quantize_int8(weight: torch.Tensor) -> Q8Panels:
+    """weight float [N, K] -> Q8Panels for quantization="int8": per output channel, symmetric,
+    q = round(w / s) with s = max_k |w[n, k]| / 127 (round half to even, |q| <= 127; a zero row has s = 0)."""
     w = weight.detach().float()
-    N, K = w.shape
     amax = w.abs().amax(1)                                            # [N]
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)   # [N, K]
-    Np, Kp = -(-N // 16) * 16, -(-K // 2) * 2
-    q = F.pad(q, (0, Kp - K, 0, Np - N))                              # [Np, Kp]
-    panels = q.view(Np // 16, 16, Kp // 2, 2).permute(0, 2, 1, 3).contiguous()   # [Np/16, Kp/2, 16, 2]
-    scales = F.pad(amax / 127, (0, Np - N))                           # [Np]
-    return Int8Weight(panels, scales, N)
+    return pack_q8(q, sw=amax / 127)
 
 
 # Activation values per 8-bit scale in quantization="int8". vLLM's dynamic W8A8 takes one per token
@@ -330,19 +378,19 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
 # float32's on test_all's CORPUS: the outliers of the normed hidden states (qkv_proj's input) and
 # of SwiGLU's output (down_proj's) flatten the small values beside them. Groups of 64 along K (as
 # llama.cpp's 32-value blocks, coarser) measured docs/quantization.md's figures, within the 95%
-# and 1%. The cost is one int-to-float fold per group of 64 in the kernel.
+# and 1%. The cost is one int-to-float fold per group of 64 in the kernel. (A multiple of 32.)
 INT8_GROUP = 64
 
 
-def int8_linear(x: torch.Tensor, w8: Int8Weight, bias: torch.Tensor | None = None,
+def int8_linear(x: torch.Tensor, w8: Q8Panels, bias: torch.Tensor | None = None,
                 group: int | None = None) -> torch.Tensor:
-    """x [..., K] float32 against an Int8Weight -> [..., N] float32: each row of x quantized to
-    8 bits with a scale per `group` values (max |x| / 127; default INT8_GROUP), exact int32 dot
-    products per group, summed in float32 in a fixed order (csrc/linear_cpu.cpp, linear_int8).
-    A row's result never depends on the rows beside it."""
+    """x [..., K] float32 against quantize_int8's weight -> [..., N] float32: each row of x quantized
+    to 8 bits with a scale per `group` values (a multiple of 32, or >= K for one per row; max |x| /
+    127; default INT8_GROUP), exact int32 dot products per group, summed in float32 in a fixed order
+    (csrc/int8_cpu.cpp's linear_q8). A row's result never depends on the rows beside it."""
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()               # [M, K]
-    out = torch.ops.nanoserve_linear.linear_int8(x2, w8.panels, w8.scales, w8.out_features,
-                                                 group or INT8_GROUP, bias)
+    out = torch.ops.nanoserve_linear.linear_q8(x2, w8.w, None, None, w8.sw, w8.out_features,
+                                               group or INT8_GROUP, bias)
     return out.view(*x.shape[:-1], w8.out_features)                  # [..., N]
 
 
@@ -370,12 +418,12 @@ class Linear(nn.Linear):
     _packed = (None, None)                    # (which weight it was made from, packed copy)
     _packed_invariant = (None, None)          # the same for batch-invariant mode, where the copy may differ
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
-    quantized: "GGUFBlocks | Int8Weight | None" = None   # quantization="gguf" / "int8": only these, at every row count (weights.py)
+    quantized: "GGUFBlocks | Q8Panels | None" = None   # quantization="gguf" / "int8": only these, at every row count (weights.py)
     q8_rows: int | None = None                # and 8-bit activations from this many rows (choose_gguf_path)
     batch_invariant = False                   # model.Llama.set_batch_invariant sets it
 
     def forward(self, x, float_out=False):
-        if isinstance(self.quantized, Int8Weight):
+        if isinstance(self.quantized, Q8Panels):
             return int8_linear(x, self.quantized, self.bias)
         if self.quantized is not None:
             return gguf_linear(x, self.quantized, self.bias, self.q8_rows)

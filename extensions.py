@@ -33,7 +33,7 @@ BUILDS = {   # torch.utils.cpp_extension.load arguments per library
         extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"]),
     # not attention: model.py's small-batch linear layers
     "linear_cpu": dict(
-        name="nanoserve_linear_cpu", sources=["gguf_q8_cpu.cpp", "linear_cpu.cpp"],   # the last names the library in warnings
+        name="nanoserve_linear_cpu", sources=["int8_cpu.cpp", "linear_cpu.cpp"],   # the last names the library in warnings
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"]),
     # model.py's fused per-layer ops: residual add + RMSNorm, RoPE in place, SwiGLU
     # (no trapping math: else GCC 12 keeps SwiGLU's compares as branches and the loop scalar on AVX2)
@@ -71,11 +71,26 @@ def build_directory(build: dict) -> Path:
     return path
 
 
+# NANOSERVE_CPU_ISA=avx2 builds the CPU libraries for AVX2 + FMA + F16C only (-march=x86-64-v3, the
+# ISA of CI's EPYCs) on any x86 CPU, into their own directories: to test or time that build on a
+# CPU with AVX-512 (bench.py; torch's own kernels are held with ATEN_CPU_CAPABILITY=avx2).
+CPU_ISA = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
+
+
+def with_cpu_isa(build: dict) -> dict:
+    """A build's arguments with -march=native replaced by NANOSERVE_CPU_ISA's flag (unset: native)."""
+    isa = os.environ.get("NANOSERVE_CPU_ISA", "native")
+    if isa not in CPU_ISA:
+        raise ValueError(f"NANOSERVE_CPU_ISA must be one of {sorted(CPU_ISA)}, got {isa!r}")
+    flags = [CPU_ISA[isa] if f == "-march=native" else f for f in build.get("extra_cflags", [])]
+    return {**build, "extra_cflags": flags} if "extra_cflags" in build else build
+
+
 def load(kind: str) -> None:
     """Load the cached build of one library, or JIT-build it first; raises if the build fails."""
     if kind in _loaded:
         return
-    build = BUILDS[kind]
+    build = with_cpu_isa(BUILDS[kind])
     build_dir = build_directory(build)
     library = build_dir / f"{build['name']}.so"
     # The directory is named by a hash of everything the library depends on, so a library in it is

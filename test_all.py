@@ -21,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import copy
+import dataclasses
 import ctypes
 import functools
 import glob
@@ -2208,7 +2209,7 @@ def int8_kernel_error(x, q, sw, bias, group, scales=None):
     sum over groups of sx * (p @ q.T), times sw, plus bias."""
     w8 = CL.quantize_int8(q.double() * sw.double()[:, None])
     if scales is not None:
-        w8 = CL.Int8Weight(w8.panels, scales, w8.out_features)
+        w8 = dataclasses.replace(w8, sw=scales)
     got = CL.int8_linear(x, w8, bias, group).double()
     p, sx = int8_rows(x, group)
     ref = ((p * sx) @ q.double().T) * sw.double()[None] + bias.double()
@@ -2230,15 +2231,16 @@ def test_int8_kernel_matches_float64_reference_and_catches_a_shifted_scale():
     q[torch.arange(N), torch.randint(0, K, (N,), generator=g)] = 127         # each row's max is 127
     sw = torch.rand(N, generator=g) * 0.02 + 1e-3
     w8 = CL.quantize_int8(q.double() * sw.double()[:, None])
-    unpacked = w8.panels.permute(0, 2, 1, 3).reshape(-1, w8.panels.shape[1] * 2)[:N, :K]
-    assert torch.equal(unpacked, q) and torch.allclose(w8.scales[:N], sw, rtol=1e-6)   # load-time quantization
+    P, nb = w8.w.shape[:2]                                                   # [P, b, t, c, j] as q + 128
+    unpacked = (w8.w.view(P, nb, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(P * 8, nb * 32)[:N, :K].int() - 128)
+    assert torch.equal(unpacked, q.int()) and torch.allclose(w8.sw[:N], sw, rtol=1e-6)   # load-time quantization
     bias = torch.randn(N, generator=g)
     for group in (64, 196):
         for rows in (1, 3, 8, 64, 512):
             x = torch.randn(rows, K, generator=g) * 3
             err, bound = int8_kernel_error(x, q, sw, bias, group)
             assert err <= bound, f"int8 (groups of {group}) at {rows} rows: error {err} > {bound}"
-        err, bound = int8_kernel_error(torch.randn(3, K, generator=g), q, sw, bias, group, scales=torch.roll(w8.scales, 1))
+        err, bound = int8_kernel_error(torch.randn(3, K, generator=g), q, sw, bias, group, scales=torch.roll(w8.sw, 1))
         assert err > 100 * bound, "the check missed weight scales shifted by one channel"
 
 

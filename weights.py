@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 import extensions
 from cpu_linear import (GGUF_ROWS, GGUFBlocks, Linear, _cpu_linear_kernels, choose_gguf_path, cpu_linear_path,
-                        INT8_GROUP, quantize_int8)
+                        INT8_GROUP, from_lanes, quantize_int8, to_lanes)
 from model import Llama, ModelConfig
 from sequence import InvalidRequest
 
@@ -123,25 +123,6 @@ def dequantize_blocks(q, d, m=None) -> torch.Tensor:
     return (w if m is None else w + m[..., None]).view(N, -1)
 
 
-def to_lanes(q: torch.Tensor, q4: bool) -> torch.Tensor:
-    """Values q [N, K] -> csrc/linear_cpu.cpp's lane layout: value 8i + L of each group (64
-    values for Q4_1, 32 for Q8_0) goes to 32-bit lane L, at nibble i (Q4_1) or byte i (Q8_0)."""
-    N, K = q.shape
-    if not q4:
-        return q.view(N, K // 32, 4, 8).transpose(-1, -2).reshape(N, K)
-    q = q.view(N, K // 64, 4, 2, 8)                                   # value 8 * (2 * byte + half) + lane
-    return (q[:, :, :, 0] | q[:, :, :, 1] << 4).transpose(-1, -2).reshape(N, K // 2)
-
-
-def from_lanes(qs: torch.Tensor, q4: bool) -> torch.Tensor:
-    """to_lanes undone: rows in the lane layout -> the values q [T, K] (uint8 0..15 or int8)."""
-    T = qs.shape[0]
-    if not q4:
-        return qs.view(T, -1, 8, 4).transpose(-1, -2).reshape(T, -1)
-    b = qs.view(T, -1, 8, 4).transpose(-1, -2)                       # [T, K/64, 4 bytes, 8 lanes]
-    return torch.stack([b & 15, b >> 4], dim=3).reshape(T, -1)       # value 8 * (2 * byte + half) + lane
-
-
 class GGUFEmbedding(torch.nn.Module):
     """The token embedding as the GGUF stores it (quantization="gguf"): the rows looked up are
     dequantized from their blocks, d * q (+ m), the float32 values convert_gguf writes; no float32
@@ -212,11 +193,11 @@ def quantize_linears_int8(net: "Llama") -> str:
         lin.weight = _stand_in(lin.weight)
         lin._gguf = (None, None)                                   # a GGUF's blocks: not read, not kept
     net.__dict__.pop("gguf_embedding", None)                       # (the embedding's too)
-    mib = sum(m.quantized.panels.numel() + 4 * m.quantized.scales.numel() for m in linears) / 2**20
+    mib = sum(m.quantized.w.numel() + 4 * m.quantized.sw.numel() for m in linears) / 2**20
     return (f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8 ({mib:.0f} MiB; "
             f"per-channel weight scales, dynamic activation scales per row and {INT8_GROUP} values, exact int32 "
-            f"sums: csrc AVX2 "
-            f"vpmaddwd panels, no VNNI kernel); lm_head float32 "
+            f"sums: csrc "
+            f"{torch.ops.nanoserve_linear.q8_dot()}); lm_head float32 "
             f"({cpu_linear_path(torch.float32)})")
 
 

@@ -14,10 +14,8 @@
 // Registered as torch.ops.nanoserve_linear.linear_small_m (float32; needs K % 8 == 0 and
 // N % 4 == 0), linear_small_m_bf16 (bfloat16; K % 32 == 0), linear_gguf (float32
 // activations against a GGUF file's Q4_1 / Q4_0 / Q8_0 blocks, a sixth / a quarter of the
-// float32 bytes, at any M; K % 64 == 0 and N % 2 == 0; the same blocks against 8-bit activations are
-// csrc/gguf_q8_cpu.cpp's linear_gguf_q8, in this library), linear_int8 (quantization="int8":
-// int8 weight panels against x quantized to 8 bits per row and group, exact int32 sums, any K, N),
-// pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
+// float32 bytes, at any M; K % 64 == 0 and N % 2 == 0; 8-bit activations against those blocks or
+// against int8 weights are csrc/int8_cpu.cpp's linear_q8, in this library), pack_panels and linear_panels (float32, N % 16 == 0; bfloat16 with
 // AVX512_BF16, N % 32 == 0 and K % 2 == 0, without it N % 16 == 0: panel_columns says; float_out:
 // float32 out from bf16), contiguous inputs
 // (model.linear checks). Built with -O3 -march=native: AVX2+FMA at least, AVX512_BF16 used
@@ -565,174 +563,6 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
   return out;
 }
 
-
-// ---- int8 weights against 8-bit activations (quantization="int8", dynamic W8A8) ---------------
-// The weight is quantized once at load, per output channel: w[n, k] ~ sw[n] * q[n, k], q int8 in
-// [-127, 127] (cpu_linear.quantize_int8). Each call quantizes x with one scale per row and per
-// group of G values along K (G = K: vLLM's per-token scales): x[m, k] ~ sx[m, g] * p[m, k],
-// p = round(x / sx), sx = max |x[m, group g]| / 127. Each group's dot product sum_k p q is exact
-// in int32, then folded into a float32 sum, groups in order; one epilogue per output:
-//   out[m, n] = sw[n] * sum_g sx[m, g] * float(sum_{k in g} p[m, k] q[n, k]) + bias[n].
-// Nothing in a row's result depends on the other rows (exact integer sums, fixed float order):
-// batch-invariant at every M. (Per-token scales cost SmolLM2 1.5% perplexity: the outliers of
-// the normed hidden states and of SwiGLU's output flatten the small values beside them; groups
-// of 64 keep it within 1%: docs/quantization.md.)
-// Without VNNI, AVX2 multiplies integers with vpmaddwd (16 int16 products, adjacent pairs added
-// into 8 int32) or vpmaddubsw (32 u8 x s8 products into 16 saturating int16) followed by vpmaddwd
-// against ones. Both sides here are signed int8, and u8 x s8 would need a zero point of 128 whose
-// pair sums (255 * 127 * 2) overflow int16, or the abs/sign trick (one more op per row and
-// column). vpmaddwd on values widened to int16 does the same 32 products per two multiplies as
-// maddubs + madd, exactly, with no saturation: on Zen 1 and Skylake both are 16 products per
-// multiply uop. So the weight stays int8 in memory (1 byte per value: the bandwidth win at a few
-// rows) and is widened in registers (vpmovsxbw, once per tile of rows); x is quantized into int16.
-// Layout: panels like the float32 GEMM's, 16 output columns with K in pairs, [ceil(N / 16),
-// ceil(K / 2), 16, 2] int8 (zeros pad N and K): one k-pair of a panel is 32 bytes, two loads that
-// widen into two vectors of 8 columns' (k, k + 1) pairs. x's pair (k, k + 1) is one int32,
-// broadcast. A 4 x 16 tile of int32 sums lives in 8 registers while k runs over a group; the
-// float sums across groups wait in L1.
-// rows per register tile: 8 accumulators + 2 weights + x's broadcast + a product of 16 ymm. (6 rows,
-// as the float32 panels, made GCC keep 9 accumulators on the stack: vpmaddwd's product needs a
-// register of its own, where an FMA adds in place; 5 spilled too. Both ~30% slower at 64 rows.)
-constexpr int kTileI8 = 4;
-
-// out[0:MR, 0:cols] for one panel. x: MR rows of int16 pairs, Kp apart; sx: their scales, ng per
-// row (a group is gp k-pairs; the last may be shorter); sw, bias: the panel's 16 (bias may be
-// null); next_panel prefetched one line per two k-pairs
-template <int MR>
-void int8_tile(const int16_t* __restrict x, const int8_t* __restrict panel, const float* sx, int64_t ng, int64_t gp,
-               const float* sw, const float* bias, float* __restrict out, int64_t Kp, int64_t N, int cols,
-               const int8_t* next_panel) {
-  alignas(32) float sums[MR][16] = {};   // float32 sums over the groups done
-  const int64_t KK = Kp / 2;
-  const int32_t* xp = reinterpret_cast<const int32_t*>(x);   // rows as pairs of int16, KK per row
-  for (int64_t g = 0; g < ng; ++g) {
-    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const int64_t k1 = std::min(KK, (g + 1) * gp);
-    for (int64_t kk = g * gp; kk < k1; ++kk) {
-      if (next_panel && kk % 2 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(next_panel + 32 * kk), _MM_HINT_T0);
-      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(panel + 32 * kk)));
-      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(panel + 32 * kk + 16)));
-#define ROW(i)                                                          \
-      if constexpr (MR > i) {                                           \
-        const __m256i a = _mm256_set1_epi32(xp[i * KK + kk]);           \
-        c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(a, w0));  \
-        c##i##1 = _mm256_add_epi32(c##i##1, _mm256_madd_epi16(a, w1));  \
-      }
-      ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
-#undef ROW
-    }
-#define FOLD(i)                                                                                        \
-    if constexpr (MR > i) {                                                                            \
-      const __m256 r = _mm256_set1_ps(sx[i * ng + g]);                                                 \
-      _mm256_store_ps(sums[i], _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##i##0), r, _mm256_load_ps(sums[i])));         \
-      _mm256_store_ps(sums[i] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##i##1), r, _mm256_load_ps(sums[i] + 8))); \
-    }
-    FOLD(0) FOLD(1) FOLD(2) FOLD(3) FOLD(4) FOLD(5)
-#undef FOLD
-  }
-  const __m256 s0 = _mm256_loadu_ps(sw), s1 = _mm256_loadu_ps(sw + 8);
-  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-  for (int i = 0; i < MR; ++i) {
-    const __m256 o0 = _mm256_fmadd_ps(_mm256_load_ps(sums[i]), s0, b0);
-    const __m256 o1 = _mm256_fmadd_ps(_mm256_load_ps(sums[i] + 8), s1, b1);
-    if (cols == kPanel) {
-      store16(out + i * N, o0, o1);
-    } else {   // the last panel of an N that 16 does not divide
-      alignas(32) float tmp[16];
-      _mm256_store_ps(tmp, o0);
-      _mm256_store_ps(tmp + 8, o1);
-      std::memcpy(out + i * N, tmp, cols * sizeof(float));
-    }
-  }
-}
-
-using Int8Tile = void (*)(const int16_t*, const int8_t*, const float*, int64_t, int64_t, const float*, const float*,
-                          float*, int64_t, int64_t, int, const int8_t*);
-template <int... MR>
-constexpr std::array<Int8Tile, sizeof...(MR) + 1> int8_tiles(std::integer_sequence<int, MR...>) {
-  return {nullptr, int8_tile<MR + 1>...};
-}
-constexpr auto kInt8Tiles = int8_tiles(std::make_integer_sequence<int, kTileI8>{});   // [rows]
-
-// x [M, K] float32 -> xq int16 [M, Kp] (Kp = K rounded up to even, the pad 0) and sx [M, ng], per
-// group of G values (G even; the last group may be shorter): p = round-half-even(x * (127 / amax)),
-// sx = amax / 127 (an all-zero group: p = 0, sx = 0)
-void quantize_rows_int8(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t G, int64_t ng, int16_t* xq, float* sx) {
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* r = x + m * K;
-      int16_t* q = xq + m * Kp;
-      for (int64_t g = 0; g < ng; ++g) {
-        const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
-        float amax = 0.f;
-        for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(r[k]));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        sx[m * ng + g] = amax / 127.f;
-        for (int64_t k = k0; k < k1; ++k)
-          q[k] = int16_t(std::min(127.f, std::max(-127.f, std::nearbyint(r[k] * inv))));
-      }
-      for (int64_t k = K; k < Kp; ++k) q[k] = 0;
-    }
-  });
-}
-
-// x [M, K] float32; panels int8 [P, Kp / 2, 16, 2] and scales float32 [P * 16] from
-// cpu_linear.quantize_int8; n: the layer's N (<= P * 16); group: x's values per activation scale
-// (even; >= K: one scale per row); bias float32 [n] or None -> [M, n] float32
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales, int64_t n,
-                       int64_t group, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), Kp = (K + 1) / 2 * 2, P = panels.size(0);
-  TORCH_CHECK(panels.scalar_type() == at::kChar && panels.is_contiguous() && panels.dim() == 4 &&
-              panels.size(1) == Kp / 2 && panels.size(2) == kPanel && panels.size(3) == 2,
-              "panels must be int8 [ceil(N/16), ceil(K/2), 16, 2]");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.const_data_ptr()) % 16 == 0, "panels must be 16-byte aligned");
-  TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "n must fit the panels: ceil(n / 16) of them");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == P * kPanel,
-              "scales must be float32 [ceil(N/16) * 16]");
-  TORCH_CHECK(group > 0 && group % 2 == 0, "group must be even and positive");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
-              "bias must be float32 [N]");
-  const int64_t G = std::min(group, Kp), ng = (K + G - 1) / G;
-  at::Tensor out = at::empty({M, n}, x.options());
-  if (M == 0) return out;
-  at::Tensor xq = at::empty({M, Kp}, x.options().dtype(at::kShort));
-  at::Tensor sx = at::empty({M, ng}, x.options());
-  quantize_rows_int8(x.const_data_ptr<float>(), M, K, Kp, G, ng, xq.mutable_data_ptr<int16_t>(), sx.mutable_data_ptr<float>());
-  // a padded bias, so the last panel's 16 loads stay in bounds
-  at::Tensor b16;
-  if (bias.has_value()) {
-    b16 = at::zeros({P * kPanel}, x.options());
-    b16.narrow(0, 0, n).copy_(*bias);
-  }
-  const float* bp = bias.has_value() ? b16.const_data_ptr<float>() : nullptr;
-  const int16_t* xp = xq.const_data_ptr<int16_t>();
-  const float *sxp = sx.const_data_ptr<float>(), *swp = scales.const_data_ptr<float>();
-  const int8_t* wp = panels.const_data_ptr<int8_t>();
-  float* op = out.mutable_data_ptr<float>();
-  // rows per block: xq's block within ~192 KB, so it stays in L2 beside the panel streaming past
-  const int64_t block = std::max<int64_t>(kTileI8, 98304 / Kp / kTileI8 * kTileI8);
-  for (int64_t m0 = 0; m0 < M; m0 += block) {
-    const int64_t m1 = std::min(M, m0 + block);
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int8_t* panel = wp + p * Kp * kPanel;
-        const int8_t* next = p + 1 < end ? panel + Kp * kPanel : nullptr;
-        const int cols = int(std::min<int64_t>(kPanel, n - p * kPanel));
-        for (int64_t m = m0; m < m1; m += kTileI8, next = nullptr) {
-          const int rows = int(std::min<int64_t>(kTileI8, m1 - m));
-          kInt8Tiles[rows](xp + m * Kp, panel, sxp + m * ng, ng, G / 2, swp + p * kPanel,
-                           bp ? bp + p * kPanel : nullptr, op + m * n + p * kPanel, Kp, n, cols, next);
-        }
-      }
-    });
-  }
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(nanoserve_linear, m) {
@@ -747,6 +577,4 @@ TORCH_LIBRARY(nanoserve_linear, m) {
   m.impl("pack_panels", c10::DispatchKey::CPU, TORCH_FN(pack_panels));
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, bool float_out=False) -> Tensor");
   m.impl("linear_panels", c10::DispatchKey::CPU, TORCH_FN(linear_panels));
-  m.def("linear_int8(Tensor x, Tensor panels, Tensor scales, int n, int group, Tensor? bias) -> Tensor");
-  m.impl("linear_int8", c10::DispatchKey::CPU, TORCH_FN(linear_int8));
 }
