@@ -107,7 +107,7 @@ class Sizes:
     fused_rounds: int = 3                # decode steps with each set of fused ops, taking turns
     gguf_rows: tuple = (1, 2, 4, 5, 8, 16)  # rows per pass over the linear layers, GGUF blocks vs float32
     gguf_batches: tuple = (1, 4)         # decode steps with and without the blocks, taking turns
-    int8_rows: tuple = (1, 2, 4, 8, 16, 64)  # rows per pass over the linear layers, int8 vs float32 and GGUF blocks
+    int8_rows: tuple = (1, 4, 16, 64)    # rows per pass over the linear layers, int8 vs float32 and GGUF blocks
     int8_batches: tuple = (1, 16)        # decode steps on an int8 and a float32 engine, taking turns
     panel_rows: tuple = (1, 8, 64, 256)  # rows per pass over the linear layers, panels vs oneDNN
     panel_batches: tuple = (16, 64)      # decode steps on an engine of each kind, taking turns
@@ -236,21 +236,35 @@ def print_gguf_blocks(g):
         f"the blocks, taking turns, best median of {g.get('rounds')} rounds"], ("gguf", "GGUF blocks"), ("float32", "float32 weights"))
 
 
+def bench_int8_kernels(sz, seed, results):
+    """The hot section's integer-kernel table alone (quick): int8 and GGUF 8-bit activations vs float32."""
+    int8, why = optional("benchmarks.hot", "int8_vs_float32")
+    results["int8"] = {"skipped": why} if why else int8(
+        rows=sz.int8_rows, batches=sz.int8_batches, repeats=sz.repeats, rounds=sz.fused_rounds)
+    print_int8(results["int8"])
+
+
 def print_int8(d):
-    """quantization="int8" (csrc linear_int8) vs float32 and the GGUF's blocks, per pass and per decode step."""
+    """quantization="int8" and GGUF 8-bit activations (csrc linear_q8) vs float32 and the GGUF's blocks,
+    per pass and per decode step."""
     title = 'Hot path: linear layers, quantization="int8" vs float32 and GGUF blocks (bench_hot.py)'
     if "skipped" in d:
         section_header(title, [f"skipped: {d['skipped']}"])
         return
+    isa = d.get("isa", {})
     section_header(title, [d["log"], f"one pass over the {d['layers']} layers int8 quantizes (lm_head left out: "
                    f"float32 in both), the kernels taking turns, best of {d['repeats']}; GGUF blocks: float32 sums "
-                   f"(quantization=\"gguf\"'s kernel); decode step: an int8 and a float32 engine, taking turns, best "
-                   f"median of {d['rounds']} rounds"])
-    rows = [[f"{r} rows, one pass (ms)", v["int8_ms"], v["float32_ms"], v.get("gguf_ms", "-"), v["float32_ms"] / v["int8_ms"]]
+                   f"(quantization=\"gguf\"'s kernel) and 8-bit activations against them; decode step: an int8 and a "
+                   f"float32 engine, taking turns, best median of {d['rounds']} rounds",
+                   f"integer dot product: {isa.get('q8_dot', '-')} (NANOSERVE_CPU_ISA={isa.get('NANOSERVE_CPU_ISA', '-')}); "
+                   f"float32: {isa.get('float32', '-')}, torch CPU capability {isa.get('torch_capability', '-')}"])
+    rows = [[f"{r} rows, one pass (ms)", v["int8_ms"], v.get("gguf_q8_ms", "-"), v["float32_ms"], v.get("gguf_ms", "-"),
+             v["float32_ms"] / v["int8_ms"], v["float32_ms"] / v["gguf_q8_ms"] if "gguf_q8_ms" in v else "-"]
             for r, v in d["per_pass"].items()]
-    rows += [[f"decode step, batch {b} (ms)", v["int8_ms"], v["float32_ms"], "-", v["float32_ms"] / v["int8_ms"]]
+    rows += [[f"decode step, batch {b} (ms)", v["int8_ms"], "-", v["float32_ms"], "-", v["float32_ms"] / v["int8_ms"], "-"]
              for b, v in d["step"].items()]
-    print(md_table(["measurement", "int8", "float32 (panels or oneDNN)", "GGUF blocks", "float32 / int8"], rows))
+    print(md_table(["measurement", "int8", "GGUF blocks, 8-bit x", "float32 (panels or oneDNN)", "GGUF blocks, float32 sums",
+                    "float32 / int8", "float32 / GGUF 8-bit x"], rows))
 
 
 def print_panels(p):
@@ -439,7 +453,7 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
                "gpu_decode": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
                "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative,
-               "scaleout": bench_scaleout.bench_scaleout}
+               "scaleout": bench_scaleout.bench_scaleout, "int8": bench_int8_kernels}
 SECTIONS = list(EXPERIMENTS)
 
 

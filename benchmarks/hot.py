@@ -252,9 +252,10 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 5, 8, 16), batches=(1, 4), engine=None
             "per_pass": per_pass, "step": step}
 
 
-def int8_vs_float32(rows=(1, 2, 4, 8, 16, 64), batches=(1, 16), steps=6, repeats=3, rounds=2) -> dict:
-    """quantization="int8" (csrc/linear_cpu.cpp's linear_int8) against the float32 engine's kernel (panels
-    or oneDNN) and the GGUF's blocks (float32 sums, quantization="gguf"'s kernel) on the same layers: ms of one pass
+def int8_vs_float32(rows=(1, 4, 16, 64), batches=(1, 16), steps=6, repeats=3, rounds=2) -> dict:
+    """quantization="int8" (csrc/int8_cpu.cpp's linear_q8) against the float32 engine's kernel (panels
+    or oneDNN) and the GGUF's blocks (float32 sums, quantization="gguf"'s kernel, and 8-bit activations
+    against them, linear_q8 too) on the same layers: ms of one pass
     over the 120 linear layers int8 quantizes (lm_head, float32 in both engines, left out) at each
     row count, the three taking turns; then a decode step at each batch, an int8 engine and a
     float32 one taking turns `rounds` times."""
@@ -275,6 +276,9 @@ def int8_vs_float32(rows=(1, 2, 4, 8, 16, 64), batches=(1, 16), steps=6, repeats
     # (panels on AVX2, oneDNN on its prepacked weight elsewhere: linear_panels refuses a oneDNN-packed weight)
     if all(b is not None for b in blocks):
         kernels["gguf"] = lambda x, i: torch.ops.nanoserve_linear.linear_gguf(x, blocks[i].qs, blocks[i].scales, blocks[i].mins, None)
+        kernels["gguf_q8"] = lambda x, i: CL.gguf_linear_q8(x, blocks[i])
+        for b in blocks:
+            CL.gguf_q8_panels(b)                                          # repacked once, as at load
     per_pass = {}
     for r in rows:
         xs = [torch.randn(r, m.in_features) for m in layers]
@@ -292,7 +296,10 @@ def int8_vs_float32(rows=(1, 2, 4, 8, 16, 64), batches=(1, 16), steps=6, repeats
                 steps_ms[b, k].append(decode_steps(e, b, steps=steps)["step_ms_median"])
     step = {b: {f"{k}_ms": min(steps_ms[b, k]) for k in engines} for b in batches}
     return {"log": engines["int8"].model.gguf_log, "layers": len(layers), "repeats": repeats, "rounds": rounds,
-            "int8_group": CL.INT8_GROUP, "per_pass": per_pass, "step": step}
+            "int8_group": CL.INT8_GROUP, "per_pass": per_pass, "step": step,
+            "isa": {"q8_dot": torch.ops.nanoserve_linear.q8_dot(), "float32": CL.cpu_linear_path(torch.float32),
+                    "torch_capability": torch.backends.cpu.get_cpu_capability(),
+                    "NANOSERVE_CPU_ISA": os.environ.get("NANOSERVE_CPU_ISA", "native")}}
 
 
 def panels_vs_onednn(rows=(1, 8, 64, 256), batches=(16, 64), steps=6, repeats=3, rounds=2) -> dict:
