@@ -2021,12 +2021,21 @@ def gguf_block_error(q4, blocks, x, w64, q8=False):
     return (got.double() - ref).abs().max().item(), 1e-5 * max(1.0, ref.abs().max().item())
 
 
+def assert_rows_alone_give_the_same_bits(kernel, x):
+    """Batch invariance of an 8-bit kernel: rows of an M-row call (the first, middle and last) are
+    bit for bit the same row alone (its own tile of 1 row, its own activation scales)."""
+    out = kernel(x)
+    for i in sorted({0, len(x) // 2, len(x) - 1}):
+        assert torch.equal(kernel(x[i:i + 1])[0], out[i]), f"row {i} of {len(x)} differs from the row alone"
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
 def test_gguf_block_kernel_matches_float64_dequantize_then_matmul(kind):
     # oracle: gguf-py's own quantize and dequantize (numpy), then the matmul in float64; K = 192 is
     # three 64-value groups (an odd count: the layout's unit is 64); rows 1 .. 512 cover the
     # kernel's tiles of 1-8 rows, their tails and its blocks of rows; a planted bug (each row's
-    # scales shifted by one block) must fail the same check
+    # scales shifted by one block) must fail the same check; with 8-bit activations each row alone
+    # gives the same bits as in the M-row call
     from types import SimpleNamespace
     from gguf import GGMLQuantizationType, quants
     if not CL._cpu_linear_kernels()[0]:
@@ -2045,6 +2054,9 @@ def test_gguf_block_kernel_matches_float64_dequantize_then_matmul(kind):
             x = torch.randn(rows, K, generator=g)
             err, bound = gguf_block_error(q4, blocks, x, w64, q8)
             assert err <= bound, f"{kind} ({'8-bit x' if q8 else 'float32'}) at {rows} rows: error {err} > {bound}"
+            if q8:
+                assert_rows_alone_give_the_same_bits(lambda x: CL.gguf_linear_q8(x, CL.GGUFBlocks(
+                    W.to_lanes(blocks[0], q4), blocks[1], blocks[2])), x)
         planted = (blocks[0], blocks[1].roll(1, dims=1), blocks[2])                  # scale one block off
         err, bound = gguf_block_error(q4, planted, torch.randn(3, K, generator=g), w64, q8)
         assert err > 100 * bound, "the check missed scales shifted by one block"
@@ -2165,13 +2177,15 @@ tok = Tokenizer.from_dir(tok_dir)
 greedy = dict(zip(T.PROMPTS, T.hf_greedy_ids(hf, [tok.encode(p) for p in T.PROMPTS], 32)))
 net, _, _ = W.load_model(None, quantization="gguf")
 T.assert_gguf_8bit_accuracy(*T.gguf_8bit_accuracy(net, hf, tok, greedy))
+T.assert_int8_accuracy(W.load_model(None, quantization="int8")[0], hf, tok, greedy)
 print("avx2 8-bit accuracy ok")
 """
 
 
 def test_gguf_8bit_activations_keep_the_bounds_on_the_avx2_build():
     # CI's AVX2-only CPUs, on any x86 CPU: the kernels built with -march=x86-64-v3 and torch's own
-    # kernels held to AVX2 (ATEN_CPU_CAPABILITY, MKL, oneDNN), then the bounds above (~3 min): opt-in
+    # kernels held to AVX2 (ATEN_CPU_CAPABILITY, MKL, oneDNN), then the bounds above for GGUF 8-bit
+    # activations and quantization="int8" (~4 min): opt-in
     if os.environ.get("NANOSERVE_TEST_AVX2_BUILD") != "1":
         pytest.skip("set NANOSERVE_TEST_AVX2_BUILD=1 to build the kernels for AVX2 only and check 8-bit accuracy")
     pytest.importorskip("transformers", reason="transformers is the perplexity oracle")
@@ -2222,7 +2236,7 @@ def test_int8_kernel_matches_float64_reference_and_catches_a_shifted_scale():
     # to even); K = 195 is odd (a pair's tail) and leaves a short last group of 64; N = 40 leaves a
     # partial panel of 16; rows 1 .. 512 cover the 4-row tiles, their tails and the row blocks;
     # groups of 64 (the default) and one per row (vLLM's per-token); a planted bug (the weight
-    # scales shifted by one channel) must fail the same check
+    # scales shifted by one channel) must fail the same check; each row alone gives the same bits
     if not CL._cpu_linear_kernels()[0]:
         pytest.skip("csrc/linear_cpu.cpp did not build: no int8 kernel")
     g = torch.Generator().manual_seed(3)
@@ -2240,6 +2254,7 @@ def test_int8_kernel_matches_float64_reference_and_catches_a_shifted_scale():
             x = torch.randn(rows, K, generator=g) * 3
             err, bound = int8_kernel_error(x, q, sw, bias, group)
             assert err <= bound, f"int8 (groups of {group}) at {rows} rows: error {err} > {bound}"
+            assert_rows_alone_give_the_same_bits(lambda x: CL.int8_linear(x, w8, bias, group), x)
         err, bound = int8_kernel_error(torch.randn(3, K, generator=g), q, sw, bias, group, scales=torch.roll(w8.sw, 1))
         assert err > 100 * bound, "the check missed weight scales shifted by one channel"
 
@@ -2259,20 +2274,25 @@ def smol_int8():
 # noisy at the 1% level; per-token scales measured 0.883-0.895 and 1.001-1.015x). Bounds: the
 # issue's 95%, no more than 1% worse, and a floor that a broken kernel would fall through.
 INT8_TOP1_FLOOR, INT8_PPL_RATIO = 0.95, (0.97, 1.01)
-@pytest.mark.slow
-def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smollm, hf_greedy_32, tok):
-    net = smol_int8[0]
+def assert_int8_accuracy(net, hf, tok, hf_greedy_32):
+    """quantization="int8"'s bounds on net: only int8 layers but lm_head, top-1 and perplexity."""
     linears = [m for m in net.modules() if isinstance(m, CL.Linear) and m is not net.lm_head]
     assert net.gguf_log.startswith(f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8")
-    assert all(isinstance(m.quantized, CL.Int8Weight) and m.weight.stride() == (0, 0) for m in linears)   # no float copy
+    assert all(isinstance(m.quantized, CL.Q8Panels) and m.weight.stride() == (0, 0) for m in linears)   # no float copy
     agree, total = teacher_forced_top1(net, tok, hf_greedy_32)
-    print(f"int8: top-1 agreement with transformers' greedy tokens {agree / total:.3f} ({agree}/{total})")
+    print(f"int8 ({torch.ops.nanoserve_linear.q8_dot()}): top-1 agreement with transformers' greedy tokens "
+          f"{agree / total:.3f} ({agree}/{total})")
     text = tok.encode(" ".join(CORPUS))
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
-    ours, ref = math.exp(nll(ragged_forward(net, [text]))), math.exp(nll(hf_forward(hf_smollm, text)))
+    ours, ref = math.exp(nll(ragged_forward(net, [text]))), math.exp(nll(hf_forward(hf, text)))
     print(f"perplexity on CORPUS: int8 {ours:.4f}, float32 (transformers) {ref:.4f}, ratio {ours / ref:.4f}")
     assert agree / total >= INT8_TOP1_FLOOR
     assert INT8_PPL_RATIO[0] <= ours / ref <= INT8_PPL_RATIO[1]
+
+
+@pytest.mark.slow
+def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smollm, hf_greedy_32, tok):
+    assert_int8_accuracy(smol_int8[0], hf_smollm, tok, hf_greedy_32)
 
 
 @pytest.mark.slow
@@ -2916,7 +2936,7 @@ def test_reshape_and_cache_rejects_out_of_range_slots(cpu_backend):
 
 AVX2_FLAGS = ["-march=x86-64-v3"]     # AVX2 + FMA + F16C, no AVX-512: the oldest CPU the kernels target
 AVX512_FLAGS = ["-march=x86-64-v4"]   # AVX-512 F/BW/VL/DQ
-CPU_SOURCES = ["paged_attention_cpu.cpp", "linear_cpu.cpp", "gguf_q8_cpu.cpp", "fused_cpu.cpp", "grammar_mask_cpu.cpp"]
+CPU_SOURCES = ["paged_attention_cpu.cpp", "linear_cpu.cpp", "int8_cpu.cpp", "fused_cpu.cpp", "grammar_mask_cpu.cpp"]
 
 
 def syntax_check(sources, flags):
@@ -2948,12 +2968,58 @@ def test_linear_bfloat16_panels_compile_where_the_cpu_lacks_avx512_bf16():
     syntax_check(["linear_cpu.cpp"], AVX512_FLAGS + ["-mavx512bf16"])
 
 
-def test_gguf_8bit_vnni_kernel_compiles_where_the_cpu_lacks_avx512_vnni():
-    # csrc/gguf_q8_cpu.cpp's vpdpbusd path is #if'd on AVX512_VNNI: where this CPU has it, the block
-    # kernel tests above build and run it; elsewhere (CI's AVX2 EPYCs) this checks that it compiles
+def test_integer_vnni_kernel_compiles_where_the_cpu_lacks_avx512_vnni():
+    # csrc/int8_cpu.cpp's vpdpbusd path is #if'd on AVX512_VNNI: where this CPU has it, the int8 and
+    # block kernel tests above build and run it; elsewhere (CI's AVX2 EPYCs) this checks that it compiles
     if {"avx512_vnni", "avx512vl"} <= CL.cpu_flags():
         pytest.skip("this CPU has AVX512_VNNI: test_gguf_block_kernel_matches_float64_dequantize_then_matmul runs the code")
-    syntax_check(["gguf_q8_cpu.cpp"], AVX512_FLAGS + ["-mavx512vnni"])
+    syntax_check(["int8_cpu.cpp"], AVX512_FLAGS + ["-mavx512vnni"])
+
+
+def q8_kernel_outputs() -> dict:
+    """csrc/int8_cpu.cpp's outputs on fixed inputs: each GGUF block type (gguf-py's quantizer) and
+    int8, at 1, 3, 8 and 64 rows, and which dot product ran ("dot")."""
+    from gguf import GGMLQuantizationType, quants
+    g = torch.Generator().manual_seed(5)
+    out = {"dot": torch.ops.nanoserve_linear.q8_dot()}
+    for kind in ("Q4_1", "Q4_0", "Q8_0"):
+        t = GGMLQuantizationType[kind]
+        data = quants.quantize((torch.randn(48, 192, generator=g) * 0.1).numpy(), t)
+        q, d, m = W.read_gguf_blocks(SimpleNamespace(tensor_type=t, data=data))
+        blocks = CL.GGUFBlocks(W.to_lanes(q, m is not None), d, m)
+        for rows in (1, 3, 8, 64):
+            out[kind, rows] = CL.gguf_linear_q8(torch.randn(rows, 192, generator=g), blocks)
+    w8 = CL.quantize_int8(torch.randn(40, 195, generator=g))
+    for rows in (1, 3, 8, 64):
+        out["int8", rows] = CL.int8_linear(torch.randn(rows, 195, generator=g), w8)
+    return out
+
+
+Q8_BITS = """
+import sys, torch, extensions, test_all as T
+extensions.load("linear_cpu")
+torch.save(T.q8_kernel_outputs(), sys.argv[1])
+"""
+
+
+def test_integer_kernels_give_the_same_bits_on_the_vnni_and_the_avx2_build(tmp_path):
+    # exact int32 sums per block and one float order after them: the vpdpbusd build (AVX512_VNNI)
+    # and the vpmaddubsw one (NANOSERVE_CPU_ISA=avx2, -march=x86-64-v3) agree bit for bit, so an
+    # accuracy figure measured on one holds for the other (~40 s to build the AVX2 one): opt-in
+    if os.environ.get("NANOSERVE_TEST_AVX2_BUILD") != "1":
+        pytest.skip("set NANOSERVE_TEST_AVX2_BUILD=1 to build the kernels for AVX2 only and compare their bits")
+    if not {"avx512_vnni", "avx512vl"} <= CL.cpu_flags():
+        pytest.skip("no AVX512_VNNI here: the native build runs the AVX2 kernel too")
+    if not CL._cpu_linear_kernels()[0]:
+        pytest.skip("csrc/linear_cpu.cpp did not build")
+    env = {**os.environ, "NANOSERVE_CPU_ISA": "avx2"}
+    result = subprocess.run([sys.executable, "-c", Q8_BITS, str(tmp_path / "avx2.pt")], cwd=HERE, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    avx2, native = torch.load(tmp_path / "avx2.pt"), q8_kernel_outputs()
+    assert avx2.pop("dot").startswith("AVX2") and native.pop("dot").startswith("AVX512_VNNI")
+    for key, want in native.items():
+        assert torch.equal(avx2[key], want), f"{key}: the AVX2 build differs from the VNNI one"
 
 
 def test_cpu_kernels_compile_for_avx2_only_cpus():
@@ -2980,9 +3046,10 @@ got = CL.linear(x.bfloat16(), w.bfloat16()).float()
 torch.testing.assert_close(got, torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float()), rtol=8e-3, atol=2e-2)
 gu = torch.randn(5, 64) * 4
 torch.testing.assert_close(M.silu_and_mul(gu, fused=True), M.silu_and_mul(gu), rtol=1e-5, atol=1e-5)
-assert torch.ops.nanoserve_linear.gguf_q8_dot().startswith("AVX2")   # no VNNI in this build
+assert torch.ops.nanoserve_linear.q8_dot().startswith("AVX2")   # no VNNI in this build
 for kind in ("Q4_1", "Q4_0", "Q8_0"):   # the block kernels, 8-bit activations included, against float64
     T.test_gguf_block_kernel_matches_float64_dequantize_then_matmul(kind)
+T.test_int8_kernel_matches_float64_reference_and_catches_a_shifted_scale()
 import structured_output as so
 bits, logits = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32), torch.randn(4, 1000)
 got, want = logits.clone(), logits.clone()
