@@ -2161,6 +2161,40 @@ def test_gguf_8bit_activations_keep_greedy_tokens_and_perplexity(hf_smollm, hf_g
     assert_gguf_8bit_accuracy(*gguf_8bit_accuracy(net, hf_smollm, tok, hf_greedy_32))
 
 
+def requantized_pair(hf, kind):
+    """SmolLM2 with every linear layer but lm_head (the tied Q8_0 embedding) requantized by gguf-py
+    to `kind` from the file's float32 weights -> (our net on those blocks, transformers' model with
+    the same weights in float32: the oracle for that block type). A block is 32 values along one
+    row, so our fused q/k/v and gate/up rows quantize as transformers' separate ones do."""
+    from gguf import GGMLQuantizationType, quants
+    t = GGMLQuantizationType[kind]
+    def requant(w):                                                   # float32 [N, K] -> (blocks, their weight)
+        q, d, m = W.read_gguf_blocks(SimpleNamespace(tensor_type=t, data=quants.quantize(w.numpy(), t)))
+        return CL.GGUFBlocks(W.to_lanes(q, m is not None), d, m), W.dequantize_blocks(q, d, m)
+    net, _, _ = W.load_model(None)
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, mod in ref.named_modules():
+            if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
+                mod.weight.copy_(requant(mod.weight.float())[1])
+        for lin in net.modules():
+            if isinstance(lin, CL.Linear) and lin is not net.lm_head:
+                lin.quantized = requant(lin.weight.float())[0]
+    return net, ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+def test_gguf_8bit_activations_keep_the_bounds_on_each_block_type(kind, hf_smollm, tok):
+    # the file is Q4_1 (and its embedding Q8_0): the other block types' kernels on the same model,
+    # requantized by gguf-py, against transformers on the same requantized weights in float32
+    net, ref = requantized_pair(hf_smollm, kind)
+    greedy = dict(zip(PROMPTS, hf_greedy_ids(ref, [tok.encode(p) for p in PROMPTS], 32)))
+    top1, ratios = gguf_8bit_accuracy(net, ref, tok, greedy)
+    print(kind, end=" ")
+    assert_gguf_8bit_accuracy(top1, ratios)
+
+
 GGUF_8BIT_AVX2 = """
 import os, sys, pathlib, tempfile, torch, extensions
 for build in extensions.BUILDS.values():   # this process builds and loads the AVX2-only variants
