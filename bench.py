@@ -454,7 +454,8 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "gpu_decode": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
                "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative,
                "scaleout": bench_scaleout.bench_scaleout, "int8": bench_int8_kernels}
-SECTIONS = list(EXPERIMENTS)
+ON_REQUEST = {"int8"}          # parts of another section, alone: only when named
+SECTIONS = [s for s in EXPERIMENTS if s not in ON_REQUEST]
 
 
 def main(argv=None):
@@ -465,7 +466,7 @@ def main(argv=None):
             sys.exit(f"soak: skipped: {why}")
         return fn(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {SECTIONS}, or soak; default: all")
+    ap.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {SECTIONS}, {sorted(ON_REQUEST)} or soak; default: all but {sorted(ON_REQUEST)}")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for the smoke test (about a minute)")
     ap.add_argument("--full", action="store_true", help="every workload at full size (about 1.5 hours on 2 cores)")
     ap.add_argument("--out", default=None, metavar="DIR | FILE.json",
@@ -485,9 +486,9 @@ def main(argv=None):
             ap.error("--readme runs nothing: run the bench with --out results/ first, then --readme alone")
         print(f"README.md: results table from {os.path.relpath(report.update_readme(), report.ROOT)}")
         return 0
-    unknown = [s for s in args.sections if s not in SECTIONS]
+    unknown = [s for s in args.sections if s not in EXPERIMENTS]
     if unknown:
-        ap.error(f"section must be one of {SECTIONS} or soak, got {unknown}")
+        ap.error(f"section must be one of {list(EXPERIMENTS)} or soak, got {unknown}")
     if args.quick and args.full:
         ap.error("--quick and --full exclude each other")
     sz = QUICK if args.quick else FULL if args.full else Sizes()
