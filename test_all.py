@@ -4242,9 +4242,9 @@ def record_uploads(runner) -> list[tuple[int, int, int]]:
     block-table width)."""
     seen, upload = [], runner.upload
 
-    def recording(host, max_parts=None):
-        seen.append((len(host.input_ids), *host.block_tables.shape))
-        return upload(host, max_parts)
+    def recording(host, *grid):
+        seen.append((len(host.input_ids), len(host.context_lens), host.block_tables.shape[1]))
+        return upload(host, *grid)
     runner.upload = recording
     return seen
 
@@ -4252,11 +4252,11 @@ def record_uploads(runner) -> list[tuple[int, int, int]]:
 def assert_within_bounds(runner, seen, max_rows, max_tokens, max_model_len, block_size=16, k=0):
     """runner's buffers are the hand-computed bounds (tokens never fewer than rows: a graph bucket pads a
     row to a token; with k drafts a verify bucket pads every row to 1 + k tokens, and a context may run k
-    past max_model_len while its drafts are checked), every batch in seen fits them, and none ran on
-    one-off buffers."""
+    past max_model_len while its drafts are checked; one row more than a step's, a mixed bucket's padding
+    row), every batch in seen fits them, and none ran on one-off buffers."""
     width = -(-(max_model_len + k) // block_size)
     b = runner.buffers
-    assert (b.max_seqs, b.max_tokens, b.width) == (max_rows, max(max_tokens, max_rows * (1 + k)), width)
+    assert (b.max_seqs, b.max_tokens, b.width) == (max_rows + 1, max(max_tokens, max_rows * (1 + k)), width)
     assert seen and all(t <= b.max_tokens and r <= b.max_seqs and w <= width for t, r, w in seen), \
         [x for x in seen if not b.fits(*x)]
     assert not runner.warned_oversize
@@ -4302,15 +4302,16 @@ def test_no_step_of_a_random_workload_exceeds_the_runners_declared_bounds(tiny, 
 
 
 def test_a_step_past_the_runners_bounds_runs_eagerly_on_one_off_buffers_and_keeps_its_own(capsys):
-    """A caller that sized the runner for 2 rows hands it 3: the step runs eagerly on buffers of its own and
-    gives the logits a runner sized for 8 gives; the runner's buffers and graphs stay, and it says so once."""
+    """A caller that sized the runner for 2 rows hands it 4 (3 would fit: the buffers keep a row for a graph
+    bucket's padding): the step runs eagerly on buffers of its own and gives the logits a runner sized for 8
+    gives; the runner's buffers and graphs stay, and it says so once."""
     small = make_runner(random_llama(), "torch", max_num_seqs=2)
     fill_kv(small)
     big = ModelRunner(small.model, small.kv_pool, 16, torch.device("cpu"), "torch", max_num_seqs=8,
                       max_num_batched_tokens=256, max_model_len=1024)
     buffers, graphs = small.buffers, {1: "captured", 2: "captured"}
     small.graphs = dict(graphs)                     # stand-ins: what a GPU runner would have captured
-    batch = decode_batch([3, 40, 130])
+    batch = decode_batch([3, 40, 130, 9])
     for _ in range(2):
         inputs = small.prepare(batch)
         assert inputs.graph is None
@@ -4405,6 +4406,144 @@ def test_emulated_graph_flow_replays_a_verify_bucket_with_the_eager_logits(emula
     eager = runner.forward(runner.prepare(batch))
     assert replayed.shape == eager.shape == (3 + 2 + 4, 300)
     torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-4)
+
+
+def mixed_batch(rows, block_size=16, seed=0):
+    """A step of rows (tokens in the sequence, tokens computed this step, tokens after the chunk): a decode
+    row is (n, 1, 0), a prompt chunk that ends its prompt (n, q, 0), one mid-prompt (n, q, rest > 0: it
+    does not sample). Every row's blocks are scattered through the pool (block 0 left out)."""
+    rng = random.Random(seed)
+    free = list(range(1, 64))
+    rng.shuffle(free)
+    seqs, sample = [], []
+    for i, (n, q, rest) in enumerate(rows):
+        seq = Sequence(i, [rng.randrange(300) for _ in range(n + rest)], n + rest if q > 1 else n - 1, 64)
+        seq.block_table = [free.pop() for _ in range(-(-(n + rest) // block_size))]
+        seq.num_computed_tokens = n - q
+        seqs.append(seq)
+        if not rest:
+            sample.append(i)
+    return ScheduledBatch(seqs, [q for _, q, _ in rows], sample_rows=sample)
+
+
+def run_mixed(runner, batch, bucket=None):
+    """One step through the runner: eager and ragged, or padded to a mixed bucket with its fixed grid (what
+    a captured mixed step replays) -> logits of the step's sampled rows."""
+    host = runner.build(batch)
+    n = len(host.logits_rows)
+    if bucket is not None:
+        host = runner.pad_mixed(host, bucket)
+        return runner.forward(runner.upload(host, *runner.fixed_grid("mixed", bucket)))[:n]
+    return runner.forward(runner.upload(host))[:n]
+
+
+# steps of 17 to 32 tokens (the 32-token bucket): prefill chunks, decodes, a mid-prompt chunk, rows of 1 to 5
+MIXES = {"one prompt": [(30, 30, 0)], "prompt and decodes": [(20, 17, 0), (40, 1, 0), (130, 1, 0), (9, 1, 0)],
+         "chunks": [(60, 10, 0), (8, 8, 0), (3, 1, 0), (300, 12, 40), (77, 1, 0)]}
+
+
+@pytest.mark.cuda_emu
+def test_emulated_mixed_bucket_launches_the_same_grids_at_any_prefill_decode_mix(emulated_binding):
+    """Steps that mix prefill chunks and decodes, padded to the 32-token bucket (a padding row of context 0,
+    empty prefill items, a decode grid for the bucket's rows), launch the same grids whatever the mix of
+    rows and contexts: one graph replays them all. Each gives the ragged eager step's logits and caches
+    exactly the real tokens' K/V (the padding writes nowhere); eagerly the mixes launch different grids."""
+    _, emulator = emulated_binding
+    net = random_llama()
+    runner = make_runner(net, "cuda_emu")
+    fill_kv(runner)
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_pool.kv_caches]
+    logs, eager_logs = {}, {}
+    for name, rows in MIXES.items():
+        for (k, v), (k0, v0) in zip(runner.kv_pool.kv_caches, before):
+            k.copy_(k0), v.copy_(v0)
+        emulator.cuda_emu_take_launch_log()
+        eager = run_mixed(runner, mixed_batch(rows))
+        eager_logs[name] = emulator.cuda_emu_take_launch_log().decode()
+        written = [(k.clone(), v.clone()) for k, v in runner.kv_pool.kv_caches]
+        for (k, v), (k0, v0) in zip(runner.kv_pool.kv_caches, before):
+            k.copy_(k0), v.copy_(v0)
+        padded = run_mixed(runner, mixed_batch(rows), bucket=32)
+        logs[name] = emulator.cuda_emu_take_launch_log().decode()
+        assert padded.shape == eager.shape == (sum(1 for r in rows if not r[2]), 300)
+        torch.testing.assert_close(padded, eager, rtol=0, atol=1e-4)
+        for (k, v), (kw, vw) in zip(runner.kv_pool.kv_caches, written):
+            torch.testing.assert_close((k, v), (kw, vw), rtol=0, atol=1e-5)
+    assert len(set(logs.values())) == 1 and "prefill" in logs["one prompt"] and "decode" in logs["one prompt"]
+    assert len(set(eager_logs.values())) == 3
+
+
+def standin_capture(emulator):
+    """What replaces torch.cuda.graph on the CPU: the forward runs once with the emulator's capture flag
+    on (a host read raises), and a replay runs it again on the persistent buffers into the same logits."""
+    def capture(forward):
+        emulator.cuda_emu_capture(1)
+        try:
+            logits = forward()
+        finally:
+            emulator.cuda_emu_capture(0)
+        def replay():
+            with torch.inference_mode():
+                logits.copy_(forward())
+        return CapturedStep(SimpleNamespace(replay=replay), logits)
+    return capture
+
+
+@pytest.mark.cuda_emu
+def test_emulated_graph_flow_replays_mixed_steps_with_the_eager_logits(emulated_binding):
+    """capture_graphs captures a mixed step at every token bucket (8, 16, 32, 64, 128, 256 for 256 tokens)
+    beside the decode steps, all writing one shared logits buffer; each mix of prefill and decode rows then
+    replays the 32-token bucket and gives the logits of the same step run eagerly, and the runner counts
+    the replays by kind."""
+    _, emulator = emulated_binding
+    runner = make_runner(random_llama(), "cuda_emu")
+    fill_kv(runner)
+    runner.use_graphs, runner.capture = True, standin_capture(emulator)
+    runner.capture_graphs()
+    assert sorted(runner.mixed_graphs) == [8, 16, 32, 64, 128, 256] and sorted(runner.graphs) == [1, 2, 4, 8]
+    assert runner.mixed_logits.shape == (8, 300)                        # max_num_seqs rows: no more sample
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_pool.kv_caches]
+    replayed = {}
+    for name, rows in MIXES.items():
+        for (k, v), (k0, v0) in zip(runner.kv_pool.kv_caches, before):
+            k.copy_(k0), v.copy_(v0)
+        inputs = runner.prepare(mixed_batch(rows))
+        assert inputs.graph is runner.mixed_graphs[32] and inputs.input_ids.shape == (32,)
+        replayed[name] = runner.forward(inputs).clone()
+    assert runner.graph_steps == {"mixed": 3} and not runner.eager_steps
+    runner.use_graphs = False
+    for name, rows in MIXES.items():
+        for (k, v), (k0, v0) in zip(runner.kv_pool.kv_caches, before):
+            k.copy_(k0), v.copy_(v0)
+        eager = runner.forward(runner.prepare(mixed_batch(rows)))
+        torch.testing.assert_close(replayed[name], eager, rtol=0, atol=1e-4)
+    assert runner.eager_steps == {"graphs off": 3}
+
+
+@pytest.mark.cuda_emu
+def test_emulated_verify_step_at_batch_4_with_mixed_draft_lengths_replays_a_verify_bucket(emulated_binding):
+    """A batch-4 verify step whose rows draft 4, 0, 2 and 1 tokens (one row not drafting, rows of different
+    k) replays verify bucket 4 of 5-token rows, with the ragged eager step's logits; a verify step beside a
+    prompt chunk replays a mixed bucket instead. Nothing runs eagerly."""
+    _, emulator = emulated_binding
+    net = random_llama()
+    runner = ModelRunner(net, make_runner(net, "cuda_emu").kv_pool, 16, torch.device("cpu"), "cuda_emu",
+                         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, num_speculative_tokens=4)
+    fill_kv(runner)
+    runner.use_graphs, runner.capture = True, standin_capture(emulator)
+    runner.capture_graphs()
+    batch = verify_batch([30, 7, 130, 60], [[1, 2, 3, 4], [], [5, 6], [7]])
+    inputs = runner.prepare(batch)
+    assert inputs.graph is runner.verify_graphs[4] and inputs.input_ids.shape == (20,)
+    replayed = runner.forward(inputs).clone()
+    mixed = verify_batch([30, 7], [[1, 2], []])
+    chunk = mixed_batch([(40, 12, 0)], seed=1).seqs[0]
+    chunk.seq_id = 2
+    mixed.seqs.append(chunk), mixed.num_tokens.append(12), mixed.sample_rows.append(2)
+    assert runner.prepare(mixed).graph is runner.mixed_graphs[16]
+    assert runner.graph_steps == {"verify": 1, "mixed": 1} and not runner.eager_steps
+    runner.use_graphs = False
+    torch.testing.assert_close(replayed, runner.forward(runner.prepare(batch)), rtol=0, atol=1e-4)
 
 
 class RecordCopies(RecordOps):
