@@ -4249,6 +4249,47 @@ def record_uploads(runner) -> list[tuple[int, int, int]]:
     return seen
 
 
+def record_graph_choices(runner) -> list:
+    """Every step the runner builds from now on, with the graph bucket it would replay on a GPU (the CPU's
+    runner has no graphs: select_graph answers for the buckets it would capture): (step, host, choice), the
+    step as it was then (rows that draft, rows that are decodes with their drafts: sequences change after)."""
+    seen, build = [], runner.build
+
+    def recording(batch, extra_rows=()):
+        host = build(batch, extra_rows)
+        step = SimpleNamespace(drafting=any(s.spec_token_ids for s in batch.seqs), scratch=batch.num_scratch_rows,
+                               decode=all(q == 1 + s.num_spec_tokens for q, s in zip(host.q_lens, batch.seqs)),
+                               num_sampled=len(batch.sample_rows), num_rows=len(batch.seqs))
+        seen.append((step, host, runner.select_graph(batch, host)))
+        return host
+    runner.build = recording
+    return seen
+
+
+def assert_steps_fit_buckets(runner, choices):
+    """Each step fits a bucket whose padded batch fits the buffers (rows, tokens, table width), has the
+    bucket's tokens and rows, and plans within the bucket's fixed grid, or runs eagerly for a prompt-logprob
+    row past its bucket's logits rows (the one reason a step within the bounds may have). A step with drafts
+    and no prompt chunk takes a verify bucket; a decode-only one, a decode bucket."""
+    import model_runner as mr
+    for step, host, choice in choices:
+        if isinstance(choice, str):
+            assert choice == mr.MORE_LOGITS and len(host.logits_rows) > step.num_sampled, (choice, host.q_lens)
+            continue
+        kind, bucket, padded = choice
+        assert runner.buffers.fits_host(padded), (kind, bucket, host.q_lens)
+        if kind == "mixed":
+            assert len(padded.input_ids) == sum(padded.q_lens) == bucket == padded.query_start_loc[-1]
+            assert len(padded.context_lens) == runner.mixed_rows(bucket) <= runner.buffers.max_seqs
+            max_parts, items = runner.fixed_grid(kind, bucket)           # the plan raises past the tiles
+            pa.plan_cuda_launch(padded.q_lens, padded.context_lens.tolist(), runner.num_kv_heads, runner.group, 4,
+                                max_parts, block_size=runner.block_size, num_prefill_items=items)
+        if step.decode and not step.scratch and len(host.logits_rows) == len(host.input_ids):
+            assert kind == ("verify" if step.drafting else "decode"), (kind, host.q_lens)
+        elif step.decode and not step.drafting:
+            assert kind == "decode" or len(host.logits_rows) > step.num_rows
+
+
 def assert_within_bounds(runner, seen, max_rows, max_tokens, max_model_len, block_size=16, k=0):
     """runner's buffers are the hand-computed bounds (tokens never fewer than rows: a graph bucket pads a
     row to a token; with k drafts a verify bucket pads every row to 1 + k tokens, and a context may run k
@@ -4270,7 +4311,8 @@ def test_no_step_of_a_random_workload_exceeds_the_runners_declared_bounds(tiny, 
     runner (and the draft model's runner) uploads fits the bounds the buffers were sized from at start, by
     hand: rows max_num_seqs (static: M + B - 1 for batches of B, M = max(B, max_num_seqs) members with forks),
     tokens max_num_batched_tokens (static: plus M - 1 finished members' rows). The buffers are the ones allocated
-    at start; nothing ran on one-off ones."""
+    at start; nothing ran on one-off ones. Every step fits a CUDA graph bucket within those buffers, or would
+    run eagerly for a counted reason (prompt-logprob rows past its bucket's), and each eager step is counted."""
     rng = random.Random(f"{mode}-{seed}")
     seqs, budget, b = rng.choice([2, 3, 5]), rng.choice([8, 16, 33]), rng.choice([2, 3, 4])
     kw = dict(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=256)
@@ -4280,9 +4322,10 @@ def test_no_step_of_a_random_workload_exceeds_the_runners_declared_bounds(tiny, 
         kw["speculative_config"] = NGRAM if mode == "ngram" else tiny_self_draft(tiny, k=3)
     llm = tiny_llm(tiny, **kw)
     engine = llm.engine
-    buffers, seen = engine.runner.buffers, record_uploads(engine.runner)
+    buffers, seen, choices = engine.runner.buffers, record_uploads(engine.runner), record_graph_choices(engine.runner)
     draft = engine.speculator.proposer if mode == "draft_model" else None
     draft_seen = record_uploads(draft.runner) if draft else None
+    draft_choices = record_graph_choices(draft.runner) if draft else None
     prefix = [rng.randrange(3, 49000) for _ in range(rng.randrange(16, 70))]
     prompts, params = [], []
     for i in range(8):
@@ -4297,8 +4340,13 @@ def test_no_step_of_a_random_workload_exceeds_the_runners_declared_bounds(tiny, 
     k = {"ngram": NGRAM["num_speculative_tokens"], "draft_model": 3}.get(mode, 0)
     assert_within_bounds(engine.runner, seen, rows, tokens, 256, k=k)
     assert engine.runner.buffers is buffers
+    assert_steps_fit_buckets(engine.runner, choices)
+    kinds = collections.Counter(c if isinstance(c, str) else c[0] for _, _, c in choices)
+    assert kinds["mixed"] and (mode == "draft_model" or kinds["decode"]) and (mode != "draft_model" or kinds["verify"])
+    assert engine.runner.eager_steps == {"graphs off": len(choices)}   # on a CPU; each counted
     if draft:
         assert_within_bounds(draft.runner, draft_seen, rows, tokens, 256)
+        assert_steps_fit_buckets(draft.runner, draft_choices)
 
 
 def test_a_step_past_the_runners_bounds_runs_eagerly_on_one_off_buffers_and_keeps_its_own(capsys):
