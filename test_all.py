@@ -4594,6 +4594,41 @@ def test_emulated_verify_step_at_batch_4_with_mixed_draft_lengths_replays_a_veri
     torch.testing.assert_close(replayed, runner.forward(runner.prepare(batch)), rtol=0, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def tiny32(checkpoint_dir, tmp_path_factory):
+    """tiny's random Llama with head_dim 32 (the CUDA kernels' smallest): checkpoint dir and transformers."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the oracle")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(tiny_config(transformers, initializer_range=1.0, hidden_size=128)).eval()
+    out = tmp_path_factory.mktemp("tiny32")
+    hf.save_pretrained(out, safe_serialization=True)
+    shutil.copy(checkpoint_dir / "gguf_tokenizer.json", out)
+    return out, hf
+
+
+@pytest.mark.cuda_emu
+def test_emulated_engine_on_mixed_step_graphs_gives_transformers_greedy_tokens(emulated_binding, tiny32):
+    """The engine on the emulated CUDA kernels with graphs captured (the stand-in capture: a host read
+    raises while capturing, a replay runs the forward again on the persistent buffers): 6 prompts of 3 to 45
+    tokens through 4 rows and 32 tokens a step (chunked prompts, admissions beside decodes) give
+    transformers' greedy tokens, and every step replayed a decode or a mixed graph (none ran eagerly)."""
+    _, emulator = emulated_binding
+    llm = LLM(str(tiny32[0]), kv_cache_memory=64 * 2 * TINY_BLOCK_BYTES, max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=128, attention_backend="torch", dtype="float32", device="cpu")
+    engine = llm.engine
+    runner = ModelRunner(engine.model, engine.kv_pool, engine.config.block_size, torch.device("cpu"), "cuda_emu",
+                         max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+    runner.use_graphs, runner.capture = True, standin_capture(emulator)
+    runner.capture_graphs()
+    engine.runner = runner
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (3, 45, 17, 8, 30, 5)]
+    got = token_ids(llm.generate(prompts, greedy(6)))
+    assert got == hf_greedy_ids(tiny32[1], prompts, 6)
+    assert runner.graph_steps["mixed"] >= 3 and runner.graph_steps["decode"] >= 3 and not runner.eager_steps, \
+        (runner.graph_steps, runner.eager_steps)
+
+
 class RecordCopies(RecordOps):
     """RecordOps that also names each cross-device copy's direction (host->device, device->host) and
     keeps apart the scalar reads of device tensors (the host's own small tensors may be read freely)."""
