@@ -147,6 +147,8 @@ class EngineStats:
     spec_decode_num_steps_off: int = 0          # steps speculation sat out: a verify step there did not pay
     spec_decode_step_gain: float = 0.0          # measured speculative / plain tokens per second, last decision
     kv_offload: dict = field(default_factory=dict)   # per tier: hits, bytes, seconds, evictions (kv_offload.py)
+    graph_steps: dict = field(default_factory=dict)  # since start, steps that replayed a CUDA graph, by kind
+    eager_steps: dict = field(default_factory=dict)  # and steps that ran eagerly, by reason (model_runner.py)
 
 
 @dataclass(frozen=True)
@@ -614,7 +616,8 @@ class Engine:
             num_unforked_samples=sum(r.params.n - 1 for r in self.requests.values()
                                      if r.params.n > 1 and r.completions[1].seq is None),
             **self.last_step, **(self.speculator.engine_stats() if self.speculator else {}),
-            kv_offload=self.offload.stats() if self.offload is not None else {})
+            kv_offload=self.offload.stats() if self.offload is not None else {},
+            graph_steps=dict(self.runner.graph_steps), eager_steps=dict(self.runner.eager_steps))
 
 
 @functools.cache

@@ -8,14 +8,17 @@ context lengths, query offsets). It checks them once, plans the CUDA kernels' la
 copy (non_blocking, from pinned memory, on a GPU), so the forward reads nothing back. The buffers
 are sized once, from the most rows and tokens any step of the engine's scheduler can hold
 (Scheduler.step_bounds); a step past them (none the engine's scheduler makes) runs eagerly on
-one-off buffers, and the persistent buffers and graphs stay. Decode-only steps on a GPU (static
-batching's scratch rows included) replay a CUDA graph captured at the smallest batch-size bucket
-that fits, padding rows with slot -1 and context 0; prefill and mixed steps, and everything on a
-CPU, run eagerly on the same buffers. Then the model runs, with logits only for the rows that need
-them (the rows that sample, plus any prompt-logprob rows the engine names). Owns the step's device inputs, the
-graphs and the KV pool's tensors; does not decide what runs (scheduler.py), pick blocks
-(kv_cache.py) or sample (sampler.py).
+one-off buffers, and the persistent buffers and graphs stay. On a GPU every step replays a CUDA
+graph captured at the smallest bucket that fits (select_graph): decode-only steps (static
+batching's scratch rows included) by rows, verify steps by rows of 1 + k tokens, and any other
+step, prefill and decode mixed, by its total tokens; padding has slot -1 and context 0 and its
+logits are never read. A step no bucket takes runs eagerly on the same buffers, counted by reason
+(eager_steps); on a CPU every step runs eagerly. Then the model runs, with logits only for the
+rows that need them (the rows that sample, plus any prompt-logprob rows the engine names). Owns
+the step's device inputs, the graphs and the KV pool's tensors; does not decide what runs
+(scheduler.py), pick blocks (kv_cache.py) or sample (sampler.py).
 """
+import collections
 import functools
 import math
 import sys
@@ -43,9 +46,9 @@ class StepInputs:
 
 @dataclass
 class CapturedStep:
-    """A decode step captured at one batch size: replay it after filling the buffers."""
+    """A step captured at one bucket: replay it after filling the buffers."""
     graph: "torch.cuda.CUDAGraph"
-    logits: torch.Tensor            # [bucket, vocab], rewritten by each replay
+    logits: torch.Tensor            # [bucket's logits rows, vocab], rewritten by each replay
 
 
 def uses_cuda_graphs(device: torch.device, attention_backend: str, enforce_eager: bool) -> bool:
@@ -59,6 +62,23 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs]
     sizes += range(48, max_num_seqs, 16)
     return sizes + [max_num_seqs]
+
+
+def graph_token_sizes(max_tokens: int) -> list[int]:
+    """Token buckets of mixed steps: 8, 16, ... 512, then four a doubling (640, 768, 896, 1024, 1280...),
+    up to max_tokens: padding costs at most a quarter past 512 tokens, and a few dozen graphs cover 64K."""
+    sizes, t = [], 8
+    while t < max_tokens:
+        sizes.append(t)
+        t = t * 2 if t < 512 else t + (1 << (t.bit_length() - 1)) // 4
+    return sizes + [max_tokens]
+
+
+# Why a step ran eagerly (ModelRunner.eager_steps; bench.py prints them beside the graph steps).
+GRAPHS_OFF = "graphs off"                            # a CPU, the torch backend, or enforce_eager
+PAST_BOUNDS = "past the runner's bounds"             # more rows or tokens than the caller declared
+MORE_LOGITS = "more logits rows than its bucket's"   # prompt logprobs beside the sampled rows
+NOT_CAPTURED = "bucket not captured"
 
 
 class InputBuffers:
@@ -93,7 +113,7 @@ class InputBuffers:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.width
 
     def fits_host(self, host: "HostBatch") -> bool:
-        return self.fits(len(host.input_ids), *host.block_tables.shape)
+        return self.fits(len(host.input_ids), len(host.context_lens), host.block_tables.shape[1])
 
     def reuse_staging(self):
         """Before a step writes the pinned twin: wait for the copy that last read it."""
@@ -123,7 +143,7 @@ class HostBatch:
     input_ids: np.ndarray           # [num_tokens] int64
     positions: np.ndarray           # [num_tokens] int64
     slot_mapping: np.ndarray        # [num_tokens] int64
-    block_tables: np.ndarray        # [num_rows, width] int32
+    block_tables: np.ndarray        # [num_rows, width] int32 (a mixed bucket's padding rows have none: never read)
     context_lens: np.ndarray        # [num_rows] int32
     query_start_loc: np.ndarray     # [num_rows + 1] int32
     logits_rows: np.ndarray         # [num_logits] int64
@@ -146,13 +166,19 @@ class ModelRunner:
         # a verify step (spec_decode.py) gives every row 1 + k query tokens: its padding may reach k past the end
         self.verify_width = 1 + num_speculative_tokens if num_speculative_tokens else 0
         width = -(-(max_model_len + num_speculative_tokens) // block_size)   # [max_num_seqs, blocks of a context]
+        # one row more than a step's: a mixed bucket's padding tokens go in a row of their own
         self.buffers = InputBuffers(max(max_num_batched_tokens, max_num_seqs * max(1, self.verify_width)),
-                                    max_num_seqs, width, device)
+                                    max_num_seqs + 1, width, device)
+        self.max_logits = max_num_seqs * max(1, self.verify_width)   # rows sampled in a step at most
         self.use_graphs = uses_cuda_graphs(device, attention_backend, enforce_eager)
         self.graphs: dict[int, CapturedStep] = {}
         self.verify_graphs: dict[int, CapturedStep] = {}   # rows -> a verify step of rows x verify_width tokens
+        self.mixed_graphs: dict[int, CapturedStep] = {}    # tokens -> any step of at most that many tokens
         self.graph_pool = None
         self.graph_pool_bytes = 0
+        self.mixed_logits = None                           # [max_logits, vocab]: every mixed graph's output
+        self.graph_steps: collections.Counter = collections.Counter()   # kind -> steps that replayed one
+        self.eager_steps: collections.Counter = collections.Counter()   # reason -> steps that ran eagerly
         self.warned_oversize = False
 
     # ------------------------------------------------------------------ host side
@@ -207,15 +233,52 @@ class ModelRunner:
             raise RuntimeError(f"model runner built an invalid batch: block tables {tables.tolist()}, context "
                                f"lens {ctx.tolist()}, slots {host.slot_mapping.tolist()} for {num_blocks} blocks")
 
+    # ------------------------------------------------------------------ graph buckets
+    def decode_sizes(self) -> list[int]:
+        return [b for b in graph_batch_sizes(self.max_num_seqs) if b <= self.buffers.max_seqs]
+
+    def verify_sizes(self) -> list[int]:
+        w = self.verify_width
+        return [b for b in self.decode_sizes() if w and b * w <= self.buffers.max_tokens]
+
+    def mixed_sizes(self) -> list[int]:
+        return graph_token_sizes(self.buffers.max_tokens)
+
+    def mixed_rows(self, tokens: int) -> int:
+        """Rows of a mixed bucket of `tokens` tokens: a step's rows (at most one a token, at most
+        max_num_seqs) and the padding row."""
+        return min(tokens, self.max_num_seqs + 1)
+
+    def mixed_logits_rows(self, tokens: int) -> int:
+        return min(tokens, self.max_logits)
+
+    def select_graph(self, batch: ScheduledBatch, host: HostBatch) -> tuple[str, int, HostBatch] | str:
+        """The bucket this step replays, as (kind, bucket, the padded batch), or why it runs eagerly (a
+        reason of the ones above). Decode-only steps take a decode bucket, verify steps a verify bucket,
+        any other step (or one those refuse) the mixed bucket of its tokens. Whether the graphs are
+        captured is prepare's business: this answers for the buckets this runner would capture."""
+        if not self.buffers.fits_host(host) or len(host.context_lens) > self.max_num_seqs:
+            return PAST_BOUNDS
+        if (bucket := self.bucket(batch, host)) is not None:
+            return "decode", bucket, self.pad(host, bucket)
+        if (bucket := self.verify_bucket(batch, host)) is not None:
+            padded = self.pad_verify(host, bucket, self.verify_width)
+            if self.buffers.fits_host(padded):
+                return "verify", bucket, padded
+        tokens = min(t for t in self.mixed_sizes() if t >= len(host.input_ids))
+        if len(host.logits_rows) > self.mixed_logits_rows(tokens):
+            return MORE_LOGITS
+        return "mixed", tokens, self.pad_mixed(host, tokens)
+
     def bucket(self, batch: ScheduledBatch, host: HostBatch) -> int | None:
-        """The captured batch size this step replays, or None (eager): decode-only steps whose rows
-        each get one row of logits."""
+        """The decode batch size this step replays, or None: decode-only steps whose rows each get one
+        row of logits."""
         n, num_logits = len(batch.seqs), len(host.logits_rows)
         # the leading rows sample; trailing scratch rows (static batching's) are computed and never read
-        if not self.graphs or n > max(self.graphs) or any(q != 1 for q in host.q_lens) or num_logits > n \
-                or not np.array_equal(host.logits_rows, np.arange(num_logits)) or not self.buffers.fits_host(host):
+        if n > self.max_num_seqs or any(q != 1 for q in host.q_lens) or num_logits > n \
+                or not np.array_equal(host.logits_rows, np.arange(num_logits)):
             return None
-        return min(b for b in self.graphs if b >= n)
+        return min(b for b in self.decode_sizes() if b >= n)
 
     @staticmethod
     def pad(host: HostBatch, bucket: int) -> HostBatch:
@@ -231,16 +294,16 @@ class ModelRunner:
                          host.q_lens + [1] * extra)
 
     def verify_bucket(self, batch: ScheduledBatch, host: HostBatch) -> int | None:
-        """The captured verify step this step replays, or None (eager): every row a decode row (its
-        last token, then its drafts, at most verify_width - 1 of them), some row drafting, each row's
-        1 + k_i positions sampled, nothing more."""
+        """The verify step this step replays, or None: every row a decode row (its last token, then its
+        drafts, at most verify_width - 1 of them), some row drafting, each row's 1 + k_i positions
+        sampled, nothing more."""
         n, w = len(batch.seqs), self.verify_width
-        if not self.verify_graphs or n > self.max_num_seqs or batch.num_scratch_rows \
+        if not w or n > self.max_num_seqs or batch.num_scratch_rows \
                 or len(batch.sample_rows) != n or len(host.logits_rows) != len(host.input_ids):
             return None
         if any(q != 1 + s.num_spec_tokens or q > w for q, s in zip(host.q_lens, batch.seqs)) or all(q == 1 for q in host.q_lens):
             return None
-        return min((b for b in self.verify_graphs if b >= n), default=None)
+        return min((b for b in self.verify_sizes() if b >= n), default=None)
 
     def pad_verify(self, host: HostBatch, bucket: int, width: int) -> HostBatch:
         """Pad a verify batch to `bucket` rows of exactly `width` query tokens: a row with k_i < width - 1
@@ -272,42 +335,78 @@ class ModelRunner:
                          (np.arange(bucket + 1) * width).astype(np.int32),
                          np.concatenate([flat_real, flat_pad]).astype(np.int64), [width] * bucket)
 
+    def pad_mixed(self, host: HostBatch, tokens: int) -> HostBatch:
+        """Pad any step to a mixed bucket: `tokens` tokens in mixed_rows(tokens) rows. The padding tokens
+        (token 0 at position 0, slot -1: never cached) form one row of context 0 after the real rows,
+        which attends to nothing and gets no prefill tile (its attention output is never written, and
+        every op after attention keeps rows apart); the rows after it have no tokens. Their block
+        tables are not sent: no kernel reads a row of context 0. Logits rows: the real ones, then
+        row 0 again up to the bucket's (computed, never read)."""
+        t, r = len(host.input_ids), len(host.q_lens)
+        extra, rows = tokens - t, self.mixed_rows(tokens)
+        q_pad = ([extra] if extra else []) + [0] * (rows - r - bool(extra))
+        zeros = np.zeros(extra, dtype=np.int64)
+        logits = np.zeros(self.mixed_logits_rows(tokens), dtype=np.int64)
+        logits[:len(host.logits_rows)] = host.logits_rows
+        return HostBatch(np.concatenate([host.input_ids, zeros]), np.concatenate([host.positions, zeros]),
+                         np.concatenate([host.slot_mapping, zeros - 1]), host.block_tables,
+                         np.concatenate([host.context_lens, np.zeros(rows - r, np.int32)]),
+                         np.concatenate([host.query_start_loc, t + np.cumsum(q_pad)]).astype(np.int32),
+                         logits, host.q_lens + q_pad)
+
     # ------------------------------------------------------------------ upload
     def prepare(self, batch: ScheduledBatch, extra_rows: list[int] = ()) -> StepInputs:
         """Run the step's block copies (swaps, copy-on-write: before the forward reads the blocks),
-        then build, check, plan and upload the step's inputs."""
+        then build, check, plan and upload the step's inputs: padded to the bucket of a captured
+        graph, or as they are (eagerly, its reason counted)."""
         self.kv_pool.run(batch.block_ops)
         host = self.build(batch, extra_rows)
         num_logits = len(host.logits_rows)
-        bucket, graphs = self.bucket(batch, host), self.graphs
-        if bucket is not None:
-            host = self.pad(host, bucket)
-        elif (bucket := self.verify_bucket(batch, host)) is not None:
-            padded = self.pad_verify(host, bucket, self.verify_width)
-            if self.buffers.fits_host(padded):                   # else eager, on one-off buffers
-                host, graphs = padded, self.verify_graphs
-            else:
-                bucket = None
-        inputs = self.upload(host, max_parts=self.graph_max_parts(bucket) if graphs is self.graphs and bucket else None)
-        inputs.num_logits = num_logits
-        inputs.graph = graphs.get(bucket)
+        choice = self.select_graph(batch, host) if self.use_graphs else GRAPHS_OFF
+        graph = None
+        if not isinstance(choice, str):
+            kind, bucket, padded = choice
+            graph = self.graphs_of(kind).get(bucket)
+            choice = kind if graph is not None else NOT_CAPTURED
+        if graph is None:
+            self.eager_steps[choice] += 1
+            inputs = self.upload(host)
+        else:
+            self.graph_steps[choice] += 1
+            inputs = self.upload(padded, *self.fixed_grid(choice, bucket))
+        inputs.num_logits, inputs.graph = num_logits, graph
         return inputs
 
-    def upload(self, host: HostBatch, max_parts: int | None = None) -> StepInputs:
-        """One copy per buffer; the CUDA plan from the host arrays (a fixed grid when max_parts is given).
-        A step past the buffers' bounds gets one-off buffers of its own size, and runs eagerly."""
+    def graphs_of(self, kind: str) -> dict[int, CapturedStep]:
+        return {"decode": self.graphs, "verify": self.verify_graphs, "mixed": self.mixed_graphs}[kind]
+
+    def fixed_grid(self, kind: str, bucket: int) -> tuple[int | None, int | None]:
+        """(max_parts, num_prefill_items) of a bucket's fixed grid; None: as the step needs (a verify
+        bucket's tiles follow from its rows x width alone)."""
+        if kind == "decode":
+            return self.graph_max_parts(bucket), None
+        if kind == "verify":
+            return None, None
+        rows = min(bucket, self.max_num_seqs)
+        return self.graph_max_parts(rows), pa.bucket_prefill_items(bucket, rows, self.group)
+
+    def upload(self, host: HostBatch, max_parts: int | None = None, num_prefill_items: int | None = None) -> StepInputs:
+        """One copy per buffer; the CUDA plan from the host arrays (a fixed grid when max_parts and
+        num_prefill_items are given). A step past the buffers' bounds gets one-off buffers of its own
+        size, and runs eagerly."""
         b = self.buffers
-        rows, width = host.block_tables.shape
+        rows, width = len(host.context_lens), host.block_tables.shape[1]
         if not b.fits_host(host):
             b = self.one_off_buffers(len(host.input_ids), rows, width)
         b.reuse_staging()
-        tables = np.zeros((rows, b.width), dtype=np.int32)             # the buffer's full width: one copy
+        tables = np.zeros((len(host.block_tables), b.width), dtype=np.int32)   # the buffer's full width: one copy
         tables[:, :width] = host.block_tables
         b.stage("block_tables", tables)
         plan = None
         if self.cuda:
             ints, parts, tiles = pa.plan_cuda_launch(host.q_lens, host.context_lens.tolist(), self.num_kv_heads,
-                                                     self.group, self.num_sms, max_parts, block_size=self.block_size)
+                                                     self.group, self.num_sms, max_parts, block_size=self.block_size,
+                                                     num_prefill_items=num_prefill_items)
             plan = CudaPlan(b.stage("plan", np.asarray(ints, dtype=np.int32)), parts, tiles)
         meta = AttentionMetadata(
             slot_mapping=b.stage("slot_mapping", host.slot_mapping), block_tables=b.dev["block_tables"][:rows],
@@ -357,30 +456,37 @@ class ModelRunner:
         return pa.bucket_max_parts(bucket, self.num_kv_heads, self.num_sms, self.max_model_len)
 
     def capture_graphs(self):
-        """Capture a decode step at every bucket and, when speculating, a verify step (rows x
-        verify_width tokens) at every bucket whose tokens fit the buffers: largest first, all in one
-        memory pool (a smaller graph's temporaries fit in what the larger left; each graph keeps
-        only its logits). The captured forward reads nothing back: its inputs sit in the persistent
-        buffers and its grids are fixed per bucket. graph_pool_bytes: what the pool took."""
+        """Capture a decode step at every batch-size bucket, when speculating a verify step (rows x
+        verify_width tokens) at every bucket whose tokens fit the buffers, and a mixed step at every
+        token bucket: largest first, all in one memory pool (a smaller graph's temporaries fit in what
+        the larger left; a decode or verify graph keeps only its logits, the mixed graphs write theirs
+        into one shared buffer). The captured forward reads nothing back: its inputs sit in the
+        persistent buffers and its grids are fixed per bucket. graph_pool_bytes: what the pool took."""
         if not self.use_graphs:
             return
-        sizes = [b for b in graph_batch_sizes(self.max_num_seqs) if b <= self.buffers.max_seqs]
         empty = HostBatch(*(np.zeros(0, np.int64) for _ in range(3)), np.zeros((0, self.buffers.width), np.int32),
                           np.zeros(0, np.int32), np.zeros(1, np.int32), np.zeros(0, np.int64), [])
         w = self.verify_width
-        steps = [(b, 1, self.graphs) for b in sizes]
-        steps += [(b, w, self.verify_graphs) for b in sizes if w and b * w <= self.buffers.max_tokens]
+        steps = [(b, "decode", b) for b in self.decode_sizes()] + [(b * w, "verify", b) for b in self.verify_sizes()]
+        steps += [(t, "mixed", t) for t in self.mixed_sizes()]
         reserved = torch.cuda.memory_reserved if self.device.type == "cuda" else (lambda device: 0)
         before = reserved(self.device)
-        for bucket, width, graphs in sorted(steps, key=lambda s: s[0] * s[1], reverse=True):
-            host = self.pad(empty, bucket) if width == 1 else self.pad_verify(empty, bucket, width)
-            inputs = self.upload(host, max_parts=self.graph_max_parts(bucket) if width == 1 else None)
-            graphs[bucket] = self.capture(functools.partial(
-                self.model, inputs.input_ids, inputs.positions, self.kv_pool.kv_caches, inputs.meta,
-                inputs.logits_rows))
+        self.mixed_logits = torch.empty(self.mixed_logits_rows(max(self.mixed_sizes())), self.model.config.vocab_size,
+                                        dtype=torch.float32, device=self.device)
+        for _, kind, bucket in sorted(steps, reverse=True):
+            host = {"decode": lambda: self.pad(empty, bucket), "verify": lambda: self.pad_verify(empty, bucket, w),
+                    "mixed": lambda: self.pad_mixed(empty, bucket)}[kind]()
+            inputs = self.upload(host, *self.fixed_grid(kind, bucket))
+            forward = functools.partial(self.model, inputs.input_ids, inputs.positions, self.kv_pool.kv_caches,
+                                        inputs.meta, inputs.logits_rows)
+            if kind == "mixed":
+                out = self.mixed_logits[:len(host.logits_rows)]
+                forward = functools.partial(lambda f, out: out.copy_(f()), forward, out)
+            self.graphs_of(kind)[bucket] = self.capture(forward)
         self.graph_pool_bytes = reserved(self.device) - before
-        print(f"nanoserve: CUDA graphs: {len(self.graphs)} decode and {len(self.verify_graphs)} verify steps in one "
-              f"pool of {self.graph_pool_bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+        print(f"nanoserve: CUDA graphs: {len(self.graphs)} decode, {len(self.verify_graphs)} verify and "
+              f"{len(self.mixed_graphs)} mixed steps in one pool of {self.graph_pool_bytes / 2**20:.0f} MiB",
+              file=sys.stderr, flush=True)
 
     def capture(self, forward) -> CapturedStep:
         """One CUDA graph of forward(), warmed up eagerly first (cuBLAS picks its kernels, the

@@ -60,7 +60,7 @@ class CudaPlan:
     max_parts decode blocks, a reduce when max_parts > 1, num_prefill_items tiles), so a decode step
     at one batch size always launches the same grids; the data-dependent part, the partition size,
     is read by the kernels from `plan` on the device."""
-    plan: torch.Tensor         # int32 [2 + 2 * num_prefill_items]: partition size, 0, then (row, first query row) per prefill tile
+    plan: torch.Tensor         # int32 [2 + 2 * num_prefill_items]: partition size, 0, then (row, first query row) per prefill tile (row -1: empty)
     max_parts: int             # decode blocks per row (0: the step has no decode row)
     num_prefill_items: int
 
@@ -100,14 +100,25 @@ def choose_partition(longest: int, max_parts: int, block_size: int) -> int:
     return -(-pages // parts) * block_size
 
 
+def bucket_prefill_items(num_tokens: int, max_rows: int, group: int) -> int:
+    """The most prefill tiles a step of num_tokens tokens in at most max_rows rows can need (a graph
+    bucket's fixed prefill grid): P rows of q_i >= 2 tokens need sum ceil(q_i / r) <= (T + P (r - 1)) / r
+    tiles of r = TILE_VECTORS / group rows, with P <= min(max_rows, T / 2)."""
+    rows_per_tile = TILE_VECTORS // group
+    prefill_rows = min(max_rows, num_tokens // 2)
+    return (num_tokens + prefill_rows * (rows_per_tile - 1)) // rows_per_tile
+
+
 def plan_cuda_launch(q_lens: list[int], ctx_lens: list[int], num_kv_heads: int, group: int, num_sms: int,
-                     max_parts: int | None = None, *, block_size: int,
-                     blocks_per_sm: int = BLOCKS_PER_SM) -> tuple[list[int], int, int]:
+                     max_parts: int | None = None, *, block_size: int, blocks_per_sm: int = BLOCKS_PER_SM,
+                     num_prefill_items: int | None = None) -> tuple[list[int], int, int]:
     """The ints of a CudaPlan from the host's lists -> (plan ints, max_parts, num_prefill_items).
     One wave: while decode rows x KV heads leave SMs idle, rows are split into parts (at page
     boundaries, within a page of each other) so that rows x parts x KV heads fill at most
     blocks_per_sm x num_sms blocks. max_parts None: the grid is as wide as the longest row needs;
-    given (a graph bucket's fixed grid, bucket_max_parts), the partition adapts to it."""
+    given (a graph bucket's fixed grid, bucket_max_parts), the partition adapts to it.
+    num_prefill_items given (a bucket's, bucket_prefill_items): the tiles padded to that many with
+    empty items (sequence -1; the kernel exits), so the prefill grid is fixed too."""
     decode_ctx = [c for q, c in zip(q_lens, ctx_lens) if q == 1]
     if max_parts is None:
         cap = wave_parts(len(decode_ctx), num_kv_heads, num_sms, blocks_per_sm)
@@ -116,7 +127,12 @@ def plan_cuda_launch(q_lens: list[int], ctx_lens: list[int], num_kv_heads: int, 
     else:
         partition = choose_partition(max(decode_ctx, default=0), max_parts, block_size)
     rows_per_tile = TILE_VECTORS // group
-    tiles = [x for i, q in enumerate(q_lens) if q > 1 for r in range(0, q, rows_per_tile) for x in (i, r)]
+    tiles = [x for i, q in enumerate(q_lens) if q > 1 and ctx_lens[i] >= q for r in range(0, q, rows_per_tile)
+             for x in (i, r)]                                # a row of context 0 is a bucket's padding: no tile
+    if num_prefill_items is not None:
+        if len(tiles) // 2 > num_prefill_items:
+            raise ValueError(f"{len(tiles) // 2} prefill tiles exceed the bucket's {num_prefill_items}")
+        tiles += [-1, 0] * (num_prefill_items - len(tiles) // 2)
     return [partition, 0, *tiles], max_parts, len(tiles) // 2
 
 

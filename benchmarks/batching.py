@@ -9,8 +9,8 @@ and bench_engine.py; hardware ceilings live in bench_hardware.py and HTTP in ben
 import random
 import statistics
 
-from benchmarks.harness import (greedy, make_engine, make_workload, md_table, pct, random_prompt, run_interleaved,
-                          run_timed, section_header, vocab_of, warm_up)
+from benchmarks.harness import (describe_graph_use, greedy, make_engine, make_workload, md_table, pct, random_prompt,
+                                run_interleaved, run_timed, section_header, vocab_of, warm_up)
 
 
 def static_waste_closed_form(lengths, batch_size):
@@ -43,7 +43,8 @@ def bench_throughput(sz, seed, results):
     runs = run_interleaved(jobs, "continuous and static, step by step in turn")
     out = {}
     for (name, kw), (_, mine), r in zip(contenders, jobs, runs):
-        rec = {k: r[k] for k in ("wall_s", "useful_tokens", "useful_tok_s", "total_tok_s", "num_steps", "preemptions")}
+        rec = {k: r[k] for k in ("wall_s", "useful_tokens", "useful_tok_s", "total_tok_s", "num_steps", "preemptions",
+                                 "graph_steps", "eager_steps")}
         rec["num_requests"] = len(mine)
         if b := kw.get("static_batch_size"):
             rec["slot_waste_measured"] = measured_padding(r["steps"], "num_padding_last_step", r["useful_tokens"])
@@ -67,7 +68,9 @@ def bench_throughput(sz, seed, results):
     print(md_table(["mode", "requests", "useful out tok/s", "total tok/s", "wall s", "steps", "slot waste measured",
                     "closed form", "prompt padding measured", "closed form", "preemptions"],
                    [[k] + [v.get(c, "-") for c in cols] for k, v in out.items()]))
-    print(f"\ncontinuous / best static ({best}): **{ratio:.2f}x** useful output tokens/s")
+    print(f"\ncontinuous / best static ({best}): **{ratio:.2f}x** useful output tokens/s\n")
+    for name, rec in out.items():               # on a GPU: did the steps replay CUDA graphs (model_runner.py)
+        print(f"- {name}: {describe_graph_use(rec)}")
     results["throughput"] = {"num_requests": len(reqs), "modes": out, "best_static": best,
                              "continuous_over_best_static": ratio}
 

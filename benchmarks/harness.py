@@ -216,7 +216,8 @@ def run_interleaved(jobs, desc):
         ids = {new_id("off"): r for r in reqs}
         for rid, r in ids.items():
             engine.add_request(rid, r.prompt, greedy(r.max_tokens))
-        states.append({"engine": engine, "reqs": reqs, "ids": ids, "steps": [], "done": {}, "wall": 0.0})
+        states.append({"engine": engine, "reqs": reqs, "ids": ids, "steps": [], "done": {}, "wall": 0.0,
+                       "before": engine.stats()})
     bar = progress(sum(r.max_tokens for _, reqs in jobs for r in reqs), desc, "tok")
     while any(st["engine"].has_unfinished_requests() for st in states):
         for st in (st for st in states if st["engine"].has_unfinished_requests()):
@@ -241,7 +242,24 @@ def offline_result(st):
     return {"wall_s": wall, "useful_tokens": useful, "useful_tok_s": useful / wall,
             "total_tok_s": (useful + prompt_tokens) / wall, "num_steps": len(steps),
             "preemptions": steps[-1][1].num_preemptions if steps else 0, "steps": steps, "ids": st["ids"],
-            "done": st["done"]}
+            "done": st["done"], **graph_use(st["before"], steps[-1][1] if steps else st["before"])}
+
+
+def graph_use(before, after) -> dict:
+    """Steps between two EngineStats that replayed a CUDA graph (by kind) and that ran eagerly (by
+    reason): {"graph_steps": {...}, "eager_steps": {...}}."""
+    def delta(a, b):
+        return {k: n - a.get(k, 0) for k, n in b.items() if n - a.get(k, 0)}
+    return {"graph_steps": delta(before.graph_steps, after.graph_steps),
+            "eager_steps": delta(before.eager_steps, after.eager_steps)}
+
+
+def describe_graph_use(run: dict) -> str:
+    """'graph steps: N (decode a, mixed b); eager steps: M (reason m)': whether a GPU run replayed graphs."""
+    def part(name, counts):
+        inner = ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
+        return f"{name}: {sum(counts.values())}" + (f" ({inner})" if inner else "")
+    return f"{part('graph steps', run['graph_steps'])}; {part('eager steps', run['eager_steps'])}"
 
 
 def warm_up(engine, sz, n=4):

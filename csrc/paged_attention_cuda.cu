@@ -4,8 +4,9 @@
 // The host plans each step once (paged_attention.plan_cuda_launch, from the lists the model
 // runner already holds) into a small device buffer: the partition size, then the prefill tiles.
 // The grids depend only on ints the host passes (rows, max_parts, prefill tiles), never on the
-// data, so a decode step has one fixed launch sequence per batch size and a CUDA graph can
-// replay it whatever the context lengths: gridDim.x grows with the batch, gridDim.y <= num_heads.
+// data, so a step padded to a bucket (rows, max_parts, prefill items padded with empty ones) has
+// one fixed launch sequence and a CUDA graph can replay it whatever the contexts and the mix of
+// prefill and decode rows: gridDim.x grows with the batch, gridDim.y <= num_heads.
 //   decode_kernel        one thread block per (row x one of max_parts context partitions, KV
 //                        head). The partition size is read from the plan on the device; a block
 //                        past its row's last partition, or of a row that is not decoding, exits
@@ -23,7 +24,8 @@
 //                        partitions of a split row (flash-decoding style), other rows exit.
 //   prefill_kernel       one thread block per (prefill item = tile of query rows, KV head); K/V
 //                        chunks staged in shared memory and reused by every query of the tile.
-//                        Not launched in a pure-decode step.
+//                        Not launched in a pure-decode step. An item of sequence -1 is empty (it
+//                        exits): a mixed step's graph bucket pads its work list to a fixed length.
 //   reshape_and_cache_kernel  the fused KV write; slot -1 means "do not cache this row". Its _vec
 //                        twin moves 16-byte pieces when the cache has the keys' dtype.
 // Queries and new K/V rows may be strided views (rows of the fused qkv output): only the row
@@ -362,6 +364,7 @@ static_assert(sizeof(PrefillShared) <= 48 * 1024, "static shared memory is limit
 template <typename Q, typename KV>
 __global__ void prefill_kernel(Params p) {
   const int seq = p.prefill_items[blockIdx.x].x, row0 = p.prefill_items[blockIdx.x].y, kv_head = blockIdx.y;
+  if (seq < 0) return;                                         // an empty item: a graph bucket's fixed grid
   const int G = p.group, D = p.head_dim;
   const int q_begin = p.query_start_loc[seq], q_len = p.query_start_loc[seq + 1] - q_begin;
   const int rows = min(p.rows_per_tile, q_len - row0), num_vectors = rows * G;

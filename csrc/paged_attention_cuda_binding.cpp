@@ -125,8 +125,9 @@ void check_row_view(const at::Tensor& t, const char* name) {
 }
 
 // What the kernels will read through query_start_loc, context_lens, block_tables and the plan,
-// checked on host copies (NANOSERVE_CHECK_INPUTS=1); the CPU backend's rules and messages. A decode
-// row with context 0 is a padding row (CUDA graph buckets): allowed, its output is zeros.
+// checked on host copies (NANOSERVE_CHECK_INPUTS=1); the CPU backend's rules and messages. A row
+// with context 0 is a padding row (CUDA graph buckets): allowed; as a decode row its output is
+// zeros, as a longer one no prefill item may cover it (its output rows are never written or read).
 void check_batch(const at::Tensor& qsl, const at::Tensor& ctx, const at::Tensor& tables, const at::Tensor& plan,
                  int num_tokens, int num_blocks, int block_size, int max_parts, int num_prefill_items) {
   const int num_seqs = ctx.numel(), max_blocks = tables.size(1);
@@ -138,7 +139,7 @@ void check_batch(const at::Tensor& qsl, const at::Tensor& ctx, const at::Tensor&
   TORCH_CHECK(pl[0] >= 1, "plan: partition size ", pl[0], " must be positive");
   for (int i = 0; i < num_seqs; ++i) {
     const int q_len = qs[i + 1] - qs[i];
-    TORCH_CHECK(q_len >= 0 && (cl[i] >= q_len || (q_len == 1 && cl[i] == 0)), "sequence ", i,
+    TORCH_CHECK(q_len >= 0 && (cl[i] >= q_len || cl[i] == 0), "sequence ", i,
                 ": need 0 <= q_len (", q_len, ") <= context_len (", cl[i], ")");
     const int used_blocks = (cl[i] + block_size - 1) / block_size;
     TORCH_CHECK(used_blocks <= max_blocks, "sequence ", i, ": context_len ", cl[i], " needs ", used_blocks,
@@ -154,7 +155,9 @@ void check_batch(const at::Tensor& qsl, const at::Tensor& ctx, const at::Tensor&
   }
   for (int k = 0; k < num_prefill_items; ++k) {
     const int seq = pl[2 + 2 * k], row = pl[3 + 2 * k];
-    TORCH_CHECK(seq >= 0 && seq < num_seqs && qs[seq + 1] - qs[seq] > 1 && row >= 0 && row < qs[seq + 1] - qs[seq],
+    if (seq == -1) continue;                                   // an empty item (a graph bucket's padding)
+    TORCH_CHECK(seq >= 0 && seq < num_seqs && qs[seq + 1] - qs[seq] > 1 && row >= 0 &&
+                    row < qs[seq + 1] - qs[seq] && cl[seq] >= qs[seq + 1] - qs[seq],
                 "plan: prefill item ", k, " (", seq, ", ", row, ") is not a tile of a prefill row");
   }
 }

@@ -14,6 +14,7 @@ authenticated by NANOSERVE_DP_KEY (dp_key); disaggregation.py's remote cores joi
 Owns the request -> core map and the per-core /metrics lines;
 owns no HTTP (serve.py), no pipe (engine_client.py) and no routing policy (router.py).
 """
+import collections
 import dataclasses
 import functools
 import logging
@@ -94,8 +95,11 @@ class DataParallelClient:
     def stats(self) -> EngineStats:
         """The cores' stats summed (kv_usage over all blocks, hit rate: the mean of the live cores')."""
         live = [c.stats for c in self.cores if c.alive()] or [c.stats for c in self.cores]
+        counts = ("graph_steps", "eager_steps")                      # dicts of counts: summed key by key
         total = {f.name: sum(getattr(s, f.name) for s in live) for f in dataclasses.fields(EngineStats)
-                 if f.name != "kv_offload"}
+                 if f.name != "kv_offload" and f.name not in counts}
+        total |= {name: dict(sum((collections.Counter(getattr(s, name)) for s in live), collections.Counter()))
+                  for name in counts}
         total["kv_offload"] = kv_offload.merge_stats([s.kv_offload for s in live])
         total["kv_usage"] = 1 - total["num_free_blocks"] / max(1, total["num_blocks"])
         total["prefix_cache_hit_rate"] /= len(live)
