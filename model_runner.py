@@ -17,14 +17,14 @@ graphs and the KV pool's tensors; does not decide what runs (scheduler.py), pick
 (kv_cache.py) or sample (sampler.py).
 """
 import functools
-import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import paged_attention as pa
+from input_buffers import InputBuffers
 from kv_cache import KVCachePool
 from paged_attention import AttentionMetadata, CudaPlan
 from scheduler import ScheduledBatch
@@ -39,6 +39,7 @@ class StepInputs:
     logits_rows: torch.Tensor       # [num_logits] flat-batch rows that get logits
     num_logits: int = 0             # rows of logits the engine reads (the rest are padding)
     graph: "CapturedStep | None" = None
+    extra: object = None            # what the upload's stage_more staged (the sampler's device inputs)
 
 
 @dataclass
@@ -61,62 +62,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-class InputBuffers:
-    """Every device input of a step, allocated once at its largest, as views of one byte buffer: a
-    step fills leading slices, so views keep one address (what a captured graph reads), and the whole
-    step goes up in one copy (flush) from a host twin of the same layout, pinned on a GPU. The block
-    tables come last, so the copy ends where the step's rows of them end. On a CPU the twin is the
-    buffer itself. A step rewrites the twin only once the last step's copy out of it ran (an event:
-    under async scheduling the host is a step ahead of the device)."""
-    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
-        i32, i64 = torch.int32, torch.int64
-        shapes = dict(input_ids=((max_tokens,), i64), positions=((max_tokens,), i64),
-                      slot_mapping=((max_tokens,), i64), logits_rows=((max_tokens,), i64),
-                      context_lens=((max_seqs,), i32), query_start_loc=((max_seqs + 1,), i32),
-                      plan=((2 + 2 * max_tokens,), i32), block_tables=((max_seqs, width), i32))
-        self.device, self.max_tokens, self.max_seqs, self.width = device, max_tokens, max_seqs, width
-        self.offsets, total = {}, 0
-        for name, (shape, dt) in shapes.items():
-            self.offsets[name] = total
-            total += -(-math.prod(shape) * dt.itemsize // 16) * 16          # 16-byte aligned views
-        self.dev_bytes = torch.zeros(total, dtype=torch.uint8, device=device)   # [total]
-        self.host_bytes = self.dev_bytes if device.type == "cpu" else \
-            torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        def views(buf):
-            return {k: buf[self.offsets[k]:self.offsets[k] + math.prod(shape) * dt.itemsize].view(dt).view(shape)
-                    for k, (shape, dt) in shapes.items()}
-        self.dev, self.host = views(self.dev_bytes), views(self.host_bytes)
-        self.end = 0                        # bytes staged this step
-        self.uploaded = None                # CUDA event after the last step's copy
-
-    def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool:
-        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.width
-
-    def fits_host(self, host: "HostBatch") -> bool:
-        return self.fits(len(host.input_ids), *host.block_tables.shape)
-
-    def reuse_staging(self):
-        """Before a step writes the pinned twin: wait for the copy that last read it."""
-        if self.uploaded is not None:
-            self.uploaded.synchronize()
-
-    def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
-        """values into the leading slice of buffer `name`'s host twin; returns the device slice they go to."""
-        values = values.reshape(-1)
-        self.host[name].view(-1)[:len(values)].copy_(torch.from_numpy(values))
-        self.end = max(self.end, self.offsets[name] + values.nbytes)
-        return self.dev[name].view(-1)[:len(values)]
-
-    def flush(self):
-        """The step's one copy: every staged byte, non_blocking from the pinned twin on a GPU."""
-        if self.host_bytes is not self.dev_bytes:
-            self.dev_bytes[:self.end].copy_(self.host_bytes[:self.end], non_blocking=True)
-            if self.device.type == "cuda":
-                self.uploaded = torch.cuda.Event()
-                self.uploaded.record()
-        self.end = 0
-
-
 @dataclass
 class HostBatch:
     """A step's inputs as host arrays, checked (check_batch), before they are uploaded."""
@@ -128,6 +73,7 @@ class HostBatch:
     query_start_loc: np.ndarray     # [num_rows + 1] int32
     logits_rows: np.ndarray         # [num_logits] int64
     q_lens: list[int]
+    owners: list = field(default_factory=list)   # per row its Sequence (None: padding): whose table row it is
 
 
 class ModelRunner:
@@ -155,6 +101,12 @@ class ModelRunner:
         self.graph_pool_bytes = 0
         self.warned_oversize = False
 
+    def reserve_upload(self, extra_bytes: int):
+        """Room at the packed upload's tail for what another part stages each step (the device
+        sampler's inputs): the buffers are made again, before any graph reads them."""
+        b = self.buffers
+        self.buffers = InputBuffers(b.max_tokens, b.max_seqs, b.width, self.device, extra_bytes)
+
     # ------------------------------------------------------------------ host side
     def build(self, batch: ScheduledBatch, extra_rows=()) -> HostBatch:
         """The step's flat inputs as host arrays. Per-row Python only to read each sequence's
@@ -181,7 +133,7 @@ class ModelRunner:
                                  for t in s.token_ids[a:a + n] + s.spec_token_ids), dtype=np.int64, count=len(row))
         logits_rows = np.concatenate([self.sample_logits_rows(batch, qsl), np.asarray(extra_rows, dtype=np.int64)])
         host = HostBatch(input_ids, positions, slots, tables, ctx.astype(np.int32), qsl.astype(np.int32),
-                         logits_rows.astype(np.int64), batch.num_tokens)
+                         logits_rows.astype(np.int64), batch.num_tokens, list(seqs))
         self.check_batch(host)
         return host
 
@@ -228,7 +180,7 @@ class ModelRunner:
                          np.concatenate([host.block_tables, np.zeros((extra, host.block_tables.shape[1]), np.int32)]),
                          np.concatenate([host.context_lens, zeros.astype(np.int32)]),
                          np.arange(bucket + 1, dtype=np.int32), np.arange(bucket, dtype=np.int64),
-                         host.q_lens + [1] * extra)
+                         host.q_lens + [1] * extra, host.owners + [None] * extra)
 
     def verify_bucket(self, batch: ScheduledBatch, host: HostBatch) -> int | None:
         """The captured verify step this step replays, or None (eager): every row a decode row (its
@@ -270,12 +222,13 @@ class ModelRunner:
                          np.concatenate([slots.reshape(-1), pad_ids.reshape(-1) - 1]), tables,
                          np.concatenate([ctx, np.full(extra, width)]).astype(np.int32),
                          (np.arange(bucket + 1) * width).astype(np.int32),
-                         np.concatenate([flat_real, flat_pad]).astype(np.int64), [width] * bucket)
+                         np.concatenate([flat_real, flat_pad]).astype(np.int64), [width] * bucket,
+                         host.owners + [None] * extra)
 
     # ------------------------------------------------------------------ upload
-    def prepare(self, batch: ScheduledBatch, extra_rows: list[int] = ()) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, extra_rows: list[int] = (), stage_more=None) -> StepInputs:
         """Run the step's block copies (swaps, copy-on-write: before the forward reads the blocks),
-        then build, check, plan and upload the step's inputs."""
+        then build, check, plan and upload the step's inputs (with stage_more's: see upload)."""
         self.kv_pool.run(batch.block_ops)
         host = self.build(batch, extra_rows)
         num_logits = len(host.logits_rows)
@@ -288,35 +241,38 @@ class ModelRunner:
                 host, graphs = padded, self.verify_graphs
             else:
                 bucket = None
-        inputs = self.upload(host, max_parts=self.graph_max_parts(bucket) if graphs is self.graphs and bucket else None)
+        inputs = self.upload(host, max_parts=self.graph_max_parts(bucket) if graphs is self.graphs and bucket else None,
+                             stage_more=stage_more)
         inputs.num_logits = num_logits
         inputs.graph = graphs.get(bucket)
         return inputs
 
-    def upload(self, host: HostBatch, max_parts: int | None = None) -> StepInputs:
-        """One copy per buffer; the CUDA plan from the host arrays (a fixed grid when max_parts is given).
-        A step past the buffers' bounds gets one-off buffers of its own size, and runs eagerly."""
+    def upload(self, host: HostBatch, max_parts: int | None = None, stage_more=None) -> StepInputs:
+        """The step's one copy (input_buffers.py): every input, the block-table rows that changed, and
+        what stage_more(buffers) stages (the sampler's numbers; its return value is StepInputs.extra);
+        the CUDA plan from the host arrays (a fixed grid when max_parts is given). A step past the
+        buffers' bounds gets one-off buffers of its own size, and runs eagerly."""
         b = self.buffers
-        rows, width = host.block_tables.shape
         if not b.fits_host(host):
-            b = self.one_off_buffers(len(host.input_ids), rows, width)
+            b = self.one_off_buffers(len(host.input_ids), *host.block_tables.shape)
         b.reuse_staging()
-        tables = np.zeros((rows, b.width), dtype=np.int32)             # the buffer's full width: one copy
-        tables[:, :width] = host.block_tables
-        b.stage("block_tables", tables)
+        owners = host.owners or [None] * len(host.q_lens)
+        tables = b.stage_tables([None if s is None else id(s) for s in owners],
+                                [None if s is None else s.block_table for s in owners], host.block_tables)
         plan = None
         if self.cuda:
             ints, parts, tiles = pa.plan_cuda_launch(host.q_lens, host.context_lens.tolist(), self.num_kv_heads,
                                                      self.group, self.num_sms, max_parts, block_size=self.block_size)
             plan = CudaPlan(b.stage("plan", np.asarray(ints, dtype=np.int32)), parts, tiles)
-        meta = AttentionMetadata(
-            slot_mapping=b.stage("slot_mapping", host.slot_mapping), block_tables=b.dev["block_tables"][:rows],
-            context_lens=b.stage("context_lens", host.context_lens),
-            query_start_loc=b.stage("query_start_loc", host.query_start_loc), backend=self.attention_backend,
-            cuda_plan=plan)
-        inputs = StepInputs(b.stage("input_ids", host.input_ids), b.stage("positions", host.positions), meta,
+        slot_mapping, context_lens = b.stage("slot_mapping", host.slot_mapping), b.stage("context_lens", host.context_lens)
+        query_start_loc = b.stage("query_start_loc", host.query_start_loc)
+        inputs = StepInputs(b.stage("input_ids", host.input_ids), b.stage("positions", host.positions), None,
                             b.stage("logits_rows", host.logits_rows), len(host.logits_rows))
+        inputs.extra = stage_more(b) if stage_more is not None else None
         b.flush()
+        inputs.meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=b.gather_tables(*tables),
+                                        context_lens=context_lens, query_start_loc=query_start_loc,
+                                        backend=self.attention_backend, cuda_plan=plan)
         return inputs
 
     def one_off_buffers(self, num_tokens: int, num_seqs: int, width: int) -> InputBuffers:
@@ -348,7 +304,7 @@ class ModelRunner:
             host = HostBatch(np.asarray(seq.token_ids[a:b], dtype=np.int64), np.arange(a, b, dtype=np.int64),
                              np.full(q, -1, dtype=np.int64), np.asarray([seq.block_table], dtype=np.int32),
                              np.asarray([b], dtype=np.int32), np.asarray([0, q], dtype=np.int32),
-                             np.arange(q, dtype=np.int64), [q])
+                             np.arange(q, dtype=np.int64), [q], [seq])
             self.check_batch(host)
             yield a, b, self.forward(self.upload(host))
 

@@ -4098,33 +4098,101 @@ def test_recording_mode_catches_a_host_read_and_a_cross_device_copy():
     assert "aten::index with a boolean mask" in rec.reads_back and "aten::_to_copy across devices" in rec.reads_back
 
 
+ONE_COPY_CASES = {   # per row of an 8-row decode step
+    "greedy": [dict(temperature=0.0)] * 8,
+    "top_p": [dict(temperature=0.8, top_p=0.9, seed=1)] * 4 + [dict(temperature=0.0, logprobs=2)] * 4,
+    "penalties": [dict(temperature=0.8, top_k=50, presence_penalty=0.5, frequency_penalty=0.3,
+                       repetition_penalty=1.2, seed=2)] * 6 + [dict(temperature=0.0, repetition_penalty=1.3)] * 2,
+    "grammar": [dict(temperature=0.0)] * 7,       # + a regex row
+}
+
+
 @pytest.mark.cuda_emu
-@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=1)],
-                         ids=["greedy", "top_p"])
-def test_gpu_path_step_makes_one_copy_each_way(emulated_binding, params):
-    """On `meta` under the recording mode: a decode step's inputs go up in one host->device copy and
-    its forward reads nothing back; sampling brings the ids down in one device->host copy (the last
-    op: meta has no data to give, so it raises there) and, for rows that draw, sends their per-row
-    numbers up in one copy. No scalar read anywhere."""
-    from sampler import SamplingState, make_generator, sample_on_device
+@pytest.mark.parametrize("case", ONE_COPY_CASES)
+def test_gpu_path_step_makes_one_copy_each_way(emulated_binding, case, request):
+    """On `meta` under the recording mode, two decode steps and their sampling on the device
+    (sampling_slots.py): each makes one host->device copy (the packed upload: inputs, the changed
+    block-table rows, the sampler's slots, uniforms, new requests' parameters and prompts, the
+    grammar's bitmask) and one device->host copy (the sampled ids: the last op, which raises on meta,
+    having no data), and never reads a device scalar. Greedy, top_p < 1 beside greedy rows with
+    logprobs, penalties (the second step reads the counts the first one bumped on the device), a grammar row."""
+    from sampler import SamplingState, StructuredOutputsParams, make_generator
+    from sampling_slots import SamplingSlots
+    rows = [SamplingParams(**kw) for kw in ONE_COPY_CASES[case]]
+    grammars = [None] * len(rows)
+    if case == "grammar":
+        _, compiler = request.getfixturevalue("grammars")
+        rows.append(SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[ab]{2,5}")))
+        grammars.append(compiler.compile(rows[-1].structured_outputs))
+    states = [SamplingState(p, [1, 5, 9], 49152, make_generator(p.seed, i), {2}, grammar=g)
+              for i, (p, g) in enumerate(zip(rows, grammars))]
     lib = fake_cuda_ops("nanoserve_cuda_emu")
     try:
         net = random_llama("meta", torch.bfloat16, vocab_size=49152, num_hidden_layers=2)
         runner = make_runner(net, "cuda_emu", device="meta", num_blocks=64)
-        with torch.no_grad(), RecordOps() as step:
-            inputs = runner.prepare(decode_batch([5, 17, 40, 100, 33, 2, 64, 90]))
-            logits = M.Llama.forward.__wrapped__(runner.model, inputs.input_ids, inputs.positions,
-                                                 runner.kv_pool.kv_caches, inputs.meta, inputs.logits_rows)
+        slots = SamplingSlots(49152, torch.device("meta"))
+        runner.reserve_upload(slots.upload_bytes(8, 49152, 1024))
+        batch = decode_batch([5, 17, 40, 100, 33, 2, 64, 90])
+        for step in range(2):
+            with torch.no_grad(), RecordOps() as rec:
+                inputs = runner.prepare(batch, stage_more=lambda b: slots.stage(b, states, None, torch.Generator()))
+                logits = M.Llama.forward.__wrapped__(runner.model, inputs.input_ids, inputs.positions,
+                                                     runner.kv_pool.kv_caches, inputs.meta, inputs.logits_rows)
+                with pytest.raises(NotImplementedError, match="meta"):
+                    slots.sample(logits.float(), inputs.extra)
+            assert rec.reads_back == ["aten::copy_ across devices", "aten::_to_copy across devices"], (step, rec.reads_back)
+            for seq in batch.seqs:                   # the next step: one more token each (a row crosses into a new block)
+                seq.num_computed_tokens += 1
+                seq.token_ids.append(7)
+                if seq.num_computed_tokens + 1 > 16 * len(seq.block_table):
+                    seq.block_table.append(63 - seq.seq_id)
     finally:
         lib._destroy()
-    assert step.reads_back == ["aten::copy_ across devices"]                 # the packed upload
-    states = [SamplingState(SamplingParams(**params), [1], 49152, make_generator(params.get("seed"), i), {2})
-              for i in range(8)]
-    with torch.no_grad(), RecordOps() as sampling:
-        with pytest.raises(NotImplementedError, match="meta"):
-            sample_on_device(logits.float(), states)
-    uploads = 1 if params["temperature"] > 0 else 0
-    assert sampling.reads_back == ["aten::_to_copy across devices"] * (uploads + 1), sampling.reads_back
+    assert sorted(s.slot for s in states) == list(range(len(states)))
+    assert (slots.counts is not None) == (case == "penalties")
+
+
+def test_block_table_rows_go_up_only_when_they_change():
+    """A decode step uploads only the block-table rows that changed since the device last held them:
+    all rows at first, none when nothing changed, the one that crossed into a new block, the one
+    whose blocks were replaced (preempted and recomputed); the kernels' table is each row's blocks
+    (oracle: the sequences' own tables), zero-padded, and a padding row reads the all-zero row."""
+    net = random_llama()
+    runner = make_runner(net, "torch")
+    uploaded, assign = [], runner.buffers.table.assign
+
+    def recording(keys, own):
+        slots, changed = assign(keys, own)
+        uploaded.append(changed)
+        return slots, changed
+    runner.buffers.table.assign = recording
+    batch = decode_batch([5, 17, 40, 100])
+
+    def step():
+        inputs = runner.prepare(batch)
+        for i, seq in enumerate(batch.seqs):
+            row = inputs.meta.block_tables[i]
+            assert row[:len(seq.block_table)].tolist() == seq.block_table
+        width = runner.build(batch).block_tables.shape[1]
+        assert not inputs.meta.block_tables[:, :width][
+            torch.arange(width) >= torch.tensor([[len(s.block_table)] for s in batch.seqs])].any()
+        return uploaded[-1]
+    assert step() == [0, 1, 2, 3]
+    for seq in batch.seqs:
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(7)
+    assert step() == []                              # 6, 18, 41, 101 tokens: no row needs a new block
+    batch.seqs[0].token_ids += [7] * 10
+    batch.seqs[0].num_computed_tokens += 10          # 16 computed, the 17th needs block 2
+    batch.seqs[0].block_table.append(60)
+    assert step() == [0]
+    batch.seqs[2].block_table = [61, 62, 59]         # recomputed after preemption: new blocks
+    assert step() == [2]
+    batch.seqs.reverse()                             # another order: the rows follow their sequences
+    assert step() == []
+    padded = runner.upload(runner.pad(runner.build(batch), 8))
+    assert not padded.meta.block_tables[4:8].any()   # padding rows: the all-zero row
+    assert uploaded[-1] == []
 
 
 def run_decode(runner, batch, bucket=None):
@@ -4242,9 +4310,9 @@ def record_uploads(runner) -> list[tuple[int, int, int]]:
     block-table width)."""
     seen, upload = [], runner.upload
 
-    def recording(host, max_parts=None):
+    def recording(host, max_parts=None, **kw):
         seen.append((len(host.input_ids), *host.block_tables.shape))
-        return upload(host, max_parts)
+        return upload(host, max_parts, **kw)
     runner.upload = recording
     return seen
 
