@@ -47,6 +47,7 @@ class InFlight:
 class OverlapLoop:
     def __init__(self, engine):
         self.engine = engine
+        engine.use_device_sampler()                          # penalty counts and the feed live on the device
         self.pending: InFlight | None = None
         self.num_overlapped = self.num_plain = 0             # steps of each kind (tests read them)
 

@@ -265,17 +265,13 @@ class Engine:
                        bounds.max_rows, bounds.max_tokens, self.max_model_len, config.enforce_eager)
         spec_k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         self.runner = self.builder.runner(*runner_args, num_speculative_tokens=spec_k)
-        use_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        # sampling_slots.py: the sampler's state on the device, its inputs in the runner's one upload;
-        # on a CPU's plain loop sampler.py's host path serves (host and device are one memory there)
-        self.device_sampler = None
-        if (self.device.type != "cpu" or use_async) and config.tensor_parallel_size == 1 and not spec_k:
-            self.device_sampler = self.builder.device_sampler(mc.vocab_size, self.device)
-            self.runner.reserve_upload(self.device_sampler.upload_bytes(bounds.max_rows, mc.vocab_size,
-                                                                        self.max_model_len))
-        self.runner.capture_graphs()       # decode (and verify) steps at every batch-size bucket (CUDA backend only)
         self.speculator = self.builder.speculator(config, dtype, self.device, self.attention_backend, self.blocks,
                                                   self.model_config.vocab_size, self.max_model_len, bounds)
+        use_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.device_sampler = None
+        if self.device.type != "cpu" or use_async:
+            self.use_device_sampler()
+        self.runner.capture_graphs()       # decode (and verify) steps at every batch-size bucket (CUDA backend only)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
@@ -291,6 +287,15 @@ class Engine:
         self.step_start = None                              # the running step's first event (CUDA)
         self.step_wall, self.step_probe = time.perf_counter(), None   # speculation's measure of a decode step
         self.overlap = self.builder.overlap_loop(self) if use_async else None   # async_scheduling: async_engine.py
+
+    def use_device_sampler(self):
+        """Sample from state kept on the device (sampling_slots.py), its inputs in the runner's one
+        upload: on a GPU and under async scheduling. A CPU's plain loop keeps sampler.py's host path
+        (host and device are one memory), as do speculative decoding and tensor parallelism."""
+        if self.device_sampler is None and self.speculator is None and self.config.tensor_parallel_size == 1:
+            vocab, bounds = self.model_config.vocab_size, self.scheduler.step_bounds()
+            self.device_sampler = self.builder.device_sampler(vocab, self.device)
+            self.runner.reserve_upload(self.device_sampler.upload_bytes(bounds.max_rows, vocab, self.max_model_len))
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model.config      # the model's own: under tensor parallelism this rank's heads

@@ -104,6 +104,7 @@ class ModelRunner:
     def reserve_upload(self, extra_bytes: int):
         """Room at the packed upload's tail for what another part stages each step (the device
         sampler's inputs): the buffers are made again, before any graph reads them."""
+        assert not self.graphs and not self.verify_graphs, "reserve_upload after capture_graphs"
         b = self.buffers
         self.buffers = InputBuffers(b.max_tokens, b.max_seqs, b.width, self.device, extra_bytes)
 

@@ -1710,7 +1710,8 @@ ASYNC_POOLS = {   # a small pool: preemption by recompute, or by swap
 
 def async_workload(stop_text: str, stop_id: int) -> list:
     """16 requests: greedy and seeded rows with logprobs, max_tokens=1, n=2, a stop string, a stop id
-    (EOS's path), a grammar, a victim aborted mid-stream, and prompts that hit the prefix cache."""
+    (EOS's path), a grammar, penalties (greedy and seeded), a victim aborted mid-stream, and prompts
+    that hit the prefix cache."""
     from sampler import StructuredOutputsParams as SO
     base = [list(range(100 + 37 * i, 100 + 37 * i + 18 + i % 5)) for i in range(10)]   # 18..22 tokens
     prompts = base + [base[0] + [900, 901], base[1] + list(range(950, 960)), base[0] + [7], base[2] * 2,
@@ -1724,6 +1725,11 @@ def async_workload(stop_text: str, stop_id: int) -> list:
               SamplingParams(max_tokens=30, top_k=5, seed=5, **seeded), greedy(28)]
     params += [greedy(12 + 3 * i) if i % 2 else SamplingParams(max_tokens=15, min_p=0.1, seed=i, **seeded)
                for i in range(6)]
+    # penalties: counts kept on the device under async scheduling, on the host in the plain loop
+    params[11] = SamplingParams(max_tokens=18, temperature=0, presence_penalty=1.5, frequency_penalty=0.7,
+                                repetition_penalty=1.4, logprobs=1, ignore_eos=True)
+    params[12] = SamplingParams(max_tokens=20, seed=9, top_p=0.95, presence_penalty=-0.5, frequency_penalty=1.2,
+                                repetition_penalty=0.8, **seeded)
     return [("victim" if i == 7 else f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
 
@@ -1762,6 +1768,53 @@ def test_async_scheduling_gives_the_plain_loops_tokens_and_logprobs(tiny, pool):
     assert len(want["r2"][0][0]) == 1 and len(want["r3"]) == 2 and want["r6"][0][2] in ("yes", "no")
     assert 3 <= len(want["victim"][0][0]) < 40
     assert eng.overlap.num_plain > 0                    # the grammar's and the fork's steps ran the plain loop
+    assert overlapped.engine.device_sampler.counts is not None and plain.engine.device_sampler is None
+
+
+def test_device_sampler_gives_the_host_samplers_tokens_and_logprobs_over_steps():
+    """sampling_slots.py against sampler.sample (the host path: counts kept per completion on the
+    host), over 6 steps of near-tied logits where penalties change the pick: greedy, seeded top-k /
+    top-p / min-p, penalties, logit_bias, logprobs, two samples sharing a logits row, a completion that
+    leaves and a new one that takes its slot (its counts start from nothing)."""
+    from input_buffers import InputBuffers
+    from sampler import SamplingState, make_generator, sample
+    from sampling_slots import SamplingSlots
+    vocab = 300
+    kinds = [dict(temperature=0), dict(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, logprobs=3),
+             dict(temperature=0, repetition_penalty=1.8), dict(temperature=0.7, top_k=20, seed=4, logprobs=1),
+             dict(temperature=1.2, top_p=0.8, min_p=0.05, seed=5, frequency_penalty=-1.0, repetition_penalty=0.7),
+             dict(temperature=0, logit_bias={7: 5.0}, presence_penalty=2.0)]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12, 13], [14]]
+
+    def states_for(params, prompts):
+        return [SamplingState(p, prompt, vocab, make_generator(p.seed, 0), set()) for p, prompt in zip(params, prompts)]
+    params = [SamplingParams(**k) for k in kinds]
+    host, dev = states_for(params, prompts), states_for(params, prompts)
+    slots, buffers = SamplingSlots(vocab, torch.device("cpu"), capacity=4), InputBuffers(8, 8, 4, torch.device("cpu"), 1 << 16)
+    g_host, g_dev = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    changed_by_penalties = False
+    for step in range(6):
+        if step == 3:                                # the first leaves; a penalized newcomer takes its slot
+            slots.release(dev[0])
+            new = SamplingParams(temperature=0, frequency_penalty=2.0, repetition_penalty=1.5)
+            host[0], dev[0] = states_for([new], [[20, 21]])[0], states_for([new], [[20, 21]])[0]
+        logits = (torch.randn(5, vocab) * 0.3).repeat_interleave(torch.tensor([1, 1, 1, 1, 2]), dim=0)   # near ties
+        rows = [0, 1, 2, 3, 4, 4]                    # the last two share one logits row (n = 2)
+        want = sample(logits[rows].clone(), host, g_host)
+        plain = [SamplingState(SamplingParams(temperature=0), [1], vocab, None, set()) for _ in range(3)]
+        changed_by_penalties |= sample(logits[rows[:3]].clone(), plain)[0] != want[0][:3]
+        staged = slots.stage(buffers, dev, rows, g_dev)
+        buffers.flush()
+        got = slots.sample(logits[:5].clone(), staged).read()
+        assert got == want, step
+        for s, t in zip(host, want[0]):
+            s.append(t)
+    assert len(slots.params) == 8                    # grew past its 4 slots
+    penalized = [i for i, s in enumerate(host) if s.output_counts is not None]
+    counted = slots.counts[[dev[i].slot for i in penalized]]
+    assert torch.equal(counted, torch.stack([host[i].output_counts for i in penalized]))   # the host's counts
+    assert changed_by_penalties                      # the near ties make the penalties matter
 
 
 # ---- bad input: a clear error naming the field, nothing disturbed --------------------------------
