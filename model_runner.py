@@ -5,9 +5,10 @@ It packs the scheduled tokens of every row into flat host arrays, with no paddin
 input ids, positions, and the AttentionMetadata every layer reads (slot mapping, block tables,
 context lengths, query offsets). It checks them once, plans the CUDA kernels' launch on the host
 (paged_attention.plan_cuda_launch), and uploads them all into persistent device buffers with one
-copy (non_blocking, from pinned memory, on a GPU), so the forward reads nothing back. The buffers
-are sized once, from the most rows and tokens any step of the engine's scheduler can hold
-(Scheduler.step_bounds); a step past them (none the engine's scheduler makes) runs eagerly on
+copy (input_buffers.py: non_blocking, from pinned memory, on a GPU; of the block tables only the rows
+that changed, and whatever a caller stages beside them: the sampler's numbers), so the forward reads
+nothing back. The buffers are sized once, from the most rows and tokens any step of the engine's
+scheduler can hold (Scheduler.step_bounds); a step past them (none the engine's scheduler makes) runs eagerly on
 one-off buffers, and the persistent buffers and graphs stay. Decode-only steps on a GPU (static
 batching's scratch rows included) replay a CUDA graph captured at the smallest batch-size bucket
 that fits, padding rows with slot -1 and context 0; prefill and mixed steps, and everything on a
