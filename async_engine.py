@@ -16,8 +16,8 @@ A sequence retired in 3 was computed once more in N+1: that token is dropped. It
 back in the pool already, which is safe: the device finishes N+1 before any later step that
 reuses them (one stream), and the slot N+1 wrote lies past every token the block's next owner
 or the prefix cache holds.
-What needs the host's copy of one token before the next step is planned (grammars, penalties,
-min_tokens, bad_words, prompt logprobs, the fork of n > 1 samples, speculative decoding, the static baseline,
+Penalty counts are kept on the device (sampling_slots.py), so penalties overlap. What needs the
+host's copy of one token before the next step is planned (grammars, min_tokens, bad_words, prompt logprobs, the fork of n > 1 samples, speculative decoding, the static baseline,
 tensor parallelism) runs Engine.plain_step for that step, after the pending step is postprocessed,
 and says why once. Owns only the pending step; the requests, queues and blocks are Engine's.
 """
@@ -25,9 +25,9 @@ import functools
 import sys
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
-from sampler import Sampled, sample_on_device, upload
+from sampler import Sampled, sample_on_device
 from scheduler import ScheduledBatch
 from sequence import Completion, Status
 
@@ -47,6 +47,7 @@ class InFlight:
 class OverlapLoop:
     def __init__(self, engine):
         self.engine = engine
+        engine.use_device_sampler()                          # penalty counts and the feed live on the device
         self.pending: InFlight | None = None
         self.num_overlapped = self.num_plain = 0             # steps of each kind (tests read them)
 
@@ -85,23 +86,32 @@ class OverlapLoop:
         """Inputs up, forward and sampling queued on the device; nothing read back."""
         e = self.engine
         start = e.phase_times.mark(e.device)
-        with e.phase_times.phase("prepare"):
-            inputs = e.runner.prepare(batch, [])
-            self.feed(inputs.input_ids, batch)
-        with e.phase_times.phase("forward"):
-            logits = e.runner.forward(inputs)                # [num_sampled, vocab]
         completions = [c for i in batch.sample_rows for c in batch.seqs[i].request.completions
                        if c.seq is batch.seqs[i]]
+        states = [c.sampling for c in completions]
+
+        def stage(buffers):                                  # the feed and the sampler ride in the one upload
+            feed = self.stage_feed(buffers, batch)
+            sampling = e.device_sampler.stage(buffers, states, None, e.generator) if states else None
+            return feed, sampling
+        with e.phase_times.phase("prepare"):
+            inputs = e.runner.prepare(batch, [], stage)
+            feed, staged = inputs.extra
+            if feed is not None:                             # N's tokens into N+1's inputs, on the device
+                dst, src = feed
+                inputs.input_ids.index_copy_(0, dst, self.pending.sampled.tokens.index_select(0, src))
+        with e.phase_times.phase("forward"):
+            logits = e.runner.forward(inputs)                # [num_sampled, vocab]
         with e.phase_times.phase("sample"):
-            sampled = sample_on_device(logits, [c.sampling for c in completions], e.generator)
+            sampled = e.device_sampler.sample(logits, staged) if staged else sample_on_device(logits, [], e.generator)
         return InFlight(batch, completions, sampled, start=start)
 
-    def feed(self, input_ids: torch.Tensor, batch: ScheduledBatch):
-        """input_ids: [num_tokens] on the device, built with PLACEHOLDER where a row's last input is
-        the pending step's token: copy those tokens in from the pending step's sampled ids."""
+    def stage_feed(self, buffers, batch: ScheduledBatch):
+        """Where a row's last input is the pending step's token (its token_ids end with PLACEHOLDER):
+        -> (positions in input_ids, rows of the pending step's sampled ids) staged in the upload, or None."""
         p = self.pending
         if p is None:
-            return
+            return None
         dst, src, end = [], [], 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             end += n
@@ -109,9 +119,9 @@ class OverlapLoop:
                 assert seq.num_computed_tokens + n == len(seq.token_ids), "a placeholder must be the row's last input"
                 dst.append(end - 1)
                 src.append(p.row_of[seq.seq_id])
-        if dst:
-            idx = upload(torch.tensor([dst, src]), input_ids.device)              # [2, rows] in one copy
-            input_ids[idx[0]] = p.sampled.tokens[idx[1]].to(input_ids.dtype)
+        if not dst:
+            return None
+        return buffers.stage_extra(np.asarray(dst, dtype=np.int64)), buffers.stage_extra(np.asarray(src, dtype=np.int64))
 
     def drain(self) -> list:
         """Postprocess the pending step: its tokens replace their placeholders, then Engine.apply_tokens.
@@ -149,8 +159,6 @@ def host_bound(req) -> str | None:
     p = req.params
     if p.structured_outputs is not None:
         return "a grammar constrains a request (its mask follows the last token)"
-    if p.uses_penalties:
-        return "a request has penalties (counts of its tokens)"
     if p.min_tokens:
         return "a request has min_tokens"
     if p.bad_words:

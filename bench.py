@@ -341,6 +341,8 @@ def targets(results):
                      tp["invariant_over_default"], 0.9))
     if t:
         rows.append(("continuous >= 2x best static batching (useful tok/s)", t["continuous_over_best_static"], 2.0))
+        if "async_over_plain" in t and bench_device().type == "cpu":   # on CUDA: the http section's online target
+            rows.append(("async scheduling on a CPU >= 0.97x the plain loop (useful tok/s)", t["async_over_plain"], 0.97))
     if p:
         vllm = p["vllm"]
         best = vllm.get(vllm.get("best_dtype", ""), {})

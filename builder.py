@@ -47,6 +47,11 @@ class EngineBuilder:
         from async_engine import OverlapLoop   # loaded only when asked for (the default on CUDA)
         return OverlapLoop(engine)
 
+    def device_sampler(self, vocab_size: int, device: torch.device):
+        """The sampler's state on the device (sampling_slots.py): on a GPU, and under async scheduling."""
+        from sampling_slots import SamplingSlots   # the CPU's plain loop samples from host state (sampler.py)
+        return SamplingSlots(vocab_size, device)
+
     def scheduler(self, config, blocks) -> Scheduler:
         """The continuous-batching scheduler, or (scheduler_mode="static") the baseline it replaces."""
         if config.scheduler_mode == "static":

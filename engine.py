@@ -267,9 +267,13 @@ class Engine:
                        bounds.max_rows, bounds.max_tokens, self.max_model_len, config.enforce_eager)
         spec_k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         self.runner = self.builder.runner(*runner_args, num_speculative_tokens=spec_k)
-        self.runner.capture_graphs()       # decode (and verify) steps at every batch-size bucket (CUDA backend only)
         self.speculator = self.builder.speculator(config, dtype, self.device, self.attention_backend, self.blocks,
                                                   self.model_config.vocab_size, self.max_model_len, bounds)
+        use_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.device_sampler = None
+        if self.device.type != "cpu" or use_async:
+            self.use_device_sampler()
+        self.runner.capture_graphs()       # decode (and verify) steps at every batch-size bucket (CUDA backend only)
         self.prompt_limits = PromptLimits(mc.vocab_size, self.max_model_len, config.block_size,
                                           self.blocks.num_blocks - self.scheduler.watermark_blocks)
         self.requests: dict[str, Request] = {}
@@ -284,8 +288,16 @@ class Engine:
         self.phase_times = PhaseTimes()
         self.step_start = None                              # the running step's first event (CUDA)
         self.step_wall, self.step_probe = time.perf_counter(), None   # speculation's measure of a decode step
-        use_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self.overlap = self.builder.overlap_loop(self) if use_async else None   # async_scheduling: async_engine.py
+
+    def use_device_sampler(self):
+        """Sample from state kept on the device (sampling_slots.py), its inputs in the runner's one
+        upload: on a GPU and under async scheduling. A CPU's plain loop keeps sampler.py's host path
+        (host and device are one memory), as do speculative decoding and tensor parallelism."""
+        if self.device_sampler is None and self.speculator is None and self.config.tensor_parallel_size == 1:
+            vocab, bounds = self.model_config.vocab_size, self.scheduler.step_bounds()
+            self.device_sampler = self.builder.device_sampler(vocab, self.device)
+            self.runner.reserve_upload(self.device_sampler.upload_bytes(bounds.max_rows, vocab, self.max_model_len))
 
     def _init_kv_cache(self, dtype):
         c, mc = self.config, self.model.config      # the model's own: under tensor parallelism this rank's heads
@@ -379,8 +391,8 @@ class Engine:
     def plain_step(self) -> list[RequestOutput]:
         self.step_wall = time.perf_counter()
         batch = self.schedule()
-        logits, prompt_rows = self.run_model(batch)         # [num_sampled + prompt rows, vocab]
-        return self.postprocess(batch, logits, prompt_rows)
+        logits, prompt_rows, staged = self.run_model(batch)   # [num_sampled + prompt rows, vocab]
+        return self.postprocess(batch, logits, prompt_rows, staged)
 
     def schedule(self) -> ScheduledBatch:
         with self.phase_times.phase("schedule"):
@@ -390,23 +402,34 @@ class Engine:
                 self.offload.step_done(batch.block_ops)
         return batch
 
-    def run_model(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, "PromptLogprobRows"]:
+    def run_model(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, "PromptLogprobRows", object]:
         """The forward: logits of the rows that sample, then of the prompt-logprob rows that ride on
-        it (prompt_rows says which). A step with no rows (everyone was preempted) runs only its swaps."""
+        it (prompt_rows says which), and the device sampler's inputs, staged in the same upload (or
+        None). A step with no rows (everyone was preempted) runs only its swaps."""
         self.step_start = self.phase_times.mark(self.device)
         prompt_rows = self.prompt_logprob_rows(batch)
         if not batch.seqs:
             self.kv_pool.run(batch.block_ops)
-            return None, prompt_rows
+            return None, prompt_rows, None
         for seq, lo, hi in prompt_rows.skipped:             # positions a prefix-cache hit skipped: extra forwards
             for a, b, logits in self.runner.forward_cached(seq, lo, hi):   # in chunks the runner's buffers hold
                 self.record_prompt_logprobs(logits, [(seq.request, a, b)])
         with self.phase_times.phase("prepare"):
-            inputs = self.runner.prepare(batch, prompt_rows.rows)
+            inputs = self.runner.prepare(batch, prompt_rows.rows, self.sampler_stage(batch))
         with self.phase_times.phase("forward"):
-            return self.runner.forward(inputs), prompt_rows
+            return self.runner.forward(inputs), prompt_rows, inputs.extra
 
-    def postprocess(self, batch: ScheduledBatch, logits, prompt_rows: "PromptLogprobRows") -> list[RequestOutput]:
+    def sampler_stage(self, batch: ScheduledBatch):
+        """The device sampler's part of the step's upload: a function of the runner's buffers (None:
+        sampler.py's host path, or nothing samples)."""
+        if self.device_sampler is None or not batch.sample_rows:
+            return None
+        rows, completions = self.sample_targets([batch.seqs[i] for i in batch.sample_rows], fork=False)
+        states = [c.sampling for c in completions]
+        return lambda buffers: self.device_sampler.stage(buffers, states, rows, self.generator)
+
+    def postprocess(self, batch: ScheduledBatch, logits, prompt_rows: "PromptLogprobRows",
+                    staged=None) -> list[RequestOutput]:
         """Record prompt logprobs, mark the scheduled tokens computed, sample one token for every
         completion whose sequence finished its chunk, and apply each token."""
         if not batch.seqs:
@@ -418,7 +441,7 @@ class Engine:
         speculated, generated = any(s.spec_token_ids for s in batch.seqs), self.num_generation_tokens
         prompt_before = self.num_prompt_tokens
         ready = self.finish_step(batch)                     # the sequences that sample a token now
-        completions, tokens, logprobs = self._sample(logits, ready)
+        completions, tokens, logprobs = self._sample(logits, ready, staged)
         decode_only = self.num_prompt_tokens == prompt_before and not prompt_rows.rows
         self.step_probe = (len(batch.seqs), speculated, generated) if decode_only else None
         return self.apply_tokens(completions, tokens, logprobs)
@@ -454,33 +477,46 @@ class Engine:
                                         len(self.scheduler.running), self.generator)
             return [self._make_output(req) for req in touched.values()]
 
-    def _sample(self, logits, seqs: list[Sequence]):
+    def _sample(self, logits, seqs: list[Sequence], staged=None):
         """One sampled row per completion (1 + k rows with k drafts): a sequence that just finished its
         prompt's prefill with n > 1 forks its other samples here, and all n draw from the same row of
-        logits. Returns, per completion, the tokens it emits and their logprobs (None: not asked for)."""
+        logits. staged: the device sampler's inputs for these rows (sampling_slots.py), else sampler.py's
+        host path. Returns, per completion, the tokens it emits and their logprobs (None: not asked for)."""
+        rows, completions = self.sample_targets(seqs, fork=True)
+        if staged is not None:
+            with self.phase_times.phase("sample"):
+                sampled = self.device_sampler.sample(logits, staged)
+        else:
+            if rows != list(range(len(logits))):            # n > 1 repeats rows; else skip the [rows, vocab] copy
+                logits = logits[rows]
+            if self.speculator:
+                with self.phase_times.phase("sample"):
+                    out = self.speculator.sample(logits, completions, self.generator)
+                return completions, out.token_ids, [lp or [None] * len(t) for lp, t in zip(out.logprobs, out.token_ids)]
+            with self.phase_times.phase("sample"):
+                sampled = sample_on_device(logits, [c.sampling for c in completions], self.generator)
+        with self.phase_times.phase("wait"):                # the step's one read from the device
+            tokens, logprobs = sampled.read()
+        self.phase_times.add_device_span(self.step_start, sampled.event)
+        return completions, [[t] for t in tokens], [[lp] for lp in logprobs]
+
+    def sample_targets(self, seqs: list[Sequence], fork: bool) -> tuple[list[int], list[Completion]]:
+        """(each completion's logits row, the completions) that sample from these sequences' rows;
+        fork: start the n > 1 samples of a prompt whose prefill just ended (before the step's forward,
+        staging names them without forking)."""
         rows, completions, first = [], [], 0
         for seq in seqs:
             req, span = seq.request, range(first, first + 1 + seq.num_spec_tokens)
             first = span.stop
             if req.params.n > 1 and req.completions[1].seq is None:
-                self._fork_samples(req, seq)
+                if fork:
+                    self._fork_samples(req, seq)
                 targets = req.completions
             else:
                 targets = [c for c in req.completions if c.seq is seq]
             rows += list(span) * len(targets)
             completions += targets
-        if rows != list(range(len(logits))):                # n > 1 repeats rows; else skip the [rows, vocab] copy
-            logits = logits[rows]
-        if self.speculator:
-            with self.phase_times.phase("sample"):
-                out = self.speculator.sample(logits, completions, self.generator)
-            return completions, out.token_ids, [lp or [None] * len(t) for lp, t in zip(out.logprobs, out.token_ids)]
-        with self.phase_times.phase("sample"):
-            sampled = sample_on_device(logits, [c.sampling for c in completions], self.generator)
-        with self.phase_times.phase("wait"):                # the step's one read from the device
-            tokens, logprobs = sampled.read()
-        self.phase_times.add_device_span(self.step_start, sampled.event)
-        return completions, [[t] for t in tokens], [[lp] for lp in logprobs]
+        return rows, completions
 
     def prompt_logprob_rows(self, batch: ScheduledBatch) -> "PromptLogprobRows":
         """Prompt logprobs ride on the prefill the request already does: the logits of prompt
@@ -567,6 +603,10 @@ class Engine:
     def remove_sequence(self, seq: Sequence):
         """Take a sequence out of the batch (finished, aborted or handed to another core); its blocks return now."""
         self.scheduler.remove(seq)
+        if self.device_sampler is not None and seq.request is not None:
+            for c in seq.request.completions:
+                if c.seq is seq:
+                    self.device_sampler.release(c.sampling)
         if self.speculator:
             self.speculator.remove(seq.seq_id)
 

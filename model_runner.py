@@ -5,10 +5,11 @@ It packs the scheduled tokens of every row into flat host arrays, with no paddin
 input ids, positions, and the AttentionMetadata every layer reads (slot mapping, block tables,
 context lengths, query offsets). It checks them once, plans the CUDA kernels' launch on the host
 (paged_attention.plan_cuda_launch), and uploads them all into persistent device buffers with one
-copy (non_blocking, from pinned memory, on a GPU), so the forward reads nothing back. The buffers
-are sized once, from the most rows and tokens any step of the engine's scheduler can hold
-(Scheduler.step_bounds); a step past them (none the engine's scheduler makes) runs eagerly on
-one-off buffers, and the persistent buffers and graphs stay. On a GPU every step replays a CUDA
+copy (input_buffers.py: non_blocking, from pinned memory, on a GPU; of the block tables only the rows
+that changed, and whatever a caller stages beside them: the sampler's numbers), so the forward reads
+nothing back. The buffers are sized once, from the most rows and tokens any step of the engine's
+scheduler can hold (Scheduler.step_bounds); a step past them (none the engine's scheduler makes) runs
+eagerly on one-off buffers, and the persistent buffers and graphs stay. On a GPU every step replays a CUDA
 graph captured at the smallest bucket that fits (select_graph): decode-only steps (static
 batching's scratch rows included) by rows, verify steps by rows of 1 + k tokens, and any other
 step, prefill and decode mixed, by its total tokens; padding has slot -1 and context 0 and its
@@ -20,14 +21,14 @@ the step's device inputs, the graphs and the KV pool's tensors; does not decide 
 """
 import collections
 import functools
-import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import paged_attention as pa
+from input_buffers import InputBuffers
 from kv_cache import KVCachePool
 from paged_attention import AttentionMetadata, CudaPlan
 from scheduler import ScheduledBatch
@@ -42,6 +43,7 @@ class StepInputs:
     logits_rows: torch.Tensor       # [num_logits] flat-batch rows that get logits
     num_logits: int = 0             # rows of logits the engine reads (the rest are padding)
     graph: "CapturedStep | None" = None
+    extra: object = None            # what the upload's stage_more staged (the sampler's device inputs)
 
 
 @dataclass
@@ -81,62 +83,6 @@ MORE_LOGITS = "more logits rows than its bucket's"   # prompt logprobs beside th
 NOT_CAPTURED = "bucket not captured"
 
 
-class InputBuffers:
-    """Every device input of a step, allocated once at its largest, as views of one byte buffer: a
-    step fills leading slices, so views keep one address (what a captured graph reads), and the whole
-    step goes up in one copy (flush) from a host twin of the same layout, pinned on a GPU. The block
-    tables come last, so the copy ends where the step's rows of them end. On a CPU the twin is the
-    buffer itself. A step rewrites the twin only once the last step's copy out of it ran (an event:
-    under async scheduling the host is a step ahead of the device)."""
-    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
-        i32, i64 = torch.int32, torch.int64
-        shapes = dict(input_ids=((max_tokens,), i64), positions=((max_tokens,), i64),
-                      slot_mapping=((max_tokens,), i64), logits_rows=((max_tokens,), i64),
-                      context_lens=((max_seqs,), i32), query_start_loc=((max_seqs + 1,), i32),
-                      plan=((2 + 2 * max_tokens,), i32), block_tables=((max_seqs, width), i32))
-        self.device, self.max_tokens, self.max_seqs, self.width = device, max_tokens, max_seqs, width
-        self.offsets, total = {}, 0
-        for name, (shape, dt) in shapes.items():
-            self.offsets[name] = total
-            total += -(-math.prod(shape) * dt.itemsize // 16) * 16          # 16-byte aligned views
-        self.dev_bytes = torch.zeros(total, dtype=torch.uint8, device=device)   # [total]
-        self.host_bytes = self.dev_bytes if device.type == "cpu" else \
-            torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        def views(buf):
-            return {k: buf[self.offsets[k]:self.offsets[k] + math.prod(shape) * dt.itemsize].view(dt).view(shape)
-                    for k, (shape, dt) in shapes.items()}
-        self.dev, self.host = views(self.dev_bytes), views(self.host_bytes)
-        self.end = 0                        # bytes staged this step
-        self.uploaded = None                # CUDA event after the last step's copy
-
-    def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool:
-        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.width
-
-    def fits_host(self, host: "HostBatch") -> bool:
-        return self.fits(len(host.input_ids), len(host.context_lens), host.block_tables.shape[1])
-
-    def reuse_staging(self):
-        """Before a step writes the pinned twin: wait for the copy that last read it."""
-        if self.uploaded is not None:
-            self.uploaded.synchronize()
-
-    def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
-        """values into the leading slice of buffer `name`'s host twin; returns the device slice they go to."""
-        values = values.reshape(-1)
-        self.host[name].view(-1)[:len(values)].copy_(torch.from_numpy(values))
-        self.end = max(self.end, self.offsets[name] + values.nbytes)
-        return self.dev[name].view(-1)[:len(values)]
-
-    def flush(self):
-        """The step's one copy: every staged byte, non_blocking from the pinned twin on a GPU."""
-        if self.host_bytes is not self.dev_bytes:
-            self.dev_bytes[:self.end].copy_(self.host_bytes[:self.end], non_blocking=True)
-            if self.device.type == "cuda":
-                self.uploaded = torch.cuda.Event()
-                self.uploaded.record()
-        self.end = 0
-
-
 @dataclass
 class HostBatch:
     """A step's inputs as host arrays, checked (check_batch), before they are uploaded."""
@@ -148,6 +94,7 @@ class HostBatch:
     query_start_loc: np.ndarray     # [num_rows + 1] int32
     logits_rows: np.ndarray         # [num_logits] int64
     q_lens: list[int]
+    owners: list = field(default_factory=list)   # per row its Sequence (None: padding): whose table row it is
 
 
 class ModelRunner:
@@ -181,6 +128,13 @@ class ModelRunner:
         self.eager_steps: collections.Counter = collections.Counter()   # reason -> steps that ran eagerly
         self.warned_oversize = False
 
+    def reserve_upload(self, extra_bytes: int):
+        """Room at the packed upload's tail for what another part stages each step (the device
+        sampler's inputs): the buffers are made again, before any graph reads them."""
+        assert not (self.graphs or self.verify_graphs or self.mixed_graphs), "reserve_upload after capture_graphs"
+        b = self.buffers
+        self.buffers = InputBuffers(b.max_tokens, b.max_seqs, b.width, self.device, extra_bytes)
+
     # ------------------------------------------------------------------ host side
     def build(self, batch: ScheduledBatch, extra_rows=()) -> HostBatch:
         """The step's flat inputs as host arrays. Per-row Python only to read each sequence's
@@ -207,7 +161,7 @@ class ModelRunner:
                                  for t in s.token_ids[a:a + n] + s.spec_token_ids), dtype=np.int64, count=len(row))
         logits_rows = np.concatenate([self.sample_logits_rows(batch, qsl), np.asarray(extra_rows, dtype=np.int64)])
         host = HostBatch(input_ids, positions, slots, tables, ctx.astype(np.int32), qsl.astype(np.int32),
-                         logits_rows.astype(np.int64), batch.num_tokens)
+                         logits_rows.astype(np.int64), batch.num_tokens, list(seqs))
         self.check_batch(host)
         return host
 
@@ -291,7 +245,7 @@ class ModelRunner:
                          np.concatenate([host.block_tables, np.zeros((extra, host.block_tables.shape[1]), np.int32)]),
                          np.concatenate([host.context_lens, zeros.astype(np.int32)]),
                          np.arange(bucket + 1, dtype=np.int32), np.arange(bucket, dtype=np.int64),
-                         host.q_lens + [1] * extra)
+                         host.q_lens + [1] * extra, host.owners + [None] * extra)
 
     def verify_bucket(self, batch: ScheduledBatch, host: HostBatch) -> int | None:
         """The verify step this step replays, or None: every row a decode row (its last token, then its
@@ -333,7 +287,8 @@ class ModelRunner:
                          np.concatenate([slots.reshape(-1), pad_ids.reshape(-1) - 1]), tables,
                          np.concatenate([ctx, np.full(extra, width)]).astype(np.int32),
                          (np.arange(bucket + 1) * width).astype(np.int32),
-                         np.concatenate([flat_real, flat_pad]).astype(np.int64), [width] * bucket)
+                         np.concatenate([flat_real, flat_pad]).astype(np.int64), [width] * bucket,
+                         host.owners + [None] * extra)
 
     def pad_mixed(self, host: HostBatch, tokens: int) -> HostBatch:
         """Pad any step to a mixed bucket: `tokens` tokens in mixed_rows(tokens) rows. The padding tokens
@@ -352,13 +307,13 @@ class ModelRunner:
                          np.concatenate([host.slot_mapping, zeros - 1]), host.block_tables,
                          np.concatenate([host.context_lens, np.zeros(rows - r, np.int32)]),
                          np.concatenate([host.query_start_loc, t + np.cumsum(q_pad)]).astype(np.int32),
-                         logits, host.q_lens + q_pad)
+                         logits, host.q_lens + q_pad, host.owners + [None] * (rows - r))
 
     # ------------------------------------------------------------------ upload
-    def prepare(self, batch: ScheduledBatch, extra_rows: list[int] = ()) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, extra_rows: list[int] = (), stage_more=None) -> StepInputs:
         """Run the step's block copies (swaps, copy-on-write: before the forward reads the blocks),
-        then build, check, plan and upload the step's inputs: padded to the bucket of a captured
-        graph, or as they are (eagerly, its reason counted)."""
+        then build, check, plan and upload the step's inputs (with stage_more's: see upload): padded to
+        the bucket of a captured graph, or as they are (eagerly, its reason counted)."""
         self.kv_pool.run(batch.block_ops)
         host = self.build(batch, extra_rows)
         num_logits = len(host.logits_rows)
@@ -370,10 +325,10 @@ class ModelRunner:
             choice = kind if graph is not None else NOT_CAPTURED
         if graph is None:
             self.eager_steps[choice] += 1
-            inputs = self.upload(host)
+            inputs = self.upload(host, stage_more=stage_more)
         else:
             self.graph_steps[choice] += 1
-            inputs = self.upload(padded, *self.fixed_grid(choice, bucket))
+            inputs = self.upload(padded, *self.fixed_grid(choice, bucket), stage_more=stage_more)
         inputs.num_logits, inputs.graph = num_logits, graph
         return inputs
 
@@ -390,32 +345,34 @@ class ModelRunner:
         rows = min(bucket, self.max_num_seqs)
         return self.graph_max_parts(rows), pa.bucket_prefill_items(bucket, rows, self.group)
 
-    def upload(self, host: HostBatch, max_parts: int | None = None, num_prefill_items: int | None = None) -> StepInputs:
-        """One copy per buffer; the CUDA plan from the host arrays (a fixed grid when max_parts and
-        num_prefill_items are given). A step past the buffers' bounds gets one-off buffers of its own
-        size, and runs eagerly."""
+    def upload(self, host: HostBatch, max_parts: int | None = None, num_prefill_items: int | None = None,
+               stage_more=None) -> StepInputs:
+        """The step's one copy (input_buffers.py): every input, the block-table rows that changed, and
+        what stage_more(buffers) stages (the sampler's numbers; its return value is StepInputs.extra);
+        the CUDA plan from the host arrays (a fixed grid when max_parts and num_prefill_items are
+        given). A step past the buffers' bounds gets one-off buffers of its own size, and runs eagerly."""
         b = self.buffers
-        rows, width = len(host.context_lens), host.block_tables.shape[1]
         if not b.fits_host(host):
-            b = self.one_off_buffers(len(host.input_ids), rows, width)
+            b = self.one_off_buffers(len(host.input_ids), len(host.context_lens), host.block_tables.shape[1])
         b.reuse_staging()
-        tables = np.zeros((len(host.block_tables), b.width), dtype=np.int32)   # the buffer's full width: one copy
-        tables[:, :width] = host.block_tables
-        b.stage("block_tables", tables)
+        owners = host.owners or [None] * len(host.q_lens)
+        tables = b.stage_tables([None if s is None else id(s) for s in owners],
+                                [None if s is None else s.block_table for s in owners], host.block_tables)
         plan = None
         if self.cuda:
             ints, parts, tiles = pa.plan_cuda_launch(host.q_lens, host.context_lens.tolist(), self.num_kv_heads,
                                                      self.group, self.num_sms, max_parts, block_size=self.block_size,
                                                      num_prefill_items=num_prefill_items)
             plan = CudaPlan(b.stage("plan", np.asarray(ints, dtype=np.int32)), parts, tiles)
-        meta = AttentionMetadata(
-            slot_mapping=b.stage("slot_mapping", host.slot_mapping), block_tables=b.dev["block_tables"][:rows],
-            context_lens=b.stage("context_lens", host.context_lens),
-            query_start_loc=b.stage("query_start_loc", host.query_start_loc), backend=self.attention_backend,
-            cuda_plan=plan)
-        inputs = StepInputs(b.stage("input_ids", host.input_ids), b.stage("positions", host.positions), meta,
+        slot_mapping, context_lens = b.stage("slot_mapping", host.slot_mapping), b.stage("context_lens", host.context_lens)
+        query_start_loc = b.stage("query_start_loc", host.query_start_loc)
+        inputs = StepInputs(b.stage("input_ids", host.input_ids), b.stage("positions", host.positions), None,
                             b.stage("logits_rows", host.logits_rows), len(host.logits_rows))
+        inputs.extra = stage_more(b) if stage_more is not None else None
         b.flush()
+        inputs.meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=b.gather_tables(*tables),
+                                        context_lens=context_lens, query_start_loc=query_start_loc,
+                                        backend=self.attention_backend, cuda_plan=plan)
         return inputs
 
     def one_off_buffers(self, num_tokens: int, num_seqs: int, width: int) -> InputBuffers:
@@ -447,7 +404,7 @@ class ModelRunner:
             host = HostBatch(np.asarray(seq.token_ids[a:b], dtype=np.int64), np.arange(a, b, dtype=np.int64),
                              np.full(q, -1, dtype=np.int64), np.asarray([seq.block_table], dtype=np.int32),
                              np.asarray([b], dtype=np.int32), np.asarray([0, q], dtype=np.int32),
-                             np.arange(q, dtype=np.int64), [q])
+                             np.arange(q, dtype=np.int64), [q], [seq])
             self.check_batch(host)
             yield a, b, self.forward(self.upload(host))
 

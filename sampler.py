@@ -198,6 +198,7 @@ class SamplingState:
                  bad_words_token_ids: list[list[int]] | None = None):
         self.params, self.generator, self.grammar = params, generator, grammar
         self.num_output_tokens = 0
+        self.slot = None                 # its row in sampling_slots.py's device tensors, once it joins
         # bad words: their token sequences, and the output so far to match their heads against
         self.bad_words_token_ids = bad_words_token_ids or []
         self.output_token_ids = [] if self.bad_words_token_ids else None
@@ -332,7 +333,12 @@ def draw(x, states, generator):
     # every per-row number (1/T, filters, the uniform) goes up in one copy
     host = torch.cat([1 / torch.tensor([[p.temperature] for p in params], dtype=torch.float32),
                       row_filters(params, x.shape[1]), uniforms(states, generator).unsqueeze(1)], dim=1)   # [k, 5]
-    rows = upload(host, x.device)
+    return draw_rows(x, params, upload(host, x.device))
+
+
+def draw_rows(x, params, rows):
+    """draw() with its per-row numbers already on x's device: rows [k, 5] float32 = 1/T, top_k (vocab:
+    off), top_p, min_p, the uniform. params decide on the host which steps run (no device read)."""
     if x.is_cuda and hasattr(torch.ops.nanoserve_cuda, "sample"):    # built with the CUDA attention backend
         return torch.ops.nanoserve_cuda.sample(x.contiguous(), rows)   # csrc/sampling_cuda.cu: one launch, no sort
     inv_temp, filters, u = rows[:, :1], rows[:, 1:4], rows[:, 4]                                   # [k, 1], [k, 3], [k]
@@ -488,14 +494,19 @@ def apply_penalties(logits, states):
         return
     dev = logits.device          # the counts live on the CPU (one scalar add per token): one copy per step
     counts = torch.stack([states[i].output_counts for i in rows]).to(dev)   # [r, vocab] int32
-    seen = torch.stack([states[i].in_prompt for i in rows]).to(dev) | (counts > 0)  # [r, vocab]
+    seen = torch.stack([states[i].in_prompt for i in rows]).to(dev)        # [r, vocab]
     params = [states[i].params for i in rows]
     rep, freq, pres = (torch.tensor([[getattr(p, name)] for p in params], dtype=torch.float32, device=dev)   # [r, 1] each
                        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
-    x = logits[rows]                                                   # [r, vocab]
+    logits[rows] = penalize(logits[rows], counts, seen, rep, freq, pres)
+
+
+def penalize(x, counts, in_prompt, rep, freq, pres):
+    """x: [r, vocab] logits, counts: [r, vocab] output counts, in_prompt: [r, vocab] bool; rep, freq,
+    pres: [r, 1]. A row with rep 1, freq 0 and pres 0 comes back bit for bit."""
+    seen = in_prompt | (counts > 0)
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x -= freq * counts + pres * (counts > 0)
-    logits[rows] = x
+    return x - (freq * counts + pres * (counts > 0))
 
 
 def top_logprobs(logprobs, tokens: list[int], want: list[int | None]) -> list[dict[int, float] | None]:

@@ -1711,7 +1711,8 @@ ASYNC_POOLS = {   # a small pool: preemption by recompute, or by swap
 
 def async_workload(stop_text: str, stop_id: int) -> list:
     """16 requests: greedy and seeded rows with logprobs, max_tokens=1, n=2, a stop string, a stop id
-    (EOS's path), a grammar, a victim aborted mid-stream, and prompts that hit the prefix cache."""
+    (EOS's path), a grammar, penalties (greedy and seeded), a victim aborted mid-stream, and prompts
+    that hit the prefix cache."""
     from sampler import StructuredOutputsParams as SO
     base = [list(range(100 + 37 * i, 100 + 37 * i + 18 + i % 5)) for i in range(10)]   # 18..22 tokens
     prompts = base + [base[0] + [900, 901], base[1] + list(range(950, 960)), base[0] + [7], base[2] * 2,
@@ -1725,6 +1726,11 @@ def async_workload(stop_text: str, stop_id: int) -> list:
               SamplingParams(max_tokens=30, top_k=5, seed=5, **seeded), greedy(28)]
     params += [greedy(12 + 3 * i) if i % 2 else SamplingParams(max_tokens=15, min_p=0.1, seed=i, **seeded)
                for i in range(6)]
+    # penalties: counts kept on the device under async scheduling, on the host in the plain loop
+    params[11] = SamplingParams(max_tokens=18, temperature=0, presence_penalty=1.5, frequency_penalty=0.7,
+                                repetition_penalty=1.4, logprobs=1, ignore_eos=True)
+    params[12] = SamplingParams(max_tokens=20, seed=9, top_p=0.95, presence_penalty=-0.5, frequency_penalty=1.2,
+                                repetition_penalty=0.8, **seeded)
     return [("victim" if i == 7 else f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
 
@@ -1763,6 +1769,53 @@ def test_async_scheduling_gives_the_plain_loops_tokens_and_logprobs(tiny, pool):
     assert len(want["r2"][0][0]) == 1 and len(want["r3"]) == 2 and want["r6"][0][2] in ("yes", "no")
     assert 3 <= len(want["victim"][0][0]) < 40
     assert eng.overlap.num_plain > 0                    # the grammar's and the fork's steps ran the plain loop
+    assert overlapped.engine.device_sampler.counts is not None and plain.engine.device_sampler is None
+
+
+def test_device_sampler_gives_the_host_samplers_tokens_and_logprobs_over_steps():
+    """sampling_slots.py against sampler.sample (the host path: counts kept per completion on the
+    host), over 6 steps of near-tied logits where penalties change the pick: greedy, seeded top-k /
+    top-p / min-p, penalties, logit_bias, logprobs, two samples sharing a logits row, a completion that
+    leaves and a new one that takes its slot (its counts start from nothing)."""
+    from input_buffers import InputBuffers
+    from sampler import SamplingState, make_generator, sample
+    from sampling_slots import SamplingSlots
+    vocab = 300
+    kinds = [dict(temperature=0), dict(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, logprobs=3),
+             dict(temperature=0, repetition_penalty=1.8), dict(temperature=0.7, top_k=20, seed=4, logprobs=1),
+             dict(temperature=1.2, top_p=0.8, min_p=0.05, seed=5, frequency_penalty=-1.0, repetition_penalty=0.7),
+             dict(temperature=0, logit_bias={7: 5.0}, presence_penalty=2.0)]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12, 13], [14]]
+
+    def states_for(params, prompts):
+        return [SamplingState(p, prompt, vocab, make_generator(p.seed, 0), set()) for p, prompt in zip(params, prompts)]
+    params = [SamplingParams(**k) for k in kinds]
+    host, dev = states_for(params, prompts), states_for(params, prompts)
+    slots, buffers = SamplingSlots(vocab, torch.device("cpu"), capacity=4), InputBuffers(8, 8, 4, torch.device("cpu"), 1 << 16)
+    g_host, g_dev = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    changed_by_penalties = False
+    for step in range(6):
+        if step == 3:                                # the first leaves; a penalized newcomer takes its slot
+            slots.release(dev[0])
+            new = SamplingParams(temperature=0, frequency_penalty=2.0, repetition_penalty=1.5)
+            host[0], dev[0] = states_for([new], [[20, 21]])[0], states_for([new], [[20, 21]])[0]
+        logits = (torch.randn(5, vocab) * 0.3).repeat_interleave(torch.tensor([1, 1, 1, 1, 2]), dim=0)   # near ties
+        rows = [0, 1, 2, 3, 4, 4]                    # the last two share one logits row (n = 2)
+        want = sample(logits[rows].clone(), host, g_host)
+        plain = [SamplingState(SamplingParams(temperature=0), [1], vocab, None, set()) for _ in range(3)]
+        changed_by_penalties |= sample(logits[rows[:3]].clone(), plain)[0] != want[0][:3]
+        staged = slots.stage(buffers, dev, rows, g_dev)
+        buffers.flush()
+        got = slots.sample(logits[:5].clone(), staged).read()
+        assert got == want, step
+        for s, t in zip(host, want[0]):
+            s.append(t)
+    assert len(slots.params) == 8                    # grew past its 4 slots
+    penalized = [i for i, s in enumerate(host) if s.output_counts is not None]
+    counted = slots.counts[[dev[i].slot for i in penalized]]
+    assert torch.equal(counted, torch.stack([host[i].output_counts for i in penalized]))   # the host's counts
+    assert changed_by_penalties                      # the near ties make the penalties matter
 
 
 # ---- bad input: a clear error naming the field, nothing disturbed --------------------------------
@@ -4203,33 +4256,101 @@ def test_recording_mode_catches_a_host_read_and_a_cross_device_copy():
     assert "aten::index with a boolean mask" in rec.reads_back and "aten::_to_copy across devices" in rec.reads_back
 
 
+ONE_COPY_CASES = {   # per row of an 8-row decode step
+    "greedy": [dict(temperature=0.0)] * 8,
+    "top_p": [dict(temperature=0.8, top_p=0.9, seed=1)] * 4 + [dict(temperature=0.0, logprobs=2)] * 4,
+    "penalties": [dict(temperature=0.8, top_k=50, presence_penalty=0.5, frequency_penalty=0.3,
+                       repetition_penalty=1.2, seed=2)] * 6 + [dict(temperature=0.0, repetition_penalty=1.3)] * 2,
+    "grammar": [dict(temperature=0.0)] * 7,       # + a regex row
+}
+
+
 @pytest.mark.cuda_emu
-@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=1)],
-                         ids=["greedy", "top_p"])
-def test_gpu_path_step_makes_one_copy_each_way(emulated_binding, params):
-    """On `meta` under the recording mode: a decode step's inputs go up in one host->device copy and
-    its forward reads nothing back; sampling brings the ids down in one device->host copy (the last
-    op: meta has no data to give, so it raises there) and, for rows that draw, sends their per-row
-    numbers up in one copy. No scalar read anywhere."""
-    from sampler import SamplingState, make_generator, sample_on_device
+@pytest.mark.parametrize("case", ONE_COPY_CASES)
+def test_gpu_path_step_makes_one_copy_each_way(emulated_binding, case, request):
+    """On `meta` under the recording mode, two decode steps and their sampling on the device
+    (sampling_slots.py): each makes one host->device copy (the packed upload: inputs, the changed
+    block-table rows, the sampler's slots, uniforms, new requests' parameters and prompts, the
+    grammar's bitmask) and one device->host copy (the sampled ids: the last op, which raises on meta,
+    having no data), and never reads a device scalar. Greedy, top_p < 1 beside greedy rows with
+    logprobs, penalties (the second step reads the counts the first one bumped on the device), a grammar row."""
+    from sampler import SamplingState, StructuredOutputsParams, make_generator
+    from sampling_slots import SamplingSlots
+    rows = [SamplingParams(**kw) for kw in ONE_COPY_CASES[case]]
+    grammars = [None] * len(rows)
+    if case == "grammar":
+        _, compiler = request.getfixturevalue("grammars")
+        rows.append(SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[ab]{2,5}")))
+        grammars.append(compiler.compile(rows[-1].structured_outputs))
+    states = [SamplingState(p, [1, 5, 9], 49152, make_generator(p.seed, i), {2}, grammar=g)
+              for i, (p, g) in enumerate(zip(rows, grammars))]
     lib = fake_cuda_ops("nanoserve_cuda_emu")
     try:
         net = random_llama("meta", torch.bfloat16, vocab_size=49152, num_hidden_layers=2)
         runner = make_runner(net, "cuda_emu", device="meta", num_blocks=64)
-        with torch.no_grad(), RecordOps() as step:
-            inputs = runner.prepare(decode_batch([5, 17, 40, 100, 33, 2, 64, 90]))
-            logits = M.Llama.forward.__wrapped__(runner.model, inputs.input_ids, inputs.positions,
-                                                 runner.kv_pool.kv_caches, inputs.meta, inputs.logits_rows)
+        slots = SamplingSlots(49152, torch.device("meta"))
+        runner.reserve_upload(slots.upload_bytes(8, 49152, 1024))
+        batch = decode_batch([5, 17, 40, 100, 33, 2, 64, 90])
+        for step in range(2):
+            with torch.no_grad(), RecordOps() as rec:
+                inputs = runner.prepare(batch, stage_more=lambda b: slots.stage(b, states, None, torch.Generator()))
+                logits = M.Llama.forward.__wrapped__(runner.model, inputs.input_ids, inputs.positions,
+                                                     runner.kv_pool.kv_caches, inputs.meta, inputs.logits_rows)
+                with pytest.raises(NotImplementedError, match="meta"):
+                    slots.sample(logits.float(), inputs.extra)
+            assert rec.reads_back == ["aten::copy_ across devices", "aten::_to_copy across devices"], (step, rec.reads_back)
+            for seq in batch.seqs:                   # the next step: one more token each (a row crosses into a new block)
+                seq.num_computed_tokens += 1
+                seq.token_ids.append(7)
+                if seq.num_computed_tokens + 1 > 16 * len(seq.block_table):
+                    seq.block_table.append(63 - seq.seq_id)
     finally:
         lib._destroy()
-    assert step.reads_back == ["aten::copy_ across devices"]                 # the packed upload
-    states = [SamplingState(SamplingParams(**params), [1], 49152, make_generator(params.get("seed"), i), {2})
-              for i in range(8)]
-    with torch.no_grad(), RecordOps() as sampling:
-        with pytest.raises(NotImplementedError, match="meta"):
-            sample_on_device(logits.float(), states)
-    uploads = 1 if params["temperature"] > 0 else 0
-    assert sampling.reads_back == ["aten::_to_copy across devices"] * (uploads + 1), sampling.reads_back
+    assert sorted(s.slot for s in states) == list(range(len(states)))
+    assert (slots.counts is not None) == (case == "penalties")
+
+
+def test_block_table_rows_go_up_only_when_they_change():
+    """A decode step uploads only the block-table rows that changed since the device last held them:
+    all rows at first, none when nothing changed, the one that crossed into a new block, the one
+    whose blocks were replaced (preempted and recomputed); the kernels' table is each row's blocks
+    (oracle: the sequences' own tables), zero-padded, and a padding row reads the all-zero row."""
+    net = random_llama()
+    runner = make_runner(net, "torch")
+    uploaded, assign = [], runner.buffers.table.assign
+
+    def recording(keys, own):
+        slots, changed = assign(keys, own)
+        uploaded.append(changed)
+        return slots, changed
+    runner.buffers.table.assign = recording
+    batch = decode_batch([5, 17, 40, 100])
+
+    def step():
+        inputs = runner.prepare(batch)
+        for i, seq in enumerate(batch.seqs):
+            row = inputs.meta.block_tables[i]
+            assert row[:len(seq.block_table)].tolist() == seq.block_table
+        width = runner.build(batch).block_tables.shape[1]
+        assert not inputs.meta.block_tables[:, :width][
+            torch.arange(width) >= torch.tensor([[len(s.block_table)] for s in batch.seqs])].any()
+        return uploaded[-1]
+    assert step() == [0, 1, 2, 3]
+    for seq in batch.seqs:
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(7)
+    assert step() == []                              # 6, 18, 41, 101 tokens: no row needs a new block
+    batch.seqs[0].token_ids += [7] * 10
+    batch.seqs[0].num_computed_tokens += 10          # 16 computed, the 17th needs block 2
+    batch.seqs[0].block_table.append(60)
+    assert step() == [0]
+    batch.seqs[2].block_table = [61, 62, 59]         # recomputed after preemption: new blocks
+    assert step() == [2]
+    batch.seqs.reverse()                             # another order: the rows follow their sequences
+    assert step() == []
+    padded = runner.upload(runner.pad(runner.build(batch), 8))
+    assert not padded.meta.block_tables[4:8].any()   # padding rows: the all-zero row
+    assert uploaded[-1] == []
 
 
 def run_decode(runner, batch, bucket=None):
@@ -4347,9 +4468,9 @@ def record_uploads(runner) -> list[tuple[int, int, int]]:
     block-table width)."""
     seen, upload = [], runner.upload
 
-    def recording(host, *grid):
+    def recording(host, *grid, **kw):
         seen.append((len(host.input_ids), len(host.context_lens), host.block_tables.shape[1]))
-        return upload(host, *grid)
+        return upload(host, *grid, **kw)
     runner.upload = recording
     return seen
 

@@ -9,8 +9,9 @@ and bench_engine.py; hardware ceilings live in bench_hardware.py and HTTP in ben
 import random
 import statistics
 
-from benchmarks.harness import (describe_graph_use, greedy, make_engine, make_workload, md_table, pct, random_prompt,
-                                run_interleaved, run_timed, section_header, vocab_of, warm_up)
+from benchmarks.harness import (ENGINE_OVERRIDES, bench_device, describe_graph_use, greedy, make_engine, make_workload,
+                                md_table, pct, random_prompt, run_interleaved, run_timed, section_header, vocab_of,
+                                warm_up)
 
 
 def static_waste_closed_form(lengths, batch_size):
@@ -31,8 +32,12 @@ def measured_padding(steps, field, useful_rows):
 
 def bench_throughput(sz, seed, results):
     """How much more useful work does continuous batching do than static batching on identical requests?"""
-    contenders = [("continuous", {})] + [(f"static bs={b}", dict(scheduler_mode="static", static_batch_size=b))
-                                         for b in sz.static_sizes]
+    # the continuous engine twice: with its async_scheduling (on with CUDA, off on a CPU, or bench.py's flag)
+    # and with the other setting, so one run compares the overlapped loop with the plain one
+    overlap = ENGINE_OVERRIDES.get("async_scheduling", bench_device().type == "cuda")
+    twin = f"continuous, async scheduling {'off' if overlap else 'on'}"
+    contenders = [("continuous", {}), (twin, dict(async_scheduling=not overlap))] + [
+        (f"static bs={b}", dict(scheduler_mode="static", static_batch_size=b)) for b in sz.static_sizes]
     caps, jobs, reqs = dict(sz.static_max_requests), [], None
     for name, kw in contenders:   # prefix caching off: no mode may find another's prompts cached
         engine = make_engine(kv_cache_memory=sz.kv_cache_memory, enable_prefix_caching=False,
@@ -68,11 +73,17 @@ def bench_throughput(sz, seed, results):
     print(md_table(["mode", "requests", "useful out tok/s", "total tok/s", "wall s", "steps", "slot waste measured",
                     "closed form", "prompt padding measured", "closed form", "preemptions"],
                    [[k] + [v.get(c, "-") for c in cols] for k, v in out.items()]))
-    print(f"\ncontinuous / best static ({best}): **{ratio:.2f}x** useful output tokens/s\n")
+    async_ratio = out[twin]["useful_tok_s"] / out["continuous"]["useful_tok_s"]
+    if overlap:
+        async_ratio = 1 / async_ratio
+    print(f"\ncontinuous / best static ({best}): **{ratio:.2f}x** useful output tokens/s")
+    print(f"continuous with async scheduling / without: **{async_ratio:.3f}x** useful output tokens/s "
+          f"(the same engine and requests; target on a CPU >= 0.97x, on CUDA >= 1.15x online)")
     for name, rec in out.items():               # on a GPU: did the steps replay CUDA graphs (model_runner.py)
         print(f"- {name}: {describe_graph_use(rec)}")
     results["throughput"] = {"num_requests": len(reqs), "modes": out, "best_static": best,
-                             "continuous_over_best_static": ratio}
+                             "continuous_over_best_static": ratio, "async_over_plain": async_ratio,
+                             "async_scheduling": overlap}
 
 
 def kv_bytes_per_token(engine):

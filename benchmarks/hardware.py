@@ -88,6 +88,23 @@ def bench_roofline(sz, seed, results):
                      d["frac_of_matmul_roofline"]] + [d["phases_s"][p] * 1e3 for p in phases] for b, d in per_batch.items()]))
     results["roofline"] = {"dtype": model_dtype(engine), "matmul_gflops": mm, "peak_matmul_gflops": max(mm.values()),
                            "bandwidth_gbs": bw, "matmul_params": params, "lm_head_params": h * mc.vocab_size, "decode": {str(b): d for b, d in per_batch.items()}}
+    results["roofline"]["sampling"] = sampling_vs_greedy(engine, max(sz.decode_batches), steps=max(6, 4 * sz.repeats))
+
+
+def sampling_vs_greedy(engine, batch, steps) -> dict:
+    """What temperature 0.8 with top_p 0.9 costs over greedy in a batch-`batch` decode step, in the plain
+    loop and the overlapped one (benchmarks/hot.py's sampling_cost), with each step's phases."""
+    from benchmarks.hot import sampling_cost
+    out = sampling_cost(batch=batch, engine=engine, steps=steps)
+    runs = [k for k in out if not k.startswith("top_p_over")]
+    phases = list(out[runs[0]]["phase_ms"])
+    print(f"\nSampling at batch {batch}: greedy against temperature 0.8, top_p 0.9 (seeded), {steps} decode steps "
+          f"each, plain loop and async scheduling; ms per step\n")
+    print(md_table(["run", "step ms (median)"] + [f"{p} ms" for p in phases],
+                   [[k, out[k]["step_ms_median"]] + [out[k]["phase_ms"][p] for p in phases] for k in runs]))
+    print(f"top_p 0.9 over greedy: **{out['top_p_over_greedy_ms']:.3f} ms** plain, "
+          f"**{out['top_p_over_greedy_ms async']:.3f} ms** async (target on an H100: <= 0.1 ms)")
+    return out
 
 
 def bench_kernel(sz, seed, results):

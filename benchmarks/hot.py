@@ -118,12 +118,12 @@ def sampling_cost(batch=64, engine=None, steps=20) -> dict:
     async scheduling: the step's median ms and its phases (what top-p costs over greedy)."""
     from async_engine import OverlapLoop
     engine = engine or _engine()
-    out = {}
+    out, own = {}, engine.overlap
     for overlap in (False, True):
-        engine.overlap = OverlapLoop(engine) if overlap else None
+        engine.overlap = (own or OverlapLoop(engine)) if overlap else None
         for name, kw in {"greedy": {}, "top_p_0.9": dict(temperature=0.8, top_p=0.9)}.items():
             out[f"{name}{' async' if overlap else ''}"] = decode_steps(engine, batch, steps=steps, **kw)
-    engine.overlap = None
+    engine.overlap = own                                  # the engine's own setting again
     for suffix in ("", " async"):
         out[f"top_p_over_greedy_ms{suffix}"] = (out[f"top_p_0.9{suffix}"]["step_ms_median"]
                                                 - out[f"greedy{suffix}"]["step_ms_median"])
