@@ -42,7 +42,8 @@ from benchmarks import report
 from benchmarks import scaleout as bench_scaleout
 from benchmarks import spec_decode as bench_spec_decode
 from benchmarks import tiers as bench_tiers
-from cpu_linear import cpu_linear_path
+from benchmarks.llamacpp import llamacpp_unavailable
+from cpu_linear import cpu_flags, cpu_linear_path
 from benchmarks.harness import bench_device, make_engine, md_table, section_header
 from model import resolve_dtype
 from paged_attention import resolve_backend
@@ -281,19 +282,16 @@ def bench_api_costs(sz, seed, results):
 # ----------------------------------------------------------------------------- machine and targets
 
 def cpu_flags_path():
-    """Which fast path this CPU has for bfloat16 matmuls, from its flags: detected, never guessed."""
-    flags = set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
+    """Which fast path this CPU has for bfloat16 matmuls, from its flags (under an ISA cap, the capped ones)."""
+    flags = cpu_flags()
+    if not flags:
         return "unknown (no /proc/cpuinfo)"
     return ("AMX (amx_bf16)" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags
             else "AVX2 only" if "avx2" in flags else "no AVX2")
 
 
+# what holds a run to a narrower ISA than the CPU's (an AVX-512 machine standing for CI's AVX2-only CPUs)
+ISA_CAPS = ("NANOSERVE_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 MODEL_FREE = {"gpu_decode"}    # sections on random weights of their own: the embedded model is never read
 
 
@@ -308,12 +306,15 @@ def machine_info(sections):
     h = report.run_header(gpu, dtype)
     info = {"date": h["date"], "machine": h["machine"], "commit": h["commit"] + (" (uncommitted changes)" if h["dirty"] else ""),
             "cpu": h["cpu_model"] or platform.processor(), "cores": h["cores"], "gpu": gpu, "cpu flags": " ".join(h["cpu_flags"]),
-            "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": dtype,
+            "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": dtype
+            + (f", quantization {engine.config.quantization} (auto_path.py)" if engine and engine.config.quantization else ""),
             "linear layers": f"{cpu_linear_path(dtype_)}; "
                              + (engine.model.gguf_log if engine else "model not loaded (no section of this run reads it)"),
             "attention backend": engine.attention_backend if engine else resolve_backend("auto", bench_device().type),
             "torch": torch.__version__, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "vLLM": bench_peers.vllm_unavailable() or os.environ["VLLM_PYTHON"],
+            "llama.cpp": llamacpp_unavailable() or os.environ["LLAMACPP_DIR"],
+            "ISA caps": ", ".join(f"{v}={os.environ[v]}" for v in ISA_CAPS if os.environ.get(v)) or "none (the whole CPU)",
             "load avg at start": os.getloadavg()[0]}
     return h, info
 
@@ -337,6 +338,8 @@ def targets(results):
         rows.append(("batch-1 decode tok/s >= vLLM's batch 1",
                      why or ours["batch1_decode_tok_s"] / max(v["batch1_decode_tok_s"] for v in vllm.values()
                                                                if isinstance(v, dict) and "skipped" not in v), 1.0))
+    if p:
+        rows += integer_path_targets(p)
     if p and "gguf" in p["nanoserve"]:
         q, lc = p["nanoserve"]["gguf"], p.get("llamacpp", {})
         rows.append(('quantization="gguf" batch-1 decode >= 1.5x llama.cpp batch 1 (tok/s)',
@@ -411,6 +414,25 @@ def targets(results):
                    [[n, m, need, ("met" if m >= need else "missed") if isinstance(m, float) else "not measured"]
                     for n, m, need in rows]))
     return [{"target": n, "measured": m, "needed": need, "met": isinstance(m, float) and m >= need} for n, m, need in rows]
+
+
+def integer_path_targets(p):
+    """The integer paths (quantization "int8" / "gguf", the faster of the two on each measure) on the peers
+    workload against the float32 engine and vLLM at its best, and at batch 1 against llama.cpp on the same GGUF."""
+    ours, vllm, lc = p["nanoserve"], p["vllm"], p.get("llamacpp", {})
+    ran = {k: v for k, v in ours.items() if k in ("int8", "gguf") and "skipped" not in v}
+    if not ran:
+        return [("integer path targets", "no integer path ran here", 1.0)]
+    best = max(ran, key=lambda k: ran[k]["useful_tok_s"])
+    b1 = max(ran, key=lambda k: ran[k]["batch1_decode_tok_s"])
+    f32 = ours.get("float32", {})
+    vbest = vllm.get(vllm.get("best_dtype", ""), {})
+    return [(f"integer path ({best}) peers workload >= 1.5x the float32 engine (useful tok/s)",
+             f32.get("skipped") or ran[best]["useful_tok_s"] / f32["useful_tok_s"] if f32 else "float32 not run", 1.5),
+            (f"integer path ({best}) peers workload >= 2x vLLM CPU at its best dtype (useful tok/s)",
+             vllm.get("skipped") or ("vLLM ran in no dtype" if not vbest else ran[best]["useful_tok_s"] / vbest["useful_tok_s"]), 2.0),
+            (f"integer path ({b1}) batch-1 decode >= 1.0x llama.cpp's on the same GGUF and threads (tok/s)",
+             lc.get("skipped") or ran[b1]["batch1_decode_tok_s"] / lc["batch1_decode_tok_s"], 1.0)]
 
 
 def gguf_batch1_ceiling(r, p):

@@ -46,6 +46,13 @@ BUILDS = {   # torch.utils.cpp_extension.load arguments per library
         name="nanoserve_grammar_cpu", sources=["grammar_mask_cpu.cpp"],
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"]),
 }
+# NANOSERVE_MARCH=x86-64-v3 builds every CPU library for AVX2 + FMA instead of -march=native, and
+# cpu_linear.cpu_flags() then hides the CPU's AVX-512/AMX/VNNI flags: with torch held to AVX2 too
+# (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2) an AVX-512 machine runs as CI's AVX2-only CPUs.
+MARCH = os.environ.get("NANOSERVE_MARCH")
+if MARCH:
+    for _build in BUILDS.values():
+        _build["extra_cflags"] = [f"-march={MARCH}" if f == "-march=native" else f for f in _build["extra_cflags"]]
 _loaded = set()     # kinds whose ops are registered in torch.ops
 failed = {}         # kind -> why its build failed (warned about once)
 
