@@ -161,8 +161,35 @@ def print_flat(title, d, prefix=""):
     print(md_table(["measurement", "value"], [[k, v] for k, v in flat(d, prefix)]))
 
 
+def bench_step(sz, seed, results):
+    """What does a batch-1 decode step cost outside its matmuls, per layer, and what did fusing RoPE with the
+    KV-cache write take off it? (The hot section's first table; `bench.py step` runs it alone.)"""
+    fn, why = optional("benchmarks.hot", "step_breakdown")
+    title = "Hot path: the batch-1 decode step outside its matmuls, per layer (bench_hot.py)"
+    if why:
+        section_header(title, [f"skipped: {why}"])
+        results["step"] = {"skipped": why}
+        return
+    d = results["step"] = fn(make_engine(kv_cache_memory="256MiB", enable_prefix_caching=False),
+                             rounds=sz.fused_rounds, steps=2 * sz.b1_tokens // 8 or 4)
+    before, after = d["modes"]["before"], d["modes"]["after"]
+    section_header(title, [
+        f"default engine ({d['path']} path, {d['dtype']} activations), {d['layers']} layers, batch {d['batch']}, "
+        f"{d['context']} tokens of context; step: median of the engine's decode steps, best of {d['rounds']} rounds "
+        "taking turns; matmuls: every linear layer alone at the same rows; ops: each alone at one layer's shapes",
+        "before: RoPE and the KV-cache write as two ops (strided k and v copied for the write); after: one op"])
+    rows = [["decode step (ms)", before["step_ms"], after["step_ms"]],
+            ["matmuls alone (ms)", d["matmul_ms"], d["matmul_ms"]],
+            ["outside the matmuls (ms)", before["outside_ms"], after["outside_ms"]],
+            ["outside the matmuls, per layer (us)", before["outside_per_layer_us"], after["outside_per_layer_us"]]]
+    for op in dict.fromkeys([*before["ops_us"], *after["ops_us"]]):
+        rows.append([f"  {op} (us per layer)", before["ops_us"].get(op, "-"), after["ops_us"].get(op, "-")])
+    print(md_table(["measurement", "before", "after"], rows))
+
+
 def bench_hot_path(sz, seed, results):
     """Does the paged-attention kernel read KV at memory speed (bench_hot.py's measurement)?"""
+    bench_step(sz, seed, results)
     fn, why = optional("benchmarks.hot", "bench_kernel_bandwidth")
     if why:
         section_header("Hot path (bench_hot.py)", [f"skipped: {why}"])
@@ -458,11 +485,13 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "http": bench_online.bench_http, "peers": bench_peers.bench_peers,
                "roofline": bench_hardware.bench_roofline, "kernel": bench_hardware.bench_kernel,
                "prefix": bench_batching.bench_prefix, "tiers": bench_tiers.bench_tiers, "copy_on_write": bench_batching.bench_copy_on_write,
-               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
+               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "step": bench_step,
+               "api": bench_api_costs,
                "gpu_decode": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
                "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative,
                "scaleout": bench_scaleout.bench_scaleout}
 SECTIONS = list(EXPERIMENTS)
+DEFAULT_SECTIONS = [s for s in SECTIONS if s != "step"]   # the hot section runs the step breakdown first
 
 
 def main(argv=None):
@@ -520,13 +549,13 @@ def run(args, sz, command):
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    header, info = machine_info(args.sections or SECTIONS)
-    results = header | {"sizes": asdict(sz), "sections": args.sections or SECTIONS,
+    header, info = machine_info(args.sections or DEFAULT_SECTIONS)
+    results = header | {"sizes": asdict(sz), "sections": args.sections or DEFAULT_SECTIONS,
                         "command": command, "machine_table": info, "section_seconds": {}}
     print("# nanoserve benchmark" + ("" if sz.name == "default" else f" (--{sz.name})"))
     section_header("Machine")
     print(md_table(list(info), [list(info.values())]))
-    for name in args.sections or SECTIONS:
+    for name in args.sections or DEFAULT_SECTIONS:
         t_section = time.perf_counter()
         EXPERIMENTS[name](sz, args.seed, results)
         results["section_seconds"][name] = time.perf_counter() - t_section
