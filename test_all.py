@@ -2292,20 +2292,20 @@ def test_quantization_int8_gives_the_same_tokens_alone_and_in_mixed_batches(smol
 # ---- dtype "auto" on a GGUF: the fastest path within the accuracy bounds (auto_path.py) ----------
 
 def auto_timings(**ms):
-    """candidate -> rows -> ms, as auto_path.measure returns them: name=(ms at 1 row, ms batched)."""
+    """candidate -> rows -> ms, as auto_path.measure returns them: name=(ms at each of auto_path.ROWS)."""
     import auto_path
     return {c: dict(zip(auto_path.ROWS, t)) for c, t in ms.items()}
 
 
 def test_auto_path_picks_an_integer_path_only_where_it_is_faster_at_every_row_count():
-    # hand-made timings (the oracle: which is fastest is read off them); the float path keeps ties
+    # hand-made timings at 1 / 64 / 256 rows (the oracle: which is fastest is read off them); ties keep float
     from auto_path import pick
-    assert pick(auto_timings(float=(10, 40), int8=(5, 20), gguf=(6, 30)), "float32")[0] == "int8"
-    assert pick(auto_timings(float=(10, 40), int8=(5, 50), gguf=(9, 39)), "float32")[0] == "gguf"   # int8 loses batched
-    assert pick(auto_timings(float=(10, 40), int8=(11, 20), gguf=(9, 41)), "bfloat16")[0] is None
-    assert pick(auto_timings(float=(10, 40), int8=(10, 40)), "float32")[0] is None
-    quantization, why = pick(auto_timings(float=(10, 40), int8=(5, 20)), "bfloat16")
-    assert "float bfloat16 10.0 / 40.0" in why and "int8 5.0 / 20.0" in why
+    assert pick(auto_timings(float=(10, 40, 160), int8=(5, 20, 80), gguf=(6, 30, 120)), "float32")[0] == "int8"
+    assert pick(auto_timings(float=(10, 40, 160), int8=(5, 20, 170), gguf=(9, 39, 150)), "float32")[0] == "gguf"   # int8 loses at prefill
+    assert pick(auto_timings(float=(10, 40, 160), int8=(11, 20, 80), gguf=(9, 41, 150)), "bfloat16")[0] is None
+    assert pick(auto_timings(float=(10, 40, 160), int8=(10, 40, 160)), "float32")[0] is None
+    quantization, why = pick(auto_timings(float=(10, 40, 160), int8=(5, 20, 80)), "bfloat16")
+    assert "float bfloat16 10.0 / 40.0 / 160.0" in why and "int8 5.0 / 20.0 / 80.0" in why
 
 
 def test_auto_path_follows_the_measurement_and_names_it_at_start_up(monkeypatch, tmp_path, capfd):
@@ -2316,11 +2316,11 @@ def test_auto_path_follows_the_measurement_and_names_it_at_start_up(monkeypatch,
     measured = []
     monkeypatch.setattr(auto_path, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(auto_path, "measure", lambda *a: measured.append(a) or auto_timings(
-        float=(10.5, 40.5), int8=(9.5, 39.5), gguf=(5.5, 20.5)))
+        float=(10.5, 40.5, 160.5), int8=(9.5, 39.5, 170.5), gguf=(5.5, 20.5, 80.5)))
     engine = Engine(kv_cache_memory=SMALL_KV, device="cpu")
     assert (engine.config.quantization, engine.model.quantization, engine.dtype) == ("gguf", "gguf", torch.float32)
     line = next(ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("nanoserve: dtype"))
-    assert "quantization gguf" in line and "path quantization='gguf'" in line and "gguf 5.5 / 20.5" in line, line
+    assert "quantization gguf" in line and "path quantization='gguf'" in line and "gguf 5.5 / 20.5 / 80.5" in line, line
     assert Engine(kv_cache_memory=SMALL_KV, device="cpu").model.quantization == "gguf" and len(measured) == 1
     monkeypatch.setattr(auto_path, "measure", lambda *a: pytest.fail("dtype float32 asked: nothing to measure"))
     f32 = Engine(kv_cache_memory=SMALL_KV, loaded_model=smol32(), **CPU32)
