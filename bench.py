@@ -42,7 +42,8 @@ from benchmarks import report
 from benchmarks import scaleout as bench_scaleout
 from benchmarks import spec_decode as bench_spec_decode
 from benchmarks import tiers as bench_tiers
-from cpu_linear import cpu_linear_path
+from benchmarks.llamacpp import llamacpp_unavailable
+from cpu_linear import cpu_flags, cpu_linear_path
 from benchmarks.harness import bench_device, make_engine, md_table, section_header
 from model import resolve_dtype
 from paged_attention import resolve_backend
@@ -160,8 +161,35 @@ def print_flat(title, d, prefix=""):
     print(md_table(["measurement", "value"], [[k, v] for k, v in flat(d, prefix)]))
 
 
+def bench_step(sz, seed, results):
+    """What does a batch-1 decode step cost outside its matmuls, per layer, and what did fusing RoPE with the
+    KV-cache write take off it? (The hot section's first table; `bench.py step` runs it alone.)"""
+    fn, why = optional("benchmarks.hot", "step_breakdown")
+    title = "Hot path: the batch-1 decode step outside its matmuls, per layer (bench_hot.py)"
+    if why:
+        section_header(title, [f"skipped: {why}"])
+        results["step"] = {"skipped": why}
+        return
+    d = results["step"] = fn(make_engine(kv_cache_memory="256MiB", enable_prefix_caching=False),
+                             rounds=sz.fused_rounds, steps=2 * sz.b1_tokens // 8 or 4)
+    before, after = d["modes"]["before"], d["modes"]["after"]
+    section_header(title, [
+        f"default engine ({d['path']} path, {d['dtype']} activations), {d['layers']} layers, batch {d['batch']}, "
+        f"{d['context']} tokens of context; step: median of the engine's decode steps, best of {d['rounds']} rounds "
+        "taking turns; matmuls: every linear layer alone at the same rows; ops: each alone at one layer's shapes",
+        "before: RoPE and the KV-cache write as two ops (strided k and v copied for the write); after: one op"])
+    rows = [["decode step (ms)", before["step_ms"], after["step_ms"]],
+            ["matmuls alone (ms)", d["matmul_ms"], d["matmul_ms"]],
+            ["outside the matmuls (ms)", before["outside_ms"], after["outside_ms"]],
+            ["outside the matmuls, per layer (us)", before["outside_per_layer_us"], after["outside_per_layer_us"]]]
+    for op in dict.fromkeys([*before["ops_us"], *after["ops_us"]]):
+        rows.append([f"  {op} (us per layer)", before["ops_us"].get(op, "-"), after["ops_us"].get(op, "-")])
+    print(md_table(["measurement", "before", "after"], rows))
+
+
 def bench_hot_path(sz, seed, results):
     """Does the paged-attention kernel read KV at memory speed (bench_hot.py's measurement)?"""
+    bench_step(sz, seed, results)
     fn, why = optional("benchmarks.hot", "bench_kernel_bandwidth")
     if why:
         section_header("Hot path (bench_hot.py)", [f"skipped: {why}"])
@@ -295,19 +323,16 @@ def bench_api_costs(sz, seed, results):
 # ----------------------------------------------------------------------------- machine and targets
 
 def cpu_flags_path():
-    """Which fast path this CPU has for bfloat16 matmuls, from its flags: detected, never guessed."""
-    flags = set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
+    """Which fast path this CPU has for bfloat16 matmuls, from its flags (under an ISA cap, the capped ones)."""
+    flags = cpu_flags()
+    if not flags:
         return "unknown (no /proc/cpuinfo)"
     return ("AMX (amx_bf16)" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags
             else "AVX2 only" if "avx2" in flags else "no AVX2")
 
 
+# what holds a run to a narrower ISA than the CPU's (an AVX-512 machine standing for CI's AVX2-only CPUs)
+ISA_CAPS = ("NANOSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 MODEL_FREE = {"gpu_decode"}    # sections on random weights of their own: the embedded model is never read
 
 
@@ -322,12 +347,15 @@ def machine_info(sections):
     h = report.run_header(gpu, dtype)
     info = {"date": h["date"], "machine": h["machine"], "commit": h["commit"] + (" (uncommitted changes)" if h["dirty"] else ""),
             "cpu": h["cpu_model"] or platform.processor(), "cores": h["cores"], "gpu": gpu, "cpu flags": " ".join(h["cpu_flags"]),
-            "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": dtype,
+            "cpu flags path": cpu_flags_path(), "nanoserve dtype (auto)": dtype
+            + (f", quantization {engine.config.quantization} (auto_path.py)" if engine and engine.config.quantization else ""),
             "linear layers": f"{cpu_linear_path(dtype_)}; "
                              + (engine.model.gguf_log if engine else "model not loaded (no section of this run reads it)"),
             "attention backend": engine.attention_backend if engine else resolve_backend("auto", bench_device().type),
             "torch": torch.__version__, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "vLLM": bench_peers.vllm_unavailable() or os.environ["VLLM_PYTHON"],
+            "llama.cpp": llamacpp_unavailable() or os.environ["LLAMACPP_DIR"],
+            "ISA caps": ", ".join(f"{v}={os.environ[v]}" for v in ISA_CAPS if os.environ.get(v)) or "none (the whole CPU)",
             "load avg at start": os.getloadavg()[0]}
     return h, info
 
@@ -353,6 +381,8 @@ def targets(results):
         rows.append(("batch-1 decode tok/s >= vLLM's batch 1",
                      why or ours["batch1_decode_tok_s"] / max(v["batch1_decode_tok_s"] for v in vllm.values()
                                                                if isinstance(v, dict) and "skipped" not in v), 1.0))
+    if p:
+        rows += integer_path_targets(p)
     if p and "gguf" in p["nanoserve"]:
         q, lc = p["nanoserve"]["gguf"], p.get("llamacpp", {})
         rows.append(('quantization="gguf" batch-1 decode >= 1.5x llama.cpp batch 1 (tok/s)',
@@ -429,6 +459,25 @@ def targets(results):
     return [{"target": n, "measured": m, "needed": need, "met": isinstance(m, float) and m >= need} for n, m, need in rows]
 
 
+def integer_path_targets(p):
+    """The integer paths (quantization "int8" / "gguf", the faster of the two on each measure) on the peers
+    workload against the float32 engine and vLLM at its best, and at batch 1 against llama.cpp on the same GGUF."""
+    ours, vllm, lc = p["nanoserve"], p["vllm"], p.get("llamacpp", {})
+    ran = {k: v for k, v in ours.items() if k in ("int8", "gguf") and "skipped" not in v}
+    if not ran:
+        return [("integer path targets", "no integer path ran here", 1.0)]
+    best = max(ran, key=lambda k: ran[k]["useful_tok_s"])
+    b1 = max(ran, key=lambda k: ran[k]["batch1_decode_tok_s"])
+    f32 = ours.get("float32", {})
+    vbest = vllm.get(vllm.get("best_dtype", ""), {})
+    return [(f"integer path ({best}) peers workload >= 1.5x the float32 engine (useful tok/s)",
+             f32.get("skipped") or ran[best]["useful_tok_s"] / f32["useful_tok_s"] if f32 else "float32 not run", 1.5),
+            (f"integer path ({best}) peers workload >= 2x vLLM CPU at its best dtype (useful tok/s)",
+             vllm.get("skipped") or ("vLLM ran in no dtype" if not vbest else ran[best]["useful_tok_s"] / vbest["useful_tok_s"]), 2.0),
+            (f"integer path ({b1}) batch-1 decode >= 1.0x llama.cpp's on the same GGUF and threads (tok/s)",
+             lc.get("skipped") or ran[b1]["batch1_decode_tok_s"] / lc["batch1_decode_tok_s"], 1.0)]
+
+
 def gguf_batch1_ceiling(r, p):
     """The fastest batch 1 quantization="gguf" could reach here, from this run's numbers: the decode step's time
     outside its matmuls (roofline at batch 1; the default engine reads the same blocks at one row) plus every
@@ -452,12 +501,14 @@ EXPERIMENTS = {"throughput": bench_batching.bench_throughput, "memory": bench_ba
                "http": bench_online.bench_http, "peers": bench_peers.bench_peers,
                "roofline": bench_hardware.bench_roofline, "kernel": bench_hardware.bench_kernel,
                "prefix": bench_batching.bench_prefix, "tiers": bench_tiers.bench_tiers, "copy_on_write": bench_batching.bench_copy_on_write,
-               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "api": bench_api_costs,
+               "preemption": bench_batching.bench_preemption, "hot": bench_hot_path, "step": bench_step,
+               "api": bench_api_costs,
                "gpu_decode": bench_gpu.bench_gpu, "parallel": bench_tp.bench_parallel,
                "invariance": bench_invariance.bench_invariance, "speculative": bench_spec_decode.bench_speculative,
                "scaleout": bench_scaleout.bench_scaleout, "int8": bench_int8_kernels}
-ON_REQUEST = {"int8"}          # parts of another section, alone: only when named
-SECTIONS = [s for s in EXPERIMENTS if s not in ON_REQUEST]
+ON_REQUEST = {"int8", "step"}  # parts of another section, alone: only when named (hot runs the step breakdown first)
+SECTIONS = list(EXPERIMENTS)
+DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ON_REQUEST]
 
 
 def main(argv=None):
@@ -515,13 +566,13 @@ def run(args, sz, command):
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    header, info = machine_info(args.sections or SECTIONS)
-    results = header | {"sizes": asdict(sz), "sections": args.sections or SECTIONS,
+    header, info = machine_info(args.sections or DEFAULT_SECTIONS)
+    results = header | {"sizes": asdict(sz), "sections": args.sections or DEFAULT_SECTIONS,
                         "command": command, "machine_table": info, "section_seconds": {}}
     print("# nanoserve benchmark" + ("" if sz.name == "default" else f" (--{sz.name})"))
     section_header("Machine")
     print(md_table(list(info), [list(info.values())]))
-    for name in args.sections or SECTIONS:
+    for name in args.sections or DEFAULT_SECTIONS:
         t_section = time.perf_counter()
         EXPERIMENTS[name](sz, args.seed, results)
         results["section_seconds"][name] = time.perf_counter() - t_section

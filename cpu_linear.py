@@ -24,12 +24,16 @@ import extensions
 
 
 def cpu_flags() -> set[str]:
+    """The CPU's flags; under NANOSERVE_CPU_ISA=avx2 (extensions.py) without AVX-512, AMX and VNNI."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((l for l in f if l.startswith("flags")), "")
     except OSError:
         return set()
-    return set(line.partition(":")[2].split())
+    flags = set(line.partition(":")[2].split())
+    if extensions.cpu_isa() == "avx2":
+        flags = {f for f in flags if not f.startswith(("avx512", "amx", "avx_vnni"))}
+    return flags
 
 
 @functools.cache

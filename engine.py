@@ -241,8 +241,11 @@ class Engine:
              "off on CUDA: the GPU kernels' reduction order still depends on the batch (docs/batch-invariance.md)",
              config.batch_invariant)
         dtype, why = resolve_dtype(config.dtype, self.device)
+        if auto_path_applies(config, self.device):
+            dtype, why = auto_path(config, dtype, why, loaded_model)
         self.dtype = dtype                                  # what ran; bench.py prints it
-        _log_once(f"nanoserve: dtype {str(dtype).removeprefix('torch.')} ({why})")
+        _log_once(f"nanoserve: dtype {str(dtype).removeprefix('torch.')}"
+                  f"{f', quantization {config.quantization}' if config.quantization else ''} ({why})")
         self.attention_backend = paged_attention.resolve_backend(config.attention_backend, self.device.type)
         self.model, self.model_config, self.model_dir = self.builder.load_model(config, dtype, self.device,
                                                                                 self.attention_backend, loaded_model)
@@ -658,6 +661,29 @@ class Engine:
             **self.last_step, **(self.speculator.engine_stats() if self.speculator else {}),
             kv_offload=self.offload.stats() if self.offload is not None else {},
             graph_steps=dict(self.runner.graph_steps), eager_steps=dict(self.runner.eager_steps))
+
+
+def auto_path_applies(config: EngineConfig, device: torch.device) -> bool:
+    """dtype "auto" and no quantization asked, on a GGUF model on one CPU rank: the engine picks the
+    fastest of the float, int8 and gguf paths (auto_path.py). Batch-invariant mode keeps the float path."""
+    gguf = config.model is None or str(config.model).endswith(".gguf")
+    return (config.dtype == "auto" and config.quantization is None and device.type == "cpu" and gguf
+            and config.tensor_parallel_size == 1 and not config.batch_invariant)
+
+
+def auto_path(config: EngineConfig, dtype: torch.dtype, why: str, loaded_model) -> tuple[torch.dtype, str]:
+    """Sets config.quantization to the path auto_path.choose measured fastest (or the shared loaded
+    model's); -> (the dtype it runs: float32 for the integer paths, the start-up line's reason)."""
+    if loaded_model is not None:        # engines sharing weights run the path they were loaded for
+        config.quantization = getattr(loaded_model[0], "quantization", None)
+        reason = "the path of the model it shares"
+    else:
+        from auto_path import choose    # loaded only here: `from llm import LLM` stays small
+        from weights import resolve_model_dir
+        config.quantization, measured = choose(resolve_model_dir(config.model), dtype)
+        reason = f"the fastest path here within the accuracy bounds, {measured}"
+    path = f"quantization={config.quantization!r}" if config.quantization else f"{str(dtype).removeprefix('torch.')} weights"
+    return (torch.float32 if config.quantization else dtype), f"{why}; path {path}: {reason}"
 
 
 @functools.cache

@@ -73,13 +73,19 @@ def build_directory(build: dict) -> Path:
 
 # NANOSERVE_CPU_ISA=avx2 builds the CPU libraries for AVX2 + FMA + F16C only (-march=x86-64-v3, the
 # ISA of CI's EPYCs) on any x86 CPU, into their own directories: to test or time that build on a
-# CPU with AVX-512 (bench.py; torch's own kernels are held with ATEN_CPU_CAPABILITY=avx2).
+# CPU with AVX-512 (bench.py; torch's own kernels are held with ATEN_CPU_CAPABILITY=avx2 and
+# ONEDNN_MAX_CPU_ISA=AVX2), and cpu_linear.cpu_flags() then hides the CPU's AVX-512/AMX/VNNI flags:
+# an AVX-512 machine runs as CI's AVX2-only CPUs.
 CPU_ISA = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
+
+
+def cpu_isa() -> str:
+    return os.environ.get("NANOSERVE_CPU_ISA", "native")
 
 
 def with_cpu_isa(build: dict) -> dict:
     """A build's arguments with -march=native replaced by NANOSERVE_CPU_ISA's flag (unset: native)."""
-    isa = os.environ.get("NANOSERVE_CPU_ISA", "native")
+    isa = cpu_isa()
     if isa not in CPU_ISA:
         raise ValueError(f"NANOSERVE_CPU_ISA must be one of {sorted(CPU_ISA)}, got {isa!r}")
     flags = [CPU_ISA[isa] if f == "-march=native" else f for f in build.get("extra_cflags", [])]

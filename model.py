@@ -127,18 +127,15 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
         self.batch_invariant = False          # Llama.set_batch_invariant
+        self.fused_cache = True               # RoPE + KV-cache write as one op where it applies (bench compares)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, fused=False):
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                        # [T, (nh + 2*nkv) * hd]
-        rope_(qkv, cos, sin, self.n_heads + self.n_kv, self.head_dim, fused)   # q and k sit side by side
-        q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
-                             self.n_kv * self.head_dim], dim=-1)
-        q = q.view(T, self.n_heads, self.head_dim)                    # [T, nh, hd], strided views of qkv
-        k = k.view(T, self.n_kv, self.head_dim)                       # [T, nkv, hd]
-        v = v.view(T, self.n_kv, self.head_dim)
         k_cache, v_cache = kv_cache
-        paged_attention.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        rope_and_cache_(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.n_heads, self.n_kv,
+                        self.head_dim, fused, meta.backend, one_op=self.fused_cache)
+        q = qkv[:, :self.n_heads * self.head_dim].view(T, self.n_heads, self.head_dim)   # [T, nh, hd], a view of qkv
         o = paged_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                             meta.query_start_loc, self.scale, backend=meta.backend,
                                             cuda_plan=meta.cuda_plan, batch_invariant=self.batch_invariant)
@@ -255,7 +252,7 @@ def copy_module_tree(module: nn.Module) -> nn.Module:
     return clone
 
 
-# Fused per-layer ops: residual add + RMSNorm, RoPE in place, SwiGLU's silu(gate) * up.
+# Fused per-layer ops: residual add + RMSNorm, RoPE in place (and with the KV-cache write), SwiGLU's silu(gate) * up.
 #
 # Each layer's small elementwise ops cost a PyTorch dispatch and a temporary each (on a GPU, a
 # kernel launch each): ~10 per layer, 300 per decode step. csrc/fused_cpu.cpp does each group in one
@@ -312,6 +309,21 @@ def rope_(qkv, cos, sin, num_heads, head_dim, fused=False):
         return _ops(fused).rope_(qkv, cos, sin, num_heads, head_dim)
     x = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)               # [T, heads, hd]
     x.copy_(apply_rope(x, cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)))
+
+
+def rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
+                    fused=False, backend="torch", one_op=True):
+    """RoPE on q and k of qkv [T, (nh + 2 nkv) hd] in place, then each row's k and v into its slot of the
+    paged cache (slot -1: not cached). Fused (the CPU ops, a cache in qkv's dtype; one_op=False: bench.py's
+    before): one op; else rope_ then the attention backend's reshape_and_cache."""
+    if fused is True and one_op and key_cache.dtype == value_cache.dtype == qkv.dtype:
+        return torch.ops.nanoserve_fused.rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
+                                                         num_heads, num_kv_heads, head_dim)
+    rope_(qkv, cos, sin, num_heads + num_kv_heads, head_dim, fused)   # q and k sit side by side
+    T, q_width, kv_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    k = qkv[:, q_width:q_width + kv_width].view(T, num_kv_heads, head_dim)         # [T, nkv, hd], strided views
+    v = qkv[:, q_width + kv_width:].view(T, num_kv_heads, head_dim)
+    paged_attention.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, backend=backend)
 
 
 def silu_and_mul(gate_up, fused=False):

@@ -2400,6 +2400,44 @@ def test_quantization_int8_gives_the_same_tokens_alone_and_in_mixed_batches(smol
     smol_int8[0].set_batch_invariant(False)
 
 
+# ---- dtype "auto" on a GGUF: the fastest path within the accuracy bounds (auto_path.py) ----------
+
+def auto_timings(**ms):
+    """candidate -> rows -> ms, as auto_path.measure returns them: name=(ms at each of auto_path.ROWS)."""
+    import auto_path
+    return {c: dict(zip(auto_path.ROWS, t)) for c, t in ms.items()}
+
+
+def test_auto_path_picks_an_integer_path_only_where_it_is_faster_at_every_row_count():
+    # hand-made timings at 1 / 64 / 256 rows (the oracle: which is fastest is read off them); ties keep float
+    from auto_path import pick
+    assert pick(auto_timings(float=(10, 40, 160), int8=(5, 20, 80), gguf=(6, 30, 120)), "float32")[0] == "int8"
+    assert pick(auto_timings(float=(10, 40, 160), int8=(5, 20, 170), gguf=(9, 39, 150)), "float32")[0] == "gguf"   # int8 loses at prefill
+    assert pick(auto_timings(float=(10, 40, 160), int8=(11, 20, 80), gguf=(9, 41, 150)), "bfloat16")[0] is None
+    assert pick(auto_timings(float=(10, 40, 160), int8=(10, 40, 160)), "float32")[0] is None
+    quantization, why = pick(auto_timings(float=(10, 40, 160), int8=(5, 20, 80)), "bfloat16")
+    assert "float bfloat16 10.0 / 40.0 / 160.0" in why and "int8 5.0 / 20.0 / 80.0" in why
+
+
+def test_auto_path_follows_the_measurement_and_names_it_at_start_up(monkeypatch, tmp_path, capfd):
+    # the measurement injected: the engine runs what it says is fastest, and its start-up line names
+    # the path and the timings; the pick is cached per CPU, kernels and model (a second engine does
+    # not measure again). dtype="float32" asked: float32 weights, and nothing is measured.
+    import auto_path
+    measured = []
+    monkeypatch.setattr(auto_path, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(auto_path, "measure", lambda *a: measured.append(a) or auto_timings(
+        float=(10.5, 40.5, 160.5), int8=(9.5, 39.5, 170.5), gguf=(5.5, 20.5, 80.5)))
+    engine = Engine(kv_cache_memory=SMALL_KV, device="cpu")
+    assert (engine.config.quantization, engine.model.quantization, engine.dtype) == ("gguf", "gguf", torch.float32)
+    line = next(ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("nanoserve: dtype"))
+    assert "quantization gguf" in line and "path quantization='gguf'" in line and "gguf 5.5 / 20.5 / 80.5" in line, line
+    assert Engine(kv_cache_memory=SMALL_KV, device="cpu").model.quantization == "gguf" and len(measured) == 1
+    monkeypatch.setattr(auto_path, "measure", lambda *a: pytest.fail("dtype float32 asked: nothing to measure"))
+    f32 = Engine(kv_cache_memory=SMALL_KV, loaded_model=smol32(), **CPU32)
+    assert (f32.config.quantization, f32.dtype) == (None, torch.float32)
+
+
 def test_quantization_int8_runs_a_safetensors_checkpoint_with_biases(tmp_path):
     # "from any float checkpoint": a tiny random Qwen2 (q/k/v biases, N = 96 and 160: not multiples
     # of the panel's 16 everywhere) in int8 against transformers in float32 on the same weights. The
@@ -2529,6 +2567,35 @@ def test_fused_rope_in_place_matches_reference(fused_ops, dtype):
     rot = torch.cat([-q[..., 32:], q[..., :32]], -1)
     by_hand = q * torch.cat([freqs.cos()] * 2, -1).unsqueeze(1) + rot * torch.cat([freqs.sin()] * 2, -1).unsqueeze(1)
     torch.testing.assert_close(got[:, :64].float(), by_hand.view(21, 64), **FUSED_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, rows", [(9, 3, 64, 1), (9, 3, 64, 21), (5, 1, 6, 7)],
+                         ids=["smollm2-1-row", "smollm2-21-rows", "odd-5-heads-1-kv-dim-6"])
+def test_fused_rope_and_cache_matches_rope_then_reshape_and_cache(fused_ops, dtype, heads, kv_heads, head_dim, rows):
+    # oracle: the plain-PyTorch RoPE, then paged_attention's reference cache write (index_copy_);
+    # slots scattered over blocks, one row padding (-1: written nowhere), the cache's other slots untouched
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    freqs = torch.randint(0, 2048, (rows, 1), generator=g).float() * (1e-4 ** (torch.arange(head_dim // 2) / (head_dim // 2)))
+    cos, sin = freqs.cos(), freqs.sin()                                        # float32 [T, hd/2]
+    cache = torch.randn(2, 11, 4, kv_heads, head_dim, generator=g).to(dtype)  # (k, v) x [blocks, block_size, nkv, hd]
+    slots = torch.randperm(44, generator=g)[:rows]
+    slots[rows // 2] = -1
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    M.rope_(want_qkv, cos, sin, heads + kv_heads, head_dim)
+    T, kv = rows, kv_heads * head_dim
+    k = want_qkv[:, heads * head_dim:heads * head_dim + kv].reshape(T, kv_heads, head_dim)
+    v = want_qkv[:, heads * head_dim + kv:].reshape(T, kv_heads, head_dim)
+    pa.reshape_and_cache_reference(k, v, want_cache[0], want_cache[1], slots)
+    got_qkv, got_cache = qkv.clone(), cache.clone()
+    M.rope_and_cache_(got_qkv, cos, sin, got_cache[0], got_cache[1], slots, heads, kv_heads, head_dim, fused=True)
+    torch.testing.assert_close(got_qkv, want_qkv, **FUSED_TOL[dtype])
+    torch.testing.assert_close(got_cache, want_cache, **FUSED_TOL[dtype])
+    untouched = torch.ones(44, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(got_cache.view(2, 44, -1)[:, untouched], cache.view(2, 44, -1)[:, untouched])
+    assert torch.equal(got_qkv[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])   # v as it was
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -1,5 +1,6 @@
 """
-Measurements of the hot path that bench.py calls and prints: the paged-attention
+Measurements of the hot path that bench.py calls and prints: the batch-1 decode step outside its
+matmuls, per layer and per op (step_breakdown), the paged-attention
 kernel's KV read speed against plain memory bandwidth, the per-phase cost of Engine.step as
 the batch grows, a batch-64 decode step against the matmul roofline at the engine's dtype,
 and the offline workload's useful output tokens/s. Each function returns a plain dict (every
@@ -131,14 +132,15 @@ def sampling_cost(batch=64, engine=None, steps=20) -> dict:
 
 
 def matmul_only_ms(engine, batch, repeats=3) -> float:
-    """Time of only the model's linear layers at `batch` rows, in the engine's dtype, through
-    model.linear on each layer's prepacked weight and GGUF blocks (the path the engine takes): the
+    """Time of only the model's linear layers at `batch` rows, in the engine's dtype, through each
+    layer's own forward (prepacked weight, GGUF blocks or int8: the path the engine takes): the
     matmul roofline of a decode step."""
     layers = [m for m in engine.model.modules() if isinstance(m, CL.Linear)]
     xs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in layers}
-    run = lambda: [CL.linear(xs[m.in_features], m.weight, m.bias, *m.prepared()) for m in layers]   # noqa: E731
-    run()
-    return time_fn(run, repeats, warmup=0)[0] * 1e3
+    run = lambda: [m(xs[m.in_features]) for m in layers]   # noqa: E731   (each layer's own path: float, int8 or blocks)
+    with torch.inference_mode():
+        run()
+        return time_fn(run, repeats, warmup=0)[0] * 1e3
 
 
 def decode_vs_roofline(batch=64, engine=None, steps=6) -> dict:
@@ -148,6 +150,78 @@ def decode_vs_roofline(batch=64, engine=None, steps=6) -> dict:
     mm = matmul_only_ms(engine, batch)
     return {"batch": batch, "dtype": str(engine.dtype).removeprefix("torch."), "step_ms": r["step_ms_median"],
             "matmul_only_ms": mm, "of_matmul_roofline": mm / r["step_ms_median"], "phase_ms": r["phase_ms"]}
+
+
+def step_breakdown(engine=None, batch=1, prompt_len=32, steps=12, rounds=3, calls=50) -> dict:
+    """The decode step at `batch` outside its matmuls, per layer, before and after RoPE + KV-cache write
+    became one op (model.Attention.fused_cache): the engine's step with each, taking turns `rounds` times
+    (best median), minus the matmul-only time of the same rows (matmul_only_ms); then that per layer,
+    split into the per-layer ops timed alone at one layer's shapes (best of 3 runs of `calls` calls) and
+    what is left (module calls, views, Python). -> {"dtype", "path", "layers", "matmul_ms", "modes":
+    {"before" | "after": {"step_ms", "forward_ms", "outside_ms", "outside_per_layer_us", "ops_us": {...}}}}"""
+    engine = engine or _engine()
+    net, cfg = engine.model, engine.model_config
+    attn = [m for m in net.modules() if isinstance(m, M.Attention)]
+    steps_ms = {m: [] for m in ("before", "after")}
+    fwd = {m: [] for m in steps_ms}
+    for _ in range(rounds):                                    # interleaved: the same load on each
+        for mode in steps_ms:
+            for a in attn:
+                a.fused_cache = mode == "after"
+            r = decode_steps(engine, batch, prompt_len=prompt_len, steps=steps)
+            steps_ms[mode].append(r["step_ms_median"])
+            fwd[mode].append(r["phase_ms"]["forward"])
+    for a in attn:
+        a.fused_cache = True
+    matmul = matmul_only_ms(engine, batch, repeats=5)
+    ops = _layer_op_us(engine, batch, prompt_len + steps, calls)
+    L = cfg.num_hidden_layers
+    modes = {}
+    for mode in steps_ms:
+        step = min(steps_ms[mode])
+        per_layer = (step - matmul) / L * 1e3
+        timed = {k: v for k, v in ops.items() if k != ("RoPE + KV-cache write, one op" if mode == "before"
+                                                     else "RoPE, then KV-cache write")}
+        modes[mode] = {"step_ms": step, "forward_ms": min(fwd[mode]), "outside_ms": step - matmul,
+                       "outside_per_layer_us": per_layer,
+                       "ops_us": timed | {"the rest (module calls, views, Python)": per_layer - sum(timed.values())}}
+    return {"batch": batch, "dtype": str(engine.dtype).removeprefix("torch."),
+            "path": engine.config.quantization or str(engine.dtype).removeprefix("torch."), "layers": L,
+            "context": prompt_len + steps, "rounds": rounds, "matmul_ms": matmul, "modes": modes}
+
+
+def _layer_op_us(engine, batch, ctx, calls) -> dict:
+    """us per layer of each op outside the matmuls at `batch` rows, on SmolLM2-shaped inputs in the
+    engine's dtype, with the engine's fused-op setting: 2 norms, RoPE and the cache write (two ops
+    and one), attention over `ctx` tokens of KV, SwiGLU."""
+    cfg, dtype = engine.model_config, engine.dtype
+    fused = engine.model.use_fused_ops and M.fused_kernels(engine.device, dtype, engine.attention_backend)
+    H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(batch)
+    x, res = (torch.randn(batch, H, generator=g).to(dtype) for _ in range(2))
+    w = torch.rand(H, generator=g).to(dtype) + 0.5
+    qkv = torch.randn(batch, (nh + 2 * nkv) * hd, generator=g).to(dtype)
+    ang = torch.rand(batch, hd // 2, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    gate_up = torch.randn(batch, 2 * cfg.intermediate_size, generator=g).to(dtype)
+    q, kc, vc, tables, lens, qsl = decode_kernel_inputs(batch, ctx, dtype, nh, nkv, hd)
+    slots = torch.arange(batch) * 16
+    backend = engine.attention_backend
+    cases = {
+        "residual add + RMSNorm (x2)": lambda: [M.rms_norm(x, w, cfg.rms_norm_eps, res, fused) for _ in range(2)],
+        "RoPE, then KV-cache write": lambda: M.rope_and_cache_(qkv, cos, sin, kc, vc, slots, nh, nkv, hd, fused,
+                                                               backend, one_op=False),
+        "RoPE + KV-cache write, one op": lambda: M.rope_and_cache_(qkv, cos, sin, kc, vc, slots, nh, nkv, hd, fused,
+                                                                   backend),
+        f"attention over {ctx} tokens": lambda: pa.paged_attention(q, kc, vc, tables, lens, qsl, hd ** -0.5,
+                                                                    backend=backend),
+        "SwiGLU": lambda: M.silu_and_mul(gate_up, fused)}
+    out = {}
+    with torch.inference_mode():
+        for name, fn in cases.items():
+            loop = lambda fn=fn: [fn() for _ in range(calls)]         # noqa: E731
+            out[name] = time_fn(loop, 3)[0] / calls * 1e6
+    return out
 
 
 def fused_op_cases(rows, dtype, hidden=576, inter=1536, heads=9, kv_heads=3, head_dim=64, eps=1e-5):
@@ -452,8 +526,8 @@ if __name__ == "__main__":
     import json
     torch.set_num_threads(os.cpu_count())
     import sys
-    parts = sys.argv[1:] or ["kernel", "phases", "roofline", "fused", "gguf", "int8", "panels", "linear", "offline"]   # and compile_forward
-    calls = {"kernel": bench_kernel_bandwidth, "phases": phase_breakdown, "roofline": decode_vs_roofline,
+    parts = sys.argv[1:] or ["step", "kernel", "phases", "roofline", "fused", "gguf", "int8", "panels", "linear", "offline"]   # and compile_forward
+    calls = {"step": step_breakdown, "kernel": bench_kernel_bandwidth, "phases": phase_breakdown, "roofline": decode_vs_roofline,
              "fused": fused_ops_vs_compile, "gguf": gguf_blocks_vs_float32, "int8": int8_vs_float32, "panels": panels_vs_onednn, "compile_forward": compiled_forward_step, "linear": bf16_linear_table,
              "sampling": sampling_cost, "offline": lambda: [offline_throughput(), offline_throughput(dtype="float32")]}
     for part in parts:

@@ -191,23 +191,27 @@ def batch1_decode_tok_s(wall_long, wall_short, n_long):
 
 
 def nanoserve_runs(sz, reqs, b1_prompt):
-    """nanoserve at its default dtype, at bfloat16 and with quantization="gguf" and "int8" on the peer workload (taking turns
-    step by step), and batch 1.
-    bfloat16 runs beside a float32 default only where oneDNN has a bf16 path: elsewhere (AVX2-only CPUs) it
-    is emulated, several times slower than float32, and took most of a quick-start bench there."""
-    import torch
+    """nanoserve at its defaults (dtype "auto": the path auto_path.py picks on this CPU), and beside it each
+    path the default is not: float32 and bfloat16 weights, quantization="gguf" and "int8", on the peer
+    workload (taking turns step by step), and batch 1.
+    bfloat16 runs only where the CPU multiplies it natively: elsewhere (AVX2-only CPUs) it is emulated,
+    several times slower than float32, and took most of a quick-start bench there."""
     from benchmarks.harness import greedy, make_engine, model_dtype, run_interleaved, run_timed, warm_up
-    engines = {"default": make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
-                                      enable_prefix_caching=False)}
-    if model_dtype(engines["default"]) != "bfloat16" and engines["default"].device.type == "cpu" \
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        engines["bfloat16"] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
-                                          enable_prefix_caching=False, dtype="bfloat16")
+    from cpu_linear import cpu_bf16_native
+    kw = dict(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs, enable_prefix_caching=False)
+    engines = {"default": make_engine(**kw)}
+    default_path = engines["default"].config.quantization or model_dtype(engines["default"])
+    cpu = engines["default"].device.type == "cpu"
+    others = {"float32": dict(dtype="float32")}
+    if cpu and cpu_bf16_native()[0]:
+        others["bfloat16"] = dict(dtype="bfloat16")
     skipped = quantized_rows_skipped()
     for q in ("gguf", "int8"):                      # the GGUF's own blocks and int8, float32 sums on the CPU
         if q not in skipped:
-            engines[q] = make_engine(kv_cache_memory=sz.peer_kv_cache_memory, max_num_seqs=sz.peer_max_num_seqs,
-                                     enable_prefix_caching=False, dtype="float32", quantization=q)
+            others[q] = dict(dtype="float32", quantization=q)
+    for name, over in others.items():
+        if name != default_path:                    # the default's own path is its row
+            engines[name] = make_engine(**kw, **over)
     for e in engines.values():
         warm_up(e, sz)
     label = "nanoserve: " + " and ".join(engines) + (", in turn" if len(engines) > 1 else "")
@@ -215,9 +219,11 @@ def nanoserve_runs(sz, reqs, b1_prompt):
     out = {}
     for (name, e), r in zip(engines.items(), runs):
         walls = [run_timed(e, [b1_prompt], [greedy(n)], "b1")[1] for n in (sz.b1_tokens, 1)]
-        out[name] = {"dtype": model_dtype(e), "useful_tok_s": r["useful_tok_s"], "wall_s": r["wall_s"],
+        out[name] = {"dtype": model_dtype(e), "path": e.config.quantization or model_dtype(e),
+                     "useful_tok_s": r["useful_tok_s"], "wall_s": r["wall_s"],
                      "preemptions": r["preemptions"], "batch1_decode_tok_s": batch1_decode_tok_s(*walls, sz.b1_tokens)}
-    return out | skipped, engines["default"].model_dir
+    out.setdefault(default_path, out["default"])   # the default's path under its own name too
+    return out | {k: v for k, v in skipped.items() if k not in out}, engines["default"].model_dir
 
 
 def quantized_rows_skipped() -> dict:
@@ -232,14 +238,16 @@ def quantized_rows_skipped() -> dict:
 
 
 def vllm_runs(sz, reqs, b1_prompt, model_dir):
-    """vLLM at bfloat16 and float32 on the same requests, in its own interpreter; or why it did not run."""
+    """vLLM at its best setting on the same requests, in its own interpreter (bfloat16 where the CPU multiplies
+    it natively, float32 elsewhere: vLLM's own advice for its CPU backend); or why it did not run."""
+    from cpu_linear import cpu_bf16_native
     why = vllm_unavailable() or ("not run in --quick (vLLM starts in minutes)" if sz.name == "quick" else None)
     if why:
         return {"skipped": why}
     work = {"batch": ([r.prompt for r in reqs], [r.max_tokens for r in reqs]),
             "b1_long": ([b1_prompt], [sz.b1_tokens]), "b1_short": ([b1_prompt], [1])}
     out, hf_dir = {}, export_hf_layout(model_dir)
-    for dtype in ("bfloat16", "float32"):
+    for dtype in (("bfloat16",) if cpu_bf16_native()[0] else ("float32",)):
         try:
             r = run_vllm_offline(hf_dir, dtype, work, os.cpu_count(), sz.peer_max_num_seqs, 1 << 30, 4096)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -286,8 +294,8 @@ def bench_peers(sz, seed, results):
     from weights import embedded_gguf_path
     lcpp = llamacpp_runs(sz, reqs, embedded_gguf_path(), torch.get_num_threads())
     base = ours["default"]["useful_tok_s"]
-    rows = [[f"nanoserve {k} ({v['dtype']})", len(reqs), v["useful_tok_s"], base / v["useful_tok_s"], v["batch1_decode_tok_s"]]
-            for k, v in ours.items() if "skipped" not in v]
+    rows = [[f"nanoserve {k} ({v['path']})", len(reqs), v["useful_tok_s"], base / v["useful_tok_s"], v["batch1_decode_tok_s"]]
+            for k, v in ours.items() if "skipped" not in v and (k == "default" or v is not ours["default"])]
     rows += [[f"vLLM CPU {d}", len(reqs), v["useful_tok_s"], base / v["useful_tok_s"], v["batch1_decode_tok_s"]]
              for d, v in vllm.items() if isinstance(v, dict) and "skipped" not in v]
     if "skipped" not in lcpp:
@@ -301,8 +309,9 @@ def bench_peers(sz, seed, results):
         f"batch 1: one {len(b1_prompt)}-token prompt, ({sz.b1_tokens} - 1) tokens / (time for {sz.b1_tokens} - time for 1).",
         f"HF: transformers on the first {min(sz.hf_requests, len(reqs))} requests (sdpa; float32 on a CPU, bfloat16 on a GPU)."
         + (f" HF skipped: {hf['skipped']}" if "skipped" in hf else "")]
-        + ([] if "bfloat16" in ours or ours["default"]["dtype"] == "bfloat16" else
-           ["nanoserve bfloat16 not run: oneDNN has no bfloat16 path on this CPU (it would be emulated)."])
+        + [f"nanoserve default runs the {ours['default']['path']} path (dtype auto: the engine's start-up line says why)."]
+        + ([] if "bfloat16" in ours else
+           ["nanoserve bfloat16 not run: no native bfloat16 on this CPU (it would be emulated)."])
         + [f"nanoserve {k} skipped: {v['skipped']}" for k, v in ours.items() if "skipped" in v]
         + ([f"vLLM setup: {VLLM_SETUP}"] if "skipped" in vllm else [])
         + ([f"llama.cpp skipped: {lcpp['skipped']}"] if "skipped" in lcpp else

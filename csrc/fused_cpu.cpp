@@ -4,6 +4,8 @@
 //   add_rms_norm_(x, residual, weight, eps)           residual += x; x = rms_norm(residual) (in place)
 //   rope_(qkv, cos, sin, num_heads, head_dim)         rotate-half RoPE on the first num_heads heads of
 //                                                     every row of qkv, in place (q and k, not v)
+//   rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+//                                                     rope_ on q and k, then k and v into their cache slots
 //   silu_and_mul(gate_up) -> out                      out = silu(gate) * up, gate_up = [gate | up]
 //   argmax(logits) -> int64 [rows]                    torch.argmax(logits, -1): the sampler's greedy pick
 //   top_p_(logits, top_p)                             nucleus filter in place: -inf past each row's top_p
@@ -156,6 +158,54 @@ void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t
                 t->size(1) == head_dim / 2, "cos/sin must be float32 [num_tokens, head_dim / 2]");
   if (qkv.scalar_type() == at::kFloat) rope_rows<float>(qkv, cos, sin, num_heads, head_dim);
   else rope_rows<at::BFloat16>(qkv, cos, sin, num_heads, head_dim);
+}
+
+// RoPE on q and k, then each row's k and v into its cache slot: what rope_ and paged_attention's
+// reshape_and_cache do, in one pass over the row while it is in cache, and without the copies the
+// cache write made of k and v (strided views of qkv). The cache is [blocks, block_size, kv_heads,
+// head_dim] in qkv's dtype, so a slot is one contiguous run of kv_heads x head_dim values.
+template <typename T>
+void rope_cache_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
+                     at::Tensor& value_cache, const int64_t* slots, int64_t heads, int64_t kv_heads, int64_t D) {
+  rope_rows<T>(qkv, cos, sin, heads + kv_heads, D);
+  const int64_t row = kv_heads * D;
+  T* qkv_data = qkv.mutable_data_ptr<T>();
+  T* kd = key_cache.mutable_data_ptr<T>();
+  T* vd = value_cache.mutable_data_ptr<T>();
+  at::parallel_for(0, qkv.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;                 // -1: a padding row, not cached
+      const T* k = qkv_data + t * qkv.stride(0) + heads * D;
+      std::memcpy(kd + slots[t] * row, k, row * sizeof(T));
+      std::memcpy(vd + slots[t] * row, k + row, row * sizeof(T));
+    }
+  });
+}
+
+void rope_and_cache_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor key_cache,
+                     at::Tensor value_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK((num_heads + 2 * num_kv_heads) * head_dim == qkv.size(1), "qkv must be [num_tokens, (num_heads + 2 "
+              "num_kv_heads) head_dim]");
+  for (const auto* c : {&key_cache, &value_cache})
+    TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->scalar_type() == qkv.scalar_type() &&
+                c->size(2) == num_kv_heads && c->size(3) == head_dim,
+                "key/value cache must be contiguous [blocks, block_size, num_kv_heads, head_dim] in qkv's dtype");
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == qkv.size(0), "slot_mapping must have one slot per row of qkv");
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* s = slots.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(s[i] >= -1 && s[i] < num_slots, "slot_mapping[", i, "] = ", s[i], " outside [0, ", num_slots,
+                ") (or -1: not cached)");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == qkv.size(0) &&
+                t->size(1) == head_dim / 2, "cos/sin must be float32 [num_tokens, head_dim / 2]");
+  if (qkv.scalar_type() == at::kFloat)
+    rope_cache_rows<float>(qkv, cos, sin, key_cache, value_cache, s, num_heads, num_kv_heads, head_dim);
+  else
+    rope_cache_rows<at::BFloat16>(qkv, cos, sin, key_cache, value_cache, s, num_heads, num_kv_heads, head_dim);
 }
 
 template <typename T>
@@ -415,6 +465,8 @@ TORCH_LIBRARY(nanoserve_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def("rope_and_cache_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key_cache, Tensor(c!) value_cache, "
+        "Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
   m.def("top_p_(Tensor(a!) logits, Tensor top_p) -> ()");
@@ -427,6 +479,7 @@ TORCH_LIBRARY_IMPL(nanoserve_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &rope_);
+  m.impl("rope_and_cache_", &rope_and_cache_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax", &argmax);
   m.impl("top_p_", &top_p_);

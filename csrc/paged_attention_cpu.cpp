@@ -43,6 +43,7 @@ namespace {
 constexpr int kTileRows = 16;  // query rows per work item; a tile shares every K/V load
 constexpr int kLanes = 16;     // head_dim granule: one AVX-512 / two AVX2 registers of floats
 constexpr int kStepKeys = 64;   // keys per online-softmax step of the SIMD paths
+constexpr int64_t kSerialWork = 2048;   // query x key pairs, summed over KV heads, below which one thread runs a call
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // std::bit_cast is C++20, and torch before 2.13 builds extensions as C++17
@@ -917,10 +918,15 @@ void run_items(const Batch& b, const at::Tensor& key_cache, const at::Tensor& va
   // ahead, so the item it runs knows the next one and can prefetch its start; with few (long
   // prefill chunks) that would let one thread hold two items while another idles, so not then.
   // torch's thread count (torch.set_num_threads) governs this loop too: same libgomp.
-  const int threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  // A small step (a decode row or two over a short context: ~10 us of work) runs on this thread
+  // alone: waking the others costs as much, and far more when another process holds their cores
+  // (measured at batch 1 on 2 shared cores: 280 us a call with two threads). Same items either way.
+  int64_t work = 0;
+  for (const WorkItem& item : items) work += item.cost;
+  const int threads = work < kSerialWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   const bool claim_ahead = num_items >= 4 * threads;
   std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch scratch(b);
     for (int64_t i = claimed++; i < num_items;) {
