@@ -131,14 +131,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, fused=False):
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                        # [T, (nh + 2*nkv) * hd]
-        rope_(qkv, cos, sin, self.n_heads + self.n_kv, self.head_dim, fused)   # q and k sit side by side
-        q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
-                             self.n_kv * self.head_dim], dim=-1)
-        q = q.view(T, self.n_heads, self.head_dim)                    # [T, nh, hd], strided views of qkv
-        k = k.view(T, self.n_kv, self.head_dim)                       # [T, nkv, hd]
-        v = v.view(T, self.n_kv, self.head_dim)
+        rope_and_cache_(qkv, cos, sin, kv_cache, meta, self.n_heads, self.n_kv, self.head_dim, fused)
+        q = qkv[:, :self.n_heads * self.head_dim].view(T, self.n_heads, self.head_dim)   # [T, nh, hd], a strided view
         k_cache, v_cache = kv_cache
-        paged_attention.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         o = paged_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                             meta.query_start_loc, self.scale, backend=meta.backend,
                                             cuda_plan=meta.cuda_plan, batch_invariant=self.batch_invariant)
@@ -255,7 +250,8 @@ def copy_module_tree(module: nn.Module) -> nn.Module:
     return clone
 
 
-# Fused per-layer ops: residual add + RMSNorm, RoPE in place, SwiGLU's silu(gate) * up.
+# Fused per-layer ops: residual add + RMSNorm, RoPE in place (with the KV write on CUDA), SwiGLU's
+# silu(gate) * up.
 #
 # Each layer's small elementwise ops cost a PyTorch dispatch and a temporary each (on a GPU, a
 # kernel launch each): ~10 per layer, 300 per decode step. csrc/fused_cpu.cpp does each group in one
@@ -312,6 +308,18 @@ def rope_(qkv, cos, sin, num_heads, head_dim, fused=False):
         return _ops(fused).rope_(qkv, cos, sin, num_heads, head_dim)
     x = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)               # [T, heads, hd]
     x.copy_(apply_rope(x, cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)))
+
+
+def rope_and_cache_(qkv, cos, sin, kv_cache, meta: AttentionMetadata, num_heads, num_kv_heads, head_dim,
+                    fused=False):
+    """Rotate the q and k heads of qkv [T, (nh + 2 nkv) * hd] in place, then write k and v into the paged
+    cache (k_cache, v_cache) at meta.slot_mapping (-1: not cached). The CUDA library does both in one
+    kernel (a pass over qkv instead of two); elsewhere rope_ then reshape_and_cache, its reference."""
+    if not isinstance(fused, bool):                                               # the CUDA ops
+        return fused.rope_and_cache_(qkv, cos, sin, *kv_cache, meta.slot_mapping, num_heads)
+    rope_(qkv, cos, sin, num_heads + num_kv_heads, head_dim, fused)               # q and k sit side by side
+    k, v = qkv[:, num_heads * head_dim:].view(qkv.shape[0], 2 * num_kv_heads, head_dim).split(num_kv_heads, dim=1)
+    paged_attention.reshape_and_cache(k, v, *kv_cache, meta.slot_mapping, backend=meta.backend)   # [T, nkv, hd] each
 
 
 def silu_and_mul(gate_up, fused=False):

@@ -3652,6 +3652,52 @@ def test_emulated_cuda_fused_ops_match_their_references(emulated_binding, dtype)
     torch.testing.assert_close(M.silu_and_mul(gate_up, fused=ops), M.silu_and_mul(gate_up), **tol)
 
 
+# (id, qkv dtype, KV dtype, heads, KV heads, head_dim, extra columns of the tensor qkv is a view of, kernel):
+# the Llama-3 and SmolLM2 shapes; 16-byte pieces when the cache has qkv's dtype and rows stay aligned
+ROPE_CACHE_LAYOUTS = [
+    ("smollm2-bf16", torch.bfloat16, torch.bfloat16, 9, 3, 64, 16, "rope_and_cache_vec"),
+    ("llama-fp16", torch.float16, torch.float16, 32, 8, 128, 16, "rope_and_cache_vec"),
+    ("llama-bf16", torch.bfloat16, torch.bfloat16, 32, 8, 128, 0, "rope_and_cache_vec"),
+    ("smollm2-fp16-stride-not-8", torch.float16, torch.float16, 9, 3, 64, 4, "rope_and_cache"),
+    ("smollm2-float32-into-bf16", torch.float32, torch.bfloat16, 9, 3, 64, 0, "rope_and_cache"),   # a cast on the way
+]
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("name, dtype, kv_dtype, heads, kv_heads, head_dim, pad, kernel", ROPE_CACHE_LAYOUTS,
+                         ids=[c[0] for c in ROPE_CACHE_LAYOUTS])
+def test_emulated_cuda_rope_and_cache_matches_rope_then_reshape_and_cache(emulated_binding, name, dtype, kv_dtype,
+                                                                         heads, kv_heads, head_dim, pad, kernel):
+    """RoPE fused with the KV write (model.py's path on the CUDA backend) against the references run
+    one after the other, rope_ then reshape_and_cache_reference: q and k rotated in place in a strided
+    qkv view, v untouched, k and v in the cache at their slots, and the slot -1 token written nowhere."""
+    ops, lib = emulated_binding
+    tol, kv_tol = (FUSED_TOL.get(t, dict(rtol=2e-3, atol=2e-3)) for t in (dtype, kv_dtype))
+    g = torch.Generator().manual_seed(head_dim + pad)
+    T, width = 5, (heads + 2 * kv_heads) * head_dim
+    wide = torch.randn(T, width + pad, generator=g).to(dtype)                    # qkv: rows width + pad apart
+    freqs = torch.tensor([[0.], [7.], [300.], [1999.], [42.]]) * M.rope_inv_freq(M.ModelConfig(head_dim=head_dim))
+    cos, sin = freqs.cos(), freqs.sin()                                          # float32 [T, head_dim / 2]
+    slots = torch.tensor([3, -1, 17, 0, 30])                                     # token 1: padding, not cached
+    marker = torch.full((4, 8, kv_heads, head_dim), 7.0, dtype=kv_dtype)         # 32 slots, none written yet
+    want_qkv, want_caches = wide.clone()[:, :width], [marker.clone(), marker.clone()]
+    M.rope_(want_qkv, cos, sin, heads + kv_heads, head_dim)
+    k, v = want_qkv[:, heads * head_dim:].view(T, 2 * kv_heads, head_dim).split(kv_heads, dim=1)
+    pa.reshape_and_cache_reference(k, v, *want_caches, slots)
+    got_qkv, got_caches = wide.clone()[:, :width], [marker.clone(), marker.clone()]
+    meta = pa.AttentionMetadata(slots, torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, dtype=torch.int32),
+                                torch.arange(T + 1, dtype=torch.int32), backend="cuda_emu")
+    lib.cuda_emu_take_launch_log()
+    M.rope_and_cache_(got_qkv, cos, sin, got_caches, meta, heads, kv_heads, head_dim, fused=ops)
+    assert set(launches(lib)) == {kernel}
+    torch.testing.assert_close(got_qkv, want_qkv, **tol)
+    assert torch.equal(got_qkv[:, -kv_heads * head_dim:], wide[:, width - kv_heads * head_dim:width])   # v as it was
+    for got, want in zip(got_caches, want_caches):
+        assert torch.equal(got == 7.0, want == 7.0)                              # the same slots written, no others
+        torch.testing.assert_close(got, want, **kv_tol)
+    assert torch.equal(got_caches[1].flatten(0, 1)[slots[slots >= 0]], want_caches[1].flatten(0, 1)[slots[slots >= 0]])
+
+
 # (id, dtype, hidden, columns of the tensor x is a view of, x's first column, kernel that must run):
 # whole 16-byte pieces at aligned addresses take the vector kernel, anything else the scalar one
 NORM_LAYOUTS = [
@@ -4018,6 +4064,7 @@ def fake_cuda_ops(ops_namespace):
     lib.impl("rms_norm", lambda x, w, eps: x.new_empty(x.shape))
     lib.impl("add_rms_norm_", lambda *args: None)
     lib.impl("rope_", lambda *args: None)
+    lib.impl("rope_and_cache_", lambda *args: None)
     lib.impl("silu_and_mul", lambda x: x.new_empty(x.shape[0], x.shape[1] // 2))
     return lib
 
