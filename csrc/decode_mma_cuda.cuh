@@ -44,22 +44,20 @@ __device__ __forceinline__ int swizzled(int row, int piece) {
   return row * D * 2 + (piece ^ (row % 8)) * 16 + (PLANTED(kUnalignedTile) ? 8 : 0);
 }
 
-// Start copying the tile of 16 tokens from token0 (rows past `end` are zeroed: P is 0 there, and
-// 0 x a stale NaN would not be). row_slot: lane r's (r < 16) is row r's cache slot. Copy i moves
+// Start copying the tile of 16 tokens from token0 (rows past `end` are zero-filled by the copy: P is
+// 0 there, and 0 x a stale NaN would not be). row_slot: lane r's (r < 16) is row r's cache slot. Copy i moves
 // rows i x 32 / pieces.. whole: lane l takes piece l % pieces of row i x 32 / pieces + l / pieces.
 template <typename T, int D>
 __device__ __forceinline__ void issue_mma_tile(const Params& p, const T* cache, int row_slot, int token0, int end,
                                                int kv_head, unsigned char* tile, int lane) {
   constexpr int kPieces = D * 2 / 16, kRowsPerCopy = kWarpSize / kPieces, kPer = 16 / sizeof(T);
   const int piece = lane % kPieces;
-  alignas(16) const uint32_t zeros[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int i = 0; i < kMmaTokens / kRowsPerCopy; ++i) {
+  for (int i = 0; i < kMmaTokens / kRowsPerCopy; ++i) {      // a row past the end: zeros, nothing read
     const int row = i * kRowsPerCopy + lane / kPieces;
     const int slot = __shfl_sync(0xffffffffu, row_slot, row);
-    unsigned char* dst = tile + swizzled<D>(row, piece);
-    if (token0 + row < end) copy16_async(dst, cache + (int64_t(slot) * p.num_kv_heads + kv_head) * D + piece * kPer);
-    else copy16(dst, zeros);
+    const T* src = cache + (int64_t(slot) * p.num_kv_heads + kv_head) * D + piece * kPer;
+    copy16_async_or_zero(tile + swizzled<D>(row, piece), src, token0 + row < end);
   }
 }
 
