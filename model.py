@@ -252,7 +252,8 @@ def copy_module_tree(module: nn.Module) -> nn.Module:
     return clone
 
 
-# Fused per-layer ops: residual add + RMSNorm, RoPE in place (and with the KV-cache write), SwiGLU's silu(gate) * up.
+# Fused per-layer ops: residual add + RMSNorm, RoPE in place (and with the KV-cache write), SwiGLU's
+# silu(gate) * up.
 #
 # Each layer's small elementwise ops cost a PyTorch dispatch and a temporary each (on a GPU, a
 # kernel launch each): ~10 per layer, 300 per decode step. csrc/fused_cpu.cpp does each group in one
@@ -314,8 +315,11 @@ def rope_(qkv, cos, sin, num_heads, head_dim, fused=False):
 def rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
                     fused=False, backend="torch", one_op=True):
     """RoPE on q and k of qkv [T, (nh + 2 nkv) hd] in place, then each row's k and v into its slot of the
-    paged cache (slot -1: not cached). Fused (the CPU ops, a cache in qkv's dtype; one_op=False: bench.py's
-    before): one op; else rope_ then the attention backend's reshape_and_cache."""
+    paged cache (slot -1: not cached). Fused, one op (one_op=False: bench.py's before): the CUDA
+    library's kernel (a pass over qkv instead of two), or the CPU op where the cache has qkv's dtype;
+    else rope_ then the attention backend's reshape_and_cache, its reference."""
+    if one_op and not isinstance(fused, bool):                                   # the CUDA ops
+        return fused.rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads)
     if fused is True and one_op and key_cache.dtype == value_cache.dtype == qkv.dtype:
         return torch.ops.nanoserve_fused.rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
                                                          num_heads, num_kv_heads, head_dim)

@@ -3877,6 +3877,56 @@ def test_emulated_cuda_fused_ops_match_their_references(emulated_binding, dtype)
     torch.testing.assert_close(M.silu_and_mul(gate_up, fused=ops), M.silu_and_mul(gate_up), **tol)
 
 
+# (id, qkv dtype, KV dtype, heads, KV heads, head_dim, extra columns of the tensor qkv is a view of, kernel):
+# the Llama-3 and SmolLM2 shapes; 16-byte pieces when the cache has qkv's dtype and rows stay aligned
+ROPE_CACHE_LAYOUTS = [
+    ("smollm2-bf16", torch.bfloat16, torch.bfloat16, 9, 3, 64, 16, "rope_and_cache_vec"),
+    ("llama-fp16", torch.float16, torch.float16, 32, 8, 128, 16, "rope_and_cache_vec"),
+    ("llama-bf16", torch.bfloat16, torch.bfloat16, 32, 8, 128, 0, "rope_and_cache_vec"),
+    ("smollm2-fp16-stride-not-8", torch.float16, torch.float16, 9, 3, 64, 4, "rope_and_cache"),
+    ("smollm2-float32-into-bf16", torch.float32, torch.bfloat16, 9, 3, 64, 0, "rope_and_cache"),   # a cast on the way
+]
+
+
+def check_rope_and_cache(ops, device, dtype, kv_dtype, heads, kv_heads, head_dim, pad):
+    """RoPE fused with the KV write (model.py's path on the CUDA backend) against the references run
+    one after the other, rope_ then reshape_and_cache_reference: q and k rotated in place in a strided
+    qkv view, v untouched, k and v in the cache at their slots, and the slot -1 token written nowhere."""
+    tol, kv_tol = (FUSED_TOL.get(t, dict(rtol=2e-3, atol=2e-3)) for t in (dtype, kv_dtype))
+    g = torch.Generator().manual_seed(head_dim + pad)
+    T, width = 5, (heads + 2 * kv_heads) * head_dim
+    wide = torch.randn(T, width + pad, generator=g).to(device, dtype)            # qkv: rows width + pad apart
+    freqs = torch.tensor([[0.], [7.], [300.], [1999.], [42.]]) * M.rope_inv_freq(M.ModelConfig(head_dim=head_dim))
+    cos, sin = freqs.cos().to(device), freqs.sin().to(device)                    # float32 [T, head_dim / 2]
+    slots = torch.tensor([3, -1, 17, 0, 30], device=device)                      # token 1: padding, not cached
+    marker = torch.full((4, 8, kv_heads, head_dim), 7.0, dtype=kv_dtype, device=device)   # 32 slots, none written
+    want_qkv, want_caches = wide.clone()[:, :width], [marker.clone(), marker.clone()]
+    M.rope_(want_qkv, cos, sin, heads + kv_heads, head_dim)
+    k, v = want_qkv[:, heads * head_dim:].view(T, 2 * kv_heads, head_dim).split(kv_heads, dim=1)
+    pa.reshape_and_cache_reference(k, v, *want_caches, slots)
+    got_qkv, got_caches = wide.clone()[:, :width], [marker.clone(), marker.clone()]
+    M.rope_and_cache_(got_qkv, cos, sin, *got_caches, slots, heads, kv_heads, head_dim, fused=ops, backend="cuda")
+    torch.testing.assert_close(got_qkv, want_qkv, **tol)
+    assert torch.equal(got_qkv[:, -kv_heads * head_dim:], wide[:, width - kv_heads * head_dim:width])   # v as it was
+    for got, want in zip(got_caches, want_caches):
+        assert torch.equal(got == 7.0, want == 7.0)                              # the same slots written, no others
+        torch.testing.assert_close(got, want, **kv_tol)
+    cached = slots[slots >= 0]
+    assert torch.equal(got_caches[1].flatten(0, 1)[cached], want_caches[1].flatten(0, 1)[cached])   # v exactly
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("name, dtype, kv_dtype, heads, kv_heads, head_dim, pad, kernel", ROPE_CACHE_LAYOUTS,
+                         ids=[c[0] for c in ROPE_CACHE_LAYOUTS])
+def test_emulated_cuda_rope_and_cache_matches_rope_then_reshape_and_cache(emulated_binding, name, dtype, kv_dtype,
+                                                                         heads, kv_heads, head_dim, pad, kernel):
+    """check_rope_and_cache through the emulated binding; the launch log says which kernel ran."""
+    ops, lib = emulated_binding
+    lib.cuda_emu_take_launch_log()
+    check_rope_and_cache(ops, "cpu", dtype, kv_dtype, heads, kv_heads, head_dim, pad)
+    assert set(launches(lib)) == {kernel}
+
+
 # (id, dtype, hidden, columns of the tensor x is a view of, x's first column, kernel that must run):
 # whole 16-byte pieces at aligned addresses take the vector kernel, anything else the scalar one
 NORM_LAYOUTS = [
@@ -4120,7 +4170,7 @@ def test_cuda_kernel_matches_reference_on_gpu(cuda_backend, kv_dtype, q_dtype):
 def test_cuda_tensor_core_decode_and_vector_ops_match_references_on_gpu(cuda_backend, dtype):
     """The tensor-core decode kernel (head_dim 64 and 128, GQA 1 to 8, contexts around page and tile
     edges, split in page-aligned parts) against the float32 reference, and the fused ops' vector and
-    scalar layouts against model.py's references, on the GPU."""
+    scalar layouts against model.py's references (RoPE with the KV write too), on the GPU."""
     ctx = [1, 15, 16, 17, 31, 32, 33, 1000, 2048, 4097]
     for group, head_dim in [(1, 64), (3, 64), (4, 128), (8, 128)]:
         for rows in (ctx, ctx[-3:], [700] * 270):              # 270 rows x 2 KV heads fill an H100: no split
@@ -4154,6 +4204,8 @@ def test_cuda_tensor_core_decode_and_vector_ops_match_references_on_gpu(cuda_bac
         M.rope_(got, freqs.cos(), freqs.sin(), 6, head_dim, fused=ops)
         M.rope_(want, freqs.cos(), freqs.sin(), 6, head_dim)
         torch.testing.assert_close(got, want, **tol)
+    for _, qkv_dtype, kv_dtype, heads, kv_heads, head_dim, pad, _ in ROPE_CACHE_LAYOUTS:   # RoPE with the KV write
+        check_rope_and_cache(ops, "cuda", qkv_dtype, kv_dtype, heads, kv_heads, head_dim, pad)
 
 
 @pytest.mark.gpu
@@ -4243,6 +4295,7 @@ def fake_cuda_ops(ops_namespace):
     lib.impl("rms_norm", lambda x, w, eps: x.new_empty(x.shape))
     lib.impl("add_rms_norm_", lambda *args: None)
     lib.impl("rope_", lambda *args: None)
+    lib.impl("rope_and_cache_", lambda *args: None)
     lib.impl("silu_and_mul", lambda x: x.new_empty(x.shape[0], x.shape[1] // 2))
     return lib
 

@@ -109,13 +109,14 @@ def bench_kernel_alone(shape: dict, batch: int, context: int, repeats: int, band
             "partition": int(plan.plan[0]), "reference_s": ref_s, "kernel_over_reference": ref_s / s}
 
 
-FUSED_SHAPES = {"add_rms_norm_": (64, 4096), "silu_and_mul": (64, 2 * 14336)}   # Llama-3-8B, batch 64
+FUSED_SHAPES = {"add_rms_norm_": (64, 4096), "silu_and_mul": (64, 2 * 14336),   # Llama-3-8B, batch 64
+                "rope_and_cache_": (64, (32 + 2 * 8) * 128)}                     # its qkv rows: 32 q, 8 k, 8 v heads x 128
 
 
 def bench_fused_ops(repeats: int, bandwidth_gbs: float) -> dict:
     """The fused per-layer ops (csrc/fused_cuda.cu) alone at Llama-3-8B's batch-64 shapes, bf16: us per
     call (a CUDA graph of calls over copies larger than L2) beside their bytes at the read bandwidth,
-    and model.py's PyTorch versions."""
+    and their references (model.py's PyTorch versions; the unfused CUDA pair for rope_and_cache_)."""
     import model as FO
     import paged_attention as pa
     pa.resolve_backend("cuda", "cuda")
@@ -129,15 +130,34 @@ def bench_fused_ops(repeats: int, bandwidth_gbs: float) -> dict:
             nbytes = 4 * rows * width * 2                                          # read x, residual; write both
             fused = lambda i: ops.add_rms_norm_(x[i], residual[i], weight, 1e-5)  # noqa: E731
             ref = lambda i: FO.rms_norm(x[i], weight, 1e-5, residual[i])          # noqa: E731
-        else:
+        elif name == "silu_and_mul":
             nbytes = rows * width * 2 * 3 // 2                                     # read gate and up; write half
             fused = lambda i: ops.silu_and_mul(x[i])                               # noqa: E731
             ref = lambda i: FO.silu_and_mul(x[i])                                  # noqa: E731
+        else:
+            fused, ref, nbytes = rope_and_cache_calls(ops, x, copies)
         s = graph_time_per_call(fused, copies, repeats)
         ref_s = graph_time_per_call(ref, copies, repeats)
         out[name] = {"shape": [rows, width], "us": s * 1e6, "reference_us": ref_s * 1e6, "bytes": nbytes,
                      "roofline_us": nbytes / (bandwidth_gbs * 1e9) * 1e6}
     return out
+
+
+def rope_and_cache_calls(ops, qkv, copies: int):
+    """RoPE + KV write at Llama-3-8B's batch-64 qkv rows: the fused op, and the two unfused CUDA ops it
+    replaces (rope_, then reshape_and_cache), each copy writing its own 64 slots."""
+    rows, heads, kv_heads, head_dim = qkv.shape[1], 32, 8, 128
+    cos, sin = (torch.rand(rows, head_dim // 2, device="cuda") for _ in range(2))
+    caches = [torch.zeros(copies * rows // BLOCK_SIZE + 1, BLOCK_SIZE, kv_heads, head_dim, dtype=qkv.dtype,
+                          device="cuda") for _ in range(2)]
+    slots = torch.arange(copies * rows, device="cuda").view(copies, rows)
+    nbytes = rows * (qkv.shape[2] + (heads + kv_heads) * head_dim + 2 * kv_heads * head_dim) * 2   # read, rotate, cache
+
+    def unfused(i):
+        ops.rope_(qkv[i], cos, sin, heads + kv_heads, head_dim)
+        k, v = qkv[i][:, heads * head_dim:].view(rows, 2 * kv_heads, head_dim).split(kv_heads, dim=1)
+        ops.reshape_and_cache(k, v, *caches, slots[i])
+    return lambda i: ops.rope_and_cache_(qkv[i], cos, sin, *caches, slots[i], heads), unfused, nbytes
 
 
 def random_model(shape: dict):
@@ -280,8 +300,9 @@ def print_kernel_tables(out: dict):
                      r["kernel_over_reference"]]
                     for name, m in out["models"].items() for b, r in m["kernel_at_context"].items()]))
     print("\nThe fused ops alone (Llama-3-8B shapes, batch 64, bf16; a CUDA graph of calls); targets: add + RMSNorm "
-          "<= 4 us, SiLU-and-mul <= 6 us:\n")
-    print(md_table(["op", "shape", "us per call", "bytes at read bandwidth, us", "PyTorch us"],
+          "<= 4 us, SiLU-and-mul <= 6 us. Reference: model.py's PyTorch version; for rope_and_cache_, the two "
+          "CUDA ops it fuses (rope_, then reshape_and_cache):\n")
+    print(md_table(["op", "shape", "us per call", "bytes at read bandwidth, us", "reference us"],
                    [[name, "x".join(map(str, r["shape"])), r["us"], r["roofline_us"], r["reference_us"]]
                     for name, r in out["fused_ops"].items()]))
 

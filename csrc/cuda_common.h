@@ -1,6 +1,6 @@
 // What every CUDA source under csrc/ shares: the prelude that compiles a file with nvcc or, without
 // it, against csrc/cuda_emu.h (LAUNCH_KERNEL, block_shared<T>(), copy16, the cp.async trio
-// copy16_async / async_commit / async_wait<N>, the tensor-core pair mma_m16n8k16 / ldmatrix_x4), and the storage types
+// copy16_async (or _or_zero) / async_commit / async_wait<N>, the tensor-core pair mma_m16n8k16 / ldmatrix_x4), and the storage types
 // (raw 16-bit bf16/fp16 patterns, converted to float on load and rounded to nearest even on store).
 // Holds no kernel. Each library includes csrc/cuda_emu.h through here, from any number of files.
 #pragma once
@@ -31,6 +31,18 @@ __device__ __forceinline__ void copy16_async(void* shared_dst, const void* globa
   copy16(shared_dst, global_src);
 #endif
 }
+// The same copy, or 16 zero bytes with nothing read when `read` is false (cp.async's src-size 0):
+// a warp's copies of a tile stay one instruction when some of its rows lie past the end.
+__device__ __forceinline__ void copy16_async_or_zero(void* shared_dst, const void* global_src, bool read) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src), "r"(read ? 16 : 0)
+               : "memory");
+#else
+  if (read) copy16(shared_dst, global_src);
+  else *static_cast<uint4*>(shared_dst) = make_uint4(0, 0, 0, 0);
+#endif
+}
 __device__ __forceinline__ void async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -50,6 +62,7 @@ using emu::async_commit;
 using emu::async_wait;
 using emu::copy16;
 using emu::copy16_async;
+using emu::copy16_async_or_zero;
 #endif
 
 #include <cmath>

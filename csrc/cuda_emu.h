@@ -152,17 +152,21 @@ inline bool in_shared(const void* p, size_t bytes) {
   return c >= current_block->shared_base() && c + bytes <= current_block->shared_base() + current_block->shared_limit;
 }
 
-inline void copy16(void* dst, const void* src) {
+inline void copy16(void* dst, const void* src) {   // misaligned: an error, and zeros (a GPU would fault)
   if (aligned16(dst, src)) std::memcpy(dst, src, 16);
+  else std::memset(dst, 0, 16);
 }
 
 // cp.async: this thread's copies, grouped by commit (the last group is the one being filled).
 // Each block's threads are fresh std::threads, so a block starts with none in flight.
-struct AsyncCopy { void* dst; const void* src; };
+struct AsyncCopy { void* dst; const void* src; };   // src nullptr: 16 zero bytes
 inline thread_local std::vector<std::vector<AsyncCopy>> async_groups{{}};
 
 inline void copy16_async(void* dst, const void* src) {
   if (aligned16(dst, src)) async_groups.back().push_back({dst, src});
+}
+inline void copy16_async_or_zero(void* dst, const void* src, bool read) {   // zeros land at the wait too
+  if (aligned16(dst, src)) async_groups.back().push_back({dst, read ? src : nullptr});
 }
 inline void async_commit() { async_groups.emplace_back(); }
 template <int N>
@@ -170,7 +174,10 @@ void async_wait() {                  // retire every committed group but the N n
   const size_t committed = async_groups.size() - 1;
   const size_t retire = committed > size_t(N) ? committed - N : 0;
   for (size_t g = 0; g < retire; ++g)
-    for (const AsyncCopy& c : async_groups[g]) std::memcpy(c.dst, c.src, 16);
+    for (const AsyncCopy& c : async_groups[g]) {
+      if (c.src) std::memcpy(c.dst, c.src, 16);
+      else std::memset(c.dst, 0, 16);
+    }
   async_groups.erase(async_groups.begin(), async_groups.begin() + retire);
 }
 

@@ -3,16 +3,24 @@
 // block constants it uses. Not a header of its own: it compiles only there.
 #pragma once
 
-// ---- decode on tensor cores (sm_80+): the GQA group as the rows of one MMA tile ---------------
+// ---- decode on tensor cores (sm_80+): the GQA group as the rows of an MMA tile ---------------
 // One block per (row x part, KV head), as decode_kernel. The group's G <= 8 query heads are rows
 // 0..G-1 of a 16-row mma.m16n8k16 A tile held in registers (the other rows zero): S = Q.K^T, then
 // out^T = V^T.P^T, whose B fragment (head g, tokens 2t, 2t+1) is S's C fragment as it stands, and
 // whose 8 columns are the group's heads, so no accumulator is spent on padding rows. K and V rows
 // are read from shared memory once for the whole group. Each warp walks 16-token
 // tiles (K, then V, of every 4th chunk of its part) through a 3-stage cp.async ring: two tiles in
-// flight while the third is used; each lane computes one row address per tile (a page id read
-// once). The online softmax stays in float32 (row g of the tile is lane quad g's), P is rounded to
-// the KV dtype to feed the second MMA; the warps merge through shared memory as in decode_kernel.
+// flight while the third is used. A warp-wide copy moves whole rows (lane l: 16-byte piece
+// l % pieces of a row, 2 rows of 256 bytes or 4 of 128 at once), so each copy instruction touches
+// 4 whole 128-byte lines. The page ids of a chunk are read one chunk ahead (lane r holds row r's
+// slot, shuffled to the lanes that copy it), so no copy waits on a table load. The online softmax
+// stays in float32 (row g of the tile is lane quad g's), P is rounded to the KV dtype to feed the
+// second MMA; the warps merge through shared memory (store_decode_result).
+//
+// Bytes in flight: two tiles a warp (D 128: 2 x 4 KB; D 64: 2 x 2 KB), 4 warps a block, 4 blocks an
+// SM (48 KB of shared memory and <= 128 registers a block at D 128): 128 KB an SM at D 128, 64 KB
+// at D 64, over the >= 32 KB that 3 TB/s needs (23 B/ns an SM x ~1.4 us loaded latency), once the
+// planner gives every SM its blocks.
 
 constexpr int kMmaTokens = 16;   // tokens per staged tile: one k-step of P.V, two n-tiles of Q.K^T
 constexpr int kMmaStages = 3;    // a warp's ring of tiles
@@ -36,22 +44,20 @@ __device__ __forceinline__ int swizzled(int row, int piece) {
   return row * D * 2 + (piece ^ (row % 8)) * 16 + (PLANTED(kUnalignedTile) ? 8 : 0);
 }
 
-// Start copying the tile of 16 tokens from token0 (rows past `end` are zeroed: P is 0 there, and
-// 0 x a stale NaN would not be). Lanes 2r and 2r+1 copy row r, half of its pieces each.
+// Start copying the tile of 16 tokens from token0 (rows past `end` are zero-filled by the copy: P is
+// 0 there, and 0 x a stale NaN would not be). row_slot: lane r's (r < 16) is row r's cache slot. Copy i moves
+// rows i x 32 / pieces.. whole: lane l takes piece l % pieces of row i x 32 / pieces + l / pieces.
 template <typename T, int D>
-__device__ __forceinline__ void issue_mma_tile(const Params& p, const T* cache, const int* table, int token0, int end,
+__device__ __forceinline__ void issue_mma_tile(const Params& p, const T* cache, int row_slot, int token0, int end,
                                                int kv_head, unsigned char* tile, int lane) {
-  constexpr int kHalf = D * 2 / 16 / 2, kPer = 16 / sizeof(T);
-  const int row = lane / 2, pos = token0 + row, first = lane % 2 * kHalf;
-  if (pos < end) {
-    const int64_t slot = int64_t(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
-    const T* src = cache + (slot * p.num_kv_heads + kv_head) * D;
+  constexpr int kPieces = D * 2 / 16, kRowsPerCopy = kWarpSize / kPieces, kPer = 16 / sizeof(T);
+  const int piece = lane % kPieces;
 #pragma unroll
-    for (int c = first; c < first + kHalf; ++c) copy16_async(tile + swizzled<D>(row, c), src + c * kPer);
-  } else {
-    alignas(16) const uint32_t zeros[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int c = first; c < first + kHalf; ++c) copy16(tile + swizzled<D>(row, c), zeros);
+  for (int i = 0; i < kMmaTokens / kRowsPerCopy; ++i) {      // a row past the end: zeros, nothing read
+    const int row = i * kRowsPerCopy + lane / kPieces;
+    const int slot = __shfl_sync(0xffffffffu, row_slot, row);
+    const T* src = cache + (int64_t(slot) * p.num_kv_heads + kv_head) * D + piece * kPer;
+    copy16_async_or_zero(tile + swizzled<D>(row, piece), src, token0 + row < end);
   }
 }
 
@@ -72,9 +78,19 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) decode_mma_kernel(Para
   unsigned char (&ring)[kMmaStages][kMmaTokens * D * 2] = s.warp[warp].tiles;
   // tile j: the K (j even) or V (j odd) rows of the warp's chunk j / 2
   const auto tile_token = [&](int j) { return start + (warp + j / 2 * kNumWarps) * kMmaTokens; };
+  // the page id of row lane % 16 of the chunk at token0 (0 past the end: that row is zeroed, not read)
+  const auto page_of = [&](int token0) {
+    const int pos = token0 + lane % kMmaTokens;
+    return pos < end ? table[pos / p.block_size] : 0;
+  };
+  int next_page = page_of(tile_token(0)), row_slot = 0;       // page ids a chunk ahead of their copies
   const auto issue = [&](int j) {
+    if (j % 2 == 0) {                                          // a chunk's K tile: its rows' slots, the next chunk's pages
+      row_slot = next_page * p.block_size + (tile_token(j) + lane % kMmaTokens) % p.block_size;
+      next_page = page_of(tile_token(j + 2));
+    }
     if (tile_token(j) < end)
-      issue_mma_tile<T, D>(p, j % 2 ? value_cache : key_cache, table, tile_token(j), end, kv_head,
+      issue_mma_tile<T, D>(p, j % 2 ? value_cache : key_cache, row_slot, tile_token(j), end, kv_head,
                            ring[j % kMmaStages], lane);
     async_commit();                                            // (empty past the end: the count stays right)
   };
@@ -171,24 +187,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) decode_mma_kernel(Para
     mine.l[g] = row_sum;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-    const int gi = i / D, d = i % D, head = kv_head * G + gi;
-    float mx = -INFINITY, sum = 0.f, out = 0.f;
-    for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, s.warp[w].merge.m[gi]);
-    for (int w = 0; w < kNumWarps; ++w) {
-      const float f = s.warp[w].merge.m[gi] == -INFINITY ? 0.f : expf(s.warp[w].merge.m[gi] - mx);   // idle warp
-      sum += s.warp[w].merge.l[gi] * f;
-      out += s.warp[w].merge.o[gi][d] * f;
-    }
-    if (parts == 1) {                                          // context_len 0: no key, zeros
-      static_cast<T*>(p.out)[(int64_t(q_row) * p.num_heads + head) * D + d] = from_float<T>(sum > 0.f ? out / sum : 0.f);
-    } else {                                                   // unnormalized; reduce_kernel merges
-      const int64_t idx = int64_t(blockIdx.x) * p.num_heads + head;
-      p.partial_out[idx * D + d] = out;
-      if (d == 0) {
-        p.partial_max[idx] = mx;
-        p.partial_sum[idx] = sum;
-      }
-    }
-  }
+  store_decode_result<T>(p, q_row, kv_head, parts, D, [&](int w, int gi) {
+    return WarpPartial{s.warp[w].merge.o[gi], s.warp[w].merge.m[gi], s.warp[w].merge.l[gi]};
+  });
 }

@@ -1,6 +1,6 @@
 // The GPU path's fused per-layer ops, one launch each, with fused_ops.py's PyTorch versions as
 // their oracle (the same contract as csrc/fused_cpu.cpp, registered beside the attention ops as
-// torch.ops.nanoserve_cuda.{rms_norm, add_rms_norm_, rope_, silu_and_mul}):
+// torch.ops.nanoserve_cuda.{rms_norm, add_rms_norm_, rope_, rope_and_cache_, silu_and_mul}):
 //   norm_kernel          out = RMSNorm(x) * weight, or first residual = residual + x (stored, rounded
 //                        to the dtype: what the next layer sees) and out = RMSNorm(residual) * weight;
 //                        one block per row, the sum of squares in float32 through a block reduction.
@@ -10,6 +10,10 @@
 //   rope_kernel          rotate-half RoPE in place on the first num_heads heads (q, then k) of each
 //                        qkv row, cos/sin float32 [num_tokens, head_dim / 2]; rope_vec_kernel in
 //                        16-byte pieces where head_dim / 2, the stride and the addresses allow.
+//   rope_and_cache_kernel  RoPE on q and k fused with the KV write (k rotated, v as is, into the
+//                        caches at slot_mapping; -1 skipped): one pass over a token's qkv row instead
+//                        of rope_ then reshape_and_cache; _vec in 16-byte pieces when the caches have
+//                        qkv's dtype and the layout allows.
 //   silu_and_mul_kernel  out = silu(gate) * up for gate_up = [gate | up], on a (rows, pieces) grid:
 //                        16-byte pieces (the _vec kernel) where sizes and addresses allow, else elements.
 // Rows may be strided (qkv and the norms' inputs are rows of wider tensors); elements of a row are
@@ -179,6 +183,84 @@ __global__ void rope_vec_kernel(T* qkv, int64_t stride, const float* __restrict_
   }
 }
 
+// RoPE fused with the KV write (a step's tokens: decode rows and prefill chunks alike): one block
+// per token rotates its q and k heads in place, as rope_kernel, and writes the rotated k heads
+// (rounded to qkv's dtype first, as rope_ then reshape_and_cache would) and its v heads into the
+// caches' slot slot_mapping[token] (-1: not cached). qkv rows: [q heads | k heads | v heads].
+template <typename Q, typename KV>
+__global__ void rope_and_cache_kernel(Q* qkv, int64_t stride, const float* __restrict__ cos,
+                                      const float* __restrict__ sin, KV* __restrict__ key_cache,
+                                      KV* __restrict__ value_cache, const int64_t* __restrict__ slot_mapping,
+                                      int num_heads, int num_kv_heads, int head_dim) {
+  const int half = head_dim / 2, row = num_kv_heads * head_dim;
+  const int64_t slot = slot_mapping[blockIdx.x];
+  Q* x = qkv + int64_t(blockIdx.x) * stride;
+  const float* c = cos + int64_t(blockIdx.x) * half;
+  const float* s = sin + int64_t(blockIdx.x) * half;
+  for (int k = threadIdx.x; k < (num_heads + num_kv_heads) * half; k += blockDim.x) {
+    const int head = k / half, i = k % half;
+    Q* h = x + head * head_dim;
+    const float x1 = to_float(h[i]), x2 = to_float(h[i + half]);
+    const Q y1 = from_float<Q>(x1 * c[i] - x2 * s[i]), y2 = from_float<Q>(x2 * c[i] + x1 * s[i]);
+    h[i] = y1;
+    h[i + half] = y2;
+    if (head >= num_heads && slot >= 0) {
+      KV* dst = key_cache + slot * row + (head - num_heads) * head_dim;
+      dst[i] = from_float<KV>(to_float(y1));
+      dst[i + half] = from_float<KV>(to_float(y2));
+    }
+  }
+  const Q* v = x + (num_heads + num_kv_heads) * head_dim;
+  for (int i = threadIdx.x; slot >= 0 && i < row; i += blockDim.x) value_cache[slot * row + i] = from_float<KV>(to_float(v[i]));
+}
+
+// The same in 16-byte pieces when the caches have qkv's dtype: thread k < rotated takes a piece of
+// both halves of one q or k head (as rope_vec_kernel), the others a piece of the v heads; loads
+// before stores. One pass while a token's pieces fit 1,024 threads (Llama-3-8B: 320 + 128).
+template <typename T>
+__global__ void rope_and_cache_vec_kernel(T* qkv, int64_t stride, const float* __restrict__ cos,
+                                          const float* __restrict__ sin, T* __restrict__ key_cache,
+                                          T* __restrict__ value_cache, const int64_t* __restrict__ slot_mapping,
+                                          int num_heads, int num_kv_heads, int head_dim) {
+  constexpr int V = 16 / sizeof(T);
+  const int half = head_dim / 2, per_head = half / V, rotated = (num_heads + num_kv_heads) * per_head;
+  const int row = num_kv_heads * head_dim;
+  const int64_t slot = slot_mapping[blockIdx.x];
+  T* x = qkv + int64_t(blockIdx.x) * stride;
+  for (int k = threadIdx.x; k < rotated + row / V; k += blockDim.x) {
+    if (k >= rotated) {                                        // a piece of v: straight to the cache
+      if (slot >= 0) {
+        const int i = (k - rotated) * V;
+        Pack<T, V> v;
+        v.load(x + (num_heads + num_kv_heads) * head_dim + i);
+        v.store(value_cache + slot * row + i);
+      }
+      continue;
+    }
+    const int head = k / per_head, i = k % per_head * V;
+    T* h = x + head * head_dim;
+    Pack<T, V> x1, x2, y1, y2;
+    Pack<float, V> c, s;
+    x1.load(h + i);
+    x2.load(h + i + half);
+    c.load(cos + int64_t(blockIdx.x) * half + i);
+    s.load(sin + int64_t(blockIdx.x) * half + i);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float a = to_float(x1.v[j]), b = to_float(x2.v[j]);
+      y1.v[j] = from_float<T>(a * c.v[j] - b * s.v[j]);
+      y2.v[j] = from_float<T>(b * c.v[j] + a * s.v[j]);
+    }
+    y1.store(h + i);
+    y2.store(h + i + half);
+    if (head >= num_heads && slot >= 0) {
+      T* dst = key_cache + slot * row + (head - num_heads) * head_dim;
+      y1.store(dst + i);
+      y2.store(dst + i + half);
+    }
+  }
+}
+
 __device__ __forceinline__ float silu_mul(float gate, float up) { return gate / (1.f + expf(-gate)) * up; }
 
 // Grid (rows, pieces / kSiluThreads): thread i of a row loads its 16-byte piece of gate and of up,
@@ -289,6 +371,54 @@ extern "C" const char* rope_launch(void* qkv, int64_t stride, const float* cos, 
   if (dtype == kFloat32) launch_rope<float>(qkv, stride, cos, sin, rows, num_heads, head_dim, s);
   if (dtype == kBFloat16) launch_rope<bf16>(qkv, stride, cos, sin, rows, num_heads, head_dim, s);
   if (dtype == kFloat16) launch_rope<f16>(qkv, stride, cos, sin, rows, num_heads, head_dim, s);
+  return last_error();
+}
+
+template <typename Q, typename KV>
+void launch_rope_and_cache(void* qkv, int64_t stride, const float* cos, const float* sin, void* key_cache,
+                           void* value_cache, const int64_t* slots, int rows, int num_heads, int num_kv_heads,
+                           int head_dim, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(Q);
+  const int half = head_dim / 2;
+  const bool vec = std::is_same_v<Q, KV> && half % V == 0 && stride % V == 0 && half % 4 == 0 && aligned16(qkv) &&
+                   aligned16(cos) && aligned16(sin) && aligned16(key_cache) && aligned16(value_cache);
+  Q* x = static_cast<Q*>(qkv);
+  KV* kc = static_cast<KV*>(key_cache);
+  KV* vc = static_cast<KV*>(value_cache);
+  if constexpr (std::is_same_v<Q, KV>) {
+    if (vec) {
+      const int pieces = (num_heads + num_kv_heads) * half / V + num_kv_heads * head_dim / V;
+      const dim3 block(min(1024, (pieces + 31) / 32 * 32));
+      LAUNCH_KERNEL_NAMED("rope_and_cache_vec", rope_and_cache_vec_kernel<Q>, dim3(rows), block, stream, x, stride,
+                          cos, sin, kc, vc, slots, num_heads, num_kv_heads, head_dim);
+      return;
+    }
+  }
+  LAUNCH_KERNEL_NAMED("rope_and_cache", (rope_and_cache_kernel<Q, KV>), dim3(rows), dim3(kThreads), stream, x, stride,
+                      cos, sin, kc, vc, slots, num_heads, num_kv_heads, head_dim);
+}
+
+template <typename Q>
+void dispatch_rope_and_cache(int kv_dtype, void* qkv, int64_t stride, const float* cos, const float* sin,
+                             void* key_cache, void* value_cache, const int64_t* slots, int rows, int nh, int nkv,
+                             int hd, cudaStream_t s) {
+  if (kv_dtype == kFloat32) launch_rope_and_cache<Q, float>(qkv, stride, cos, sin, key_cache, value_cache, slots, rows, nh, nkv, hd, s);
+  if (kv_dtype == kBFloat16) launch_rope_and_cache<Q, bf16>(qkv, stride, cos, sin, key_cache, value_cache, slots, rows, nh, nkv, hd, s);
+  if (kv_dtype == kFloat16) launch_rope_and_cache<Q, f16>(qkv, stride, cos, sin, key_cache, value_cache, slots, rows, nh, nkv, hd, s);
+}
+
+// qkv [rows, (num_heads + 2 num_kv_heads) x head_dim] (rows `stride` apart): q and k rotated in place,
+// k and v written to the caches [num_slots, num_kv_heads x head_dim] at slots[r] (-1: skipped).
+extern "C" const char* rope_and_cache_launch(void* qkv, int64_t stride, const float* cos, const float* sin,
+                                             void* key_cache, void* value_cache, const int64_t* slots, int rows,
+                                             int num_heads, int num_kv_heads, int head_dim, int dtype, int kv_dtype,
+                                             void* stream) {
+  if (!valid_dtype(dtype) || !valid_dtype(kv_dtype)) return "unsupported dtype";
+  if (rows == 0) return nullptr;
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (dtype == kFloat32) dispatch_rope_and_cache<float>(kv_dtype, qkv, stride, cos, sin, key_cache, value_cache, slots, rows, num_heads, num_kv_heads, head_dim, s);
+  if (dtype == kBFloat16) dispatch_rope_and_cache<bf16>(kv_dtype, qkv, stride, cos, sin, key_cache, value_cache, slots, rows, num_heads, num_kv_heads, head_dim, s);
+  if (dtype == kFloat16) dispatch_rope_and_cache<f16>(kv_dtype, qkv, stride, cos, sin, key_cache, value_cache, slots, rows, num_heads, num_kv_heads, head_dim, s);
   return last_error();
 }
 

@@ -193,6 +193,43 @@ __device__ __forceinline__ float merge_partitions(const Params& p, int first, in
   return o / sum;
 }
 
+// One warp's share of a decode item for query head g of the group: its unnormalized output row
+// (head_dim floats in shared memory), the running max of its scores and the sum of their weights.
+struct WarpPartial {
+  const float* o;
+  float m, l;
+};
+
+// The end of a decode item, shared by decode_kernel and decode_mma_kernel: the block's warps merged
+// (each rescaled to their common max; a warp that saw no token has max -inf and counts 0), then the
+// group's heads written: normalized into out when the row is one part (context_len 0: zeros), else
+// unnormalized into the partials that reduce_kernel merges. partial(w, g) -> WarpPartial.
+template <typename T, typename Partial>
+__device__ __forceinline__ void store_decode_result(const Params& p, int q_row, int kv_head, int parts, int D,
+                                                    Partial partial) {
+  for (int i = threadIdx.x; i < p.group * D; i += blockDim.x) {
+    const int g = i / D, d = i % D, head = kv_head * p.group + g;
+    float mx = -INFINITY, sum = 0.f, out = 0.f;
+    for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, partial(w, g).m);
+    for (int w = 0; w < kNumWarps; ++w) {
+      const WarpPartial part = partial(w, g);
+      const float f = part.m == -INFINITY ? 0.f : expf(part.m - mx);
+      sum += part.l * f;
+      out += part.o[d] * f;
+    }
+    if (parts == 1) {
+      static_cast<T*>(p.out)[(int64_t(q_row) * p.num_heads + head) * D + d] = from_float<T>(sum > 0.f ? out / sum : 0.f);
+    } else {
+      const int64_t idx = int64_t(blockIdx.x) * p.num_heads + head;
+      p.partial_out[idx * D + d] = out;
+      if (d == 0) {
+        p.partial_max[idx] = mx;
+        p.partial_sum[idx] = sum;
+      }
+    }
+  }
+}
+
 // kHeadDim 64 or 128: loops over head_dim have fixed trip counts and registers hold only
 // head_dim / 32 output elements per lane; 0: the generic kernel, any multiple of 32 up to 128.
 // __launch_bounds__: at most 128 registers a thread, so 4 blocks (16 warps) fit an SM's registers,
@@ -309,26 +346,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) decode_kernel(Params p
       if (kHeadDim || e * kWarpSize < D) s.warp_area[warp].acc[g][e * kWarpSize + lane] = acc[g][e];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-    const int g = i / D, d = i % D, head = kv_head * G + g;
-    float m = -INFINITY, sum = 0.f, o = 0.f;
-    for (int w = 0; w < kNumWarps; ++w) m = fmaxf(m, s.warp_max[w][g]);
-    for (int w = 0; w < kNumWarps; ++w) {
-      const float f = s.warp_max[w][g] == -INFINITY ? 0.f : expf(s.warp_max[w][g] - m);  // idle warp
-      sum += s.warp_sum[w][g] * f;
-      o += s.warp_area[w].acc[g][d] * f;
-    }
-    if (parts == 1) {                                          // context_len 0: no key, zeros
-      static_cast<Q*>(p.out)[(int64_t(q_row) * p.num_heads + head) * D + d] = from_float<Q>(sum > 0.f ? o / sum : 0.f);
-    } else {                                                   // unnormalized; reduce_kernel merges
-      const int64_t idx = int64_t(blockIdx.x) * p.num_heads + head;
-      p.partial_out[idx * D + d] = o;
-      if (d == 0) {
-        p.partial_max[idx] = m;
-        p.partial_sum[idx] = sum;
-      }
-    }
-  }
+  store_decode_result<Q>(p, q_row, kv_head, parts, D, [&](int w, int g) {
+    return WarpPartial{s.warp_area[w].acc[g], s.warp_max[w][g], s.warp_sum[w][g]};
+  });
 #ifdef PLANT_BUGS
   if (PLANTED(kLastBlockMerges) && parts > 1 && part == parts - 1) {   // trusts the other parts ran first
     __syncthreads();

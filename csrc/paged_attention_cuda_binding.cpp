@@ -2,7 +2,7 @@
 // checks shapes, dtypes, devices and strides (with the CPU backend's messages where the rule is the
 // same), allocates the outputs and the split-context workspace, and hands raw pointers to the
 // launchers on torch's current stream. Registered as torch.ops.nanoserve_cuda.{paged_attention,
-// reshape_and_cache, rms_norm, add_rms_norm_, rope_, silu_and_mul, sample}.
+// reshape_and_cache, rms_norm, add_rms_norm_, rope_, rope_and_cache_, silu_and_mul, sample}.
 //
 // It reads no tensor data: the model runner validated the batch and planned the launch on the
 // host, from the lists it built the tensors from (paged_attention.plan_cuda_launch), so a call
@@ -47,6 +47,10 @@ extern "C" const char* rms_norm_launch(const void* x, int64_t x_stride, void* re
                                        int hidden, int dtype, int w_dtype, void* stream);
 extern "C" const char* rope_launch(void* qkv, int64_t stride, const float* cos, const float* sin, int rows,
                                    int num_heads, int head_dim, int dtype, void* stream);
+extern "C" const char* rope_and_cache_launch(void* qkv, int64_t stride, const float* cos, const float* sin,
+                                             void* key_cache, void* value_cache, const int64_t* slots, int rows,
+                                             int num_heads, int num_kv_heads, int head_dim, int dtype, int kv_dtype,
+                                             void* stream);
 extern "C" const char* silu_and_mul_launch(const void* gate_up, int64_t stride, void* out, int rows, int inter,
                                            int dtype, void* stream);
 extern "C" const char* sample_launch(const float* logits, int64_t stride, int rows, int vocab, const float* params,
@@ -211,6 +215,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   return out;
 }
 
+// Under NANOSERVE_CHECK_INPUTS=1, every slot must be in the cache or -1 (a sync: the slots are read back).
+void check_slots(const at::Tensor& slot_mapping, int64_t num_slots) {
+  if (!check_inputs()) return;
+  const auto slots_host = host_copy(slot_mapping, "slot_mapping");
+  const int64_t* s = slots_host.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < slot_mapping.numel(); ++i)
+    TORCH_CHECK(s[i] >= -1 && s[i] < num_slots, "slot_mapping[", i, "] = ", s[i], " outside [0, ", num_slots,
+                ") (or -1: not cached)");
+}
+
 // Copy row i of key/value into slot slot_mapping[i] of the caches; slot -1 means "do not cache
 // this row" (vLLM's pad slot). Any other slot outside the cache is refused under
 // NANOSERVE_CHECK_INPUTS=1; without it the model runner's slots are trusted.
@@ -230,13 +244,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
               "key/value must be [num_tokens, num_kv_heads, head_dim] matching slot_mapping and the cache");
   check_row_view(key, "key");
   check_row_view(value, "value");
-  if (check_inputs()) {
-    const auto slots_host = host_copy(slot_mapping, "slot_mapping");
-    const int64_t* s = slots_host.const_data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i)
-      TORCH_CHECK(s[i] >= -1 && s[i] < num_slots, "slot_mapping[", i, "] = ", s[i], " outside [0, ", num_slots,
-                  ") (or -1: not cached)");
-  }
+  check_slots(slot_mapping, num_slots);
   const char* err = reshape_and_cache_launch(key.const_data_ptr(), value.const_data_ptr(), key_cache.data_ptr(),
                                              value_cache.data_ptr(), slot_mapping.const_data_ptr<int64_t>(), n, row,
                                              key.stride(0), value.stride(0), q_dtype,
@@ -295,6 +303,29 @@ void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t
   TORCH_CHECK(err == nullptr, "rope_ (cuda): ", err);
 }
 
+// rope_ on q and k fused with reshape_and_cache of the rotated k and v: qkv [T, (nh + 2 nkv) x hd].
+void rope_and_cache_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor key_cache,
+                     at::Tensor value_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
+  check_rows(qkv, "qkv");
+  check_kv_cache(key_cache, value_cache);
+  check_index(slot_mapping, "slot_mapping", at::kLong, 1);
+  const int64_t nkv = key_cache.size(2), hd = key_cache.size(3), n = qkv.size(0);
+  TORCH_CHECK(hd % 2 == 0 && qkv.size(1) == (num_heads + 2 * nkv) * hd && slot_mapping.numel() == n,
+              "qkv must be [num_tokens, (num_heads + 2 num_kv_heads) x head_dim] matching the cache and slot_mapping");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == n &&
+                    t->size(1) == hd / 2, "cos/sin must be float32 [num_tokens, head_dim / 2]");
+  check_devices({{&qkv, "qkv"}, {&cos, "cos"}, {&sin, "sin"}, {&key_cache, "key_cache"},
+                 {&value_cache, "value_cache"}, {&slot_mapping, "slot_mapping"}});
+  const DeviceGuard guard(qkv.device());
+  check_slots(slot_mapping, key_cache.size(0) * key_cache.size(1));
+  const char* err = rope_and_cache_launch(qkv.data_ptr(), qkv.stride(0), cos.const_data_ptr<float>(),
+                                          sin.const_data_ptr<float>(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                          slot_mapping.const_data_ptr<int64_t>(), n, num_heads, nkv, hd,
+                                          dtype_code(qkv, "qkv"), dtype_code(key_cache, "KV cache"), current_stream());
+  TORCH_CHECK(err == nullptr, "rope_and_cache_ (cuda): ", err);
+}
+
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must be [num_tokens, 2 x intermediate]");
@@ -340,6 +371,8 @@ DEFINE_LIBRARY(NANOSERVE_LIBRARY, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def("rope_and_cache_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key_cache, Tensor(c!) value_cache, "
+        "Tensor slot_mapping, int num_heads) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("sample(Tensor logits, Tensor params) -> Tensor");
 }
@@ -350,6 +383,7 @@ IMPLEMENT_LIBRARY(NANOSERVE_LIBRARY, NANOSERVE_DISPATCH, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &rope_);
+  m.impl("rope_and_cache_", &rope_and_cache_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("sample", &sample);
 }
