@@ -5,7 +5,7 @@ device tensors holds its sampling parameters and, once any request has penalties
 counts and the mask of its prompt's tokens. Preemption keeps the slot: counts survive a recompute or
 a swap. Rows change only when a completion joins; the counts change on the device, by the sampled ids.
 
-A step stages into the model runner's packed upload (input_buffers.py) only what is new:
+A step stages into the model runner's packed upload (model_runner.py's InputBuffers) only what is new:
   - each sampled row's slot, and its logits row where n > 1 samples share one;
   - the rows that draw and their uniforms (greedy rows take an argmax only);
   - the grammar rows' bitmasks (llguidance fills them in the pinned buffer itself);
@@ -56,7 +56,7 @@ class SamplingSlots:
     def upload_bytes(max_rows: int, vocab_size: int, max_model_len: int) -> int:
         """What a step stages at most, in the usual case: per row a slot, a logits row, a draw row, a
         uniform, a grammar row and its bitmask, a join's parameters; the prompts of joins. Past it,
-        input_buffers.py sends the rest in a copy of its own (and says so)."""
+        InputBuffers sends the rest in a copy of its own (and says so)."""
         per_row = 8 * 4 + 4 + 4 * NUM_PARAMS + 4 * (-(-vocab_size // 32))
         return max_rows * per_row + 16 * 2 * max_model_len + 16 * 16
 
@@ -79,7 +79,7 @@ class SamplingSlots:
         return self.free.pop()
 
     def stage(self, buffers, states: list[SamplingState], rows: list[int] | None, generator) -> StagedSampling:
-        """Stage a step's sampler inputs into buffers (input_buffers.InputBuffers) before its flush.
+        """Stage a step's sampler inputs into buffers (model_runner.InputBuffers) before its flush.
         rows: each state's logits row (None: row i). The uniforms are drawn here, in the order
         sampler.sample draws them."""
         k = len(states)

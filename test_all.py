@@ -1777,7 +1777,7 @@ def test_device_sampler_gives_the_host_samplers_tokens_and_logprobs_over_steps()
     host), over 6 steps of near-tied logits where penalties change the pick: greedy, seeded top-k /
     top-p / min-p, penalties, logit_bias, logprobs, two samples sharing a logits row, a completion that
     leaves and a new one that takes its slot (its counts start from nothing)."""
-    from input_buffers import InputBuffers
+    from model_runner import InputBuffers
     from sampler import SamplingState, make_generator, sample
     from sampling_slots import SamplingSlots
     vocab = 300
