@@ -9337,9 +9337,9 @@ def test_async_scheduling_costs_the_longer_of_host_and_device_plus_a_sync():
     run, fit = cm.H100_GRAPHS_2026_11_27, cm.HOST_OVERHEADS["nanoserve-h100-graphs"]
     for b, d in run.items():                      # the graph run's host phases (0.42 ms at 1, 1.31 ms at 64)
         assert fit.time(SMOLLM2, b, 1, graph=True) == (pytest.approx(d["host_s"]), 0.0)
-    # its batch-64 step, overlapped: max(1.31, 2.90 - 1.31) + the sync = 1.64 ms, against 2.90 ms plain
-    d = run[64]
-    assert max(d["host_s"], d["step_s"] - d["host_s"]) + cm.OVERLAP_SYNC_S == pytest.approx(1.64e-3)
+    # its batch-64 step, overlapped: max(1.31, 2.90 - 1.31) + the sync = 1.59 ms, against 2.90 ms plain
+    d = run[64]                                   # (measured with async scheduling: 1.58 ms)
+    assert max(d["host_s"], d["step_s"] - d["host_s"]) + cm.OVERLAP_SYNC_S == pytest.approx(1.59e-3, abs=0.02e-3)
 
 
 def test_tp_sweep_finds_where_the_batch1_step_stops_shrinking(capsys):

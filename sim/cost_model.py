@@ -157,9 +157,11 @@ H100_GRAPHS_2026_11_27 = {b: dict(step_s=step / 1e3, host_s=(sch + prep + fwd + 
                           for b, step, sch, prep, fwd, upd in [(1, 1.86, 0.02, 0.36, 0.02, 0.02),
                                                                 (64, 2.90, 0.23, 0.56, 0.02, 0.50)]}
 # async scheduling (async_engine.py): what a step adds to max(host, device) when the host plans it while
-# the device runs the last one: the event wait's wake-up, and the copy and gather that feed the last
-# step's tokens in on the device. Assumed (about 3 launches and a sync), not yet measured
-OVERLAP_SYNC_S = 50e-6
+# the device runs the last one (the event wait's wake-up, the copy and gather that feed the last step's
+# tokens in). Fitted to the H100's graph run: its batch-64 step was 2.90 ms plain with 1.31 ms of host
+# phases (so 1.59 ms of device), and 1.58 ms with async scheduling
+# (results/2026-11-27-h100-xeon-amx-16c-e0914b8.md): max(host, device) alone, no constant above the noise.
+OVERLAP_SYNC_S = 0.0
 GRAPH_REPLAY_S = 20e-6    # assumed, not measured (no graph run exists yet): torch.cuda.CUDAGraph.replay()
                           # from Python, one launch of a captured graph plus the binding's overhead
 
