@@ -4551,18 +4551,7 @@ def test_emulated_graph_flow_replays_the_bucket_that_fits_with_the_eager_logits(
     _, emulator = emulated_binding
     runner = make_runner(random_llama(), "cuda_emu")
     fill_kv(runner)
-
-    def capture(forward):
-        emulator.cuda_emu_capture(1)
-        try:
-            logits = forward()
-        finally:
-            emulator.cuda_emu_capture(0)
-        def replay():
-            with torch.inference_mode():        # as Engine.step runs it; the logits are inference tensors
-                logits.copy_(forward())
-        return CapturedStep(SimpleNamespace(replay=replay), logits)
-    runner.use_graphs, runner.capture = True, capture
+    runner.use_graphs, runner.capture = True, standin_capture(emulator)
     runner.capture_graphs()
     assert sorted(runner.graphs) == [1, 2, 4, 8]
     batch = decode_batch([3, 40, 130])

@@ -153,6 +153,25 @@ __global__ void rope_kernel(T* qkv, int64_t stride, const float* __restrict__ co
   }
 }
 
+// One 16-byte piece of RoPE: elements x[0..V) of a head's first half and x[half..half + V) of its second,
+// rotated by cos/sin [V] into y1, y2 (all loads issued before the caller stores).
+template <typename T, int V>
+__device__ __forceinline__ void rotate_piece(const T* x, int half, const float* cos, const float* sin,
+                                             Pack<T, V>& y1, Pack<T, V>& y2) {
+  Pack<T, V> x1, x2;
+  Pack<float, V> c, s;
+  x1.load(x);
+  x2.load(x + half);
+  c.load(cos);
+  s.load(sin);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float a = to_float(x1.v[j]), b = to_float(x2.v[j]);
+    y1.v[j] = from_float<T>(a * c.v[j] - b * s.v[j]);
+    y2.v[j] = from_float<T>(b * c.v[j] + a * s.v[j]);
+  }
+}
+
 // The same rotation, 16 bytes at a time: thread k of a row takes elements 8k.. (4k.. in float32) of
 // both halves of one head, with their cos and sin (float32: two 16-byte pieces each), loads all four
 // (six) pieces before storing two. One pass while num_heads x head_dim / 2 pieces fit 1,024 threads.
@@ -165,19 +184,8 @@ __global__ void rope_vec_kernel(T* qkv, int64_t stride, const float* __restrict_
   for (int k = threadIdx.x; k < num_heads * per_head; k += blockDim.x) {
     T* x = row + (k / per_head) * head_dim;
     const int i = k % per_head * V;
-    Pack<T, V> x1, x2;
-    Pack<float, V> c, s;
-    x1.load(x + i);
-    x2.load(x + i + half);
-    c.load(cos + int64_t(blockIdx.x) * half + i);
-    s.load(sin + int64_t(blockIdx.x) * half + i);
     Pack<T, V> y1, y2;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float a = to_float(x1.v[j]), b = to_float(x2.v[j]);
-      y1.v[j] = from_float<T>(a * c.v[j] - b * s.v[j]);
-      y2.v[j] = from_float<T>(b * c.v[j] + a * s.v[j]);
-    }
+    rotate_piece(x + i, half, cos + int64_t(blockIdx.x) * half + i, sin + int64_t(blockIdx.x) * half + i, y1, y2);
     y1.store(x + i);
     y2.store(x + i + half);
   }
@@ -239,18 +247,8 @@ __global__ void rope_and_cache_vec_kernel(T* qkv, int64_t stride, const float* _
     }
     const int head = k / per_head, i = k % per_head * V;
     T* h = x + head * head_dim;
-    Pack<T, V> x1, x2, y1, y2;
-    Pack<float, V> c, s;
-    x1.load(h + i);
-    x2.load(h + i + half);
-    c.load(cos + int64_t(blockIdx.x) * half + i);
-    s.load(sin + int64_t(blockIdx.x) * half + i);
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float a = to_float(x1.v[j]), b = to_float(x2.v[j]);
-      y1.v[j] = from_float<T>(a * c.v[j] - b * s.v[j]);
-      y2.v[j] = from_float<T>(b * c.v[j] + a * s.v[j]);
-    }
+    Pack<T, V> y1, y2;
+    rotate_piece(h + i, half, cos + int64_t(blockIdx.x) * half + i, sin + int64_t(blockIdx.x) * half + i, y1, y2);
     y1.store(h + i);
     y2.store(h + i + half);
     if (head >= num_heads && slot >= 0) {
