@@ -27,7 +27,7 @@
 // per quad.
 // Tiles: up to kTileM rows of x per pass over a panel's K (each loaded weight vector feeds every
 // row), panels split over threads (at::parallel_for), rows in blocks that keep x's bytes in L2.
-// Each row's int32 sum is one chain of adds pinned in a register (keep): left free, GCC rebuilt a
+// AVX2: each row's int32 sum is one chain of adds pinned in a register (keep): left free, GCC rebuilt a
 // block's 8 quads x 8 rows as a tree of partial sums that spilled AVX2's 16 ymm registers. One row
 // alone (decode) splits its chain over even and odd quads; the weights are prefetched 1 KB ahead.
 #include <ATen/Parallel.h>
@@ -70,7 +70,10 @@ inline __m256i bcast4(const int8_t* p) {   // x's 4 bytes at p in every lane
 // A register the compiler must hold as is here: the accumulators' adds stay one chain per row, in
 // order, instead of GCC reassociating a block's products into a tree whose partial sums (8 quads x
 // MR rows) outnumber AVX2's 16 ymm registers and spill to the stack.
-inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+// (AVX2 only: vpdpbusd's 5-cycle latency wants the tree's parallel chains, and 32 registers hold it.)
+inline void keep(__m256i& v) {
+  if constexpr (!kVnni) asm("" : "+x"(v));
+}
 inline __m256 halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // One row's x, quantized: bytes per 32 values, the scale and exact sum of each scale group.
