@@ -281,8 +281,10 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None =
 # The integer paths (quantization="gguf", and "int8"'s lm_head where the GGUF's blocks are attached)
 # read the GGUF's blocks with 8-bit activations (csrc/int8_cpu.cpp's linear_q8, llama.cpp's Q8_1
 # against Q4_1 / Q8_0) at every row count, so a row's result never depends on its batch. ms per pass
-# over the 120 layers, 2026-11-28, AVX-512/VNNI Xeon, 2 threads: 6.6 against 16.2 for the float32
-# sums at 1 row, 60 against 138 at 64. They change the tokens: the bounds they hold instead
+# over a quantization="gguf" engine's 121 linear layers (benchmarks/hot.py's matmul_only_ms), 2
+# threads of an AVX-512/VNNI Xeon, quiet, 2026-11-28, at 1 / 64 rows: 8.8 / 74 against 21.2 / 194
+# with the float32 sums; the AVX2 build, torch held to AVX2, 10.5 / 118 against 20.2 / 202 (the
+# lm_head alone at 1 row 0.7 against 1.6 ms). They change the tokens: the bounds they hold instead
 # (teacher-forced top-1 >= 0.95 against transformers' float32 greedy tokens, perplexity within 1%,
 # for Q4_1, Q4_0 and Q8_0, on the AVX2 and the VNNI build) are in test_all.py and docs/quantization.md.
 # False: the float32 sums (gguf_linear) there instead, the float32 reference's products; read when
