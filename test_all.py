@@ -2120,7 +2120,7 @@ def test_quantization_gguf_keeps_only_blocks_and_gives_transformers_outputs(hf_s
     # quantization="gguf": every linear layer and the embedding read only the file's blocks, at every
     # row count; oracle: transformers on the GGUF (the float32 engine equals it): logits one
     # sequence at a time within 1e-3, and greedy tokens with mixed batches, chunked prefill
-    # (budget 64), prefix-cache hits (the second run) and preemption (9 KV blocks)
+    # (budget 64), prefix-cache hits (the second run) and preemption (9 KV blocks, bfloat16: kv_dtype_auto)
     net, cfg, _ = W.load_model(None, quantization="gguf")
     linears = [m for m in net.modules() if isinstance(m, CL.Linear)]
     assert net.gguf_log.startswith(f"quantization gguf: {len(linears)} of {len(linears)} linear layers and the embedding")
@@ -2129,7 +2129,7 @@ def test_quantization_gguf_keeps_only_blocks_and_gives_transformers_outputs(hf_s
     seqs = [[1, 504, 3458], [28, 9, 4433, 18, 7, 1000, 2]]
     for s in seqs:
         assert_logits_match(ragged_forward(net, [s]), [s], hf_smollm)
-    q = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, quantization="gguf", **CPU32)
+    q = LLM(kv_cache_memory=9 * 368640, max_num_batched_tokens=64, quantization="gguf", **CPU32)   # 9 bf16 blocks
     assert token_ids(q.generate(PROMPTS[:6], greedy(32))) == expected_32
     assert q.engine.scheduler.num_preemptions >= 1
     cached = LLM(loaded_model=(net, cfg, W.resolve_model_dir(None)), kv_cache_memory=SMALL_KV, quantization="gguf", **CPU32)
@@ -2143,11 +2143,11 @@ def test_quantization_gguf_keeps_only_blocks_and_gives_transformers_outputs(hf_s
     assert e.value.field == "quantization"
 
 
-def teacher_forced_top1(net, tok, hf_greedy_32) -> tuple[int, int]:
+def teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype=torch.float32) -> tuple[int, int]:
     """(positions where net's argmax is transformers' greedy token, positions): each parity prompt followed by
-    its 32 greedy tokens, in one ragged forward."""
+    its 32 greedy tokens, in one ragged forward (its KV cache in kv_dtype)."""
     seqs = [tok.encode(p) + hf_greedy_32[p] for p in PROMPTS]
-    logits = ragged_forward(net, seqs)
+    logits = ragged_forward(net, seqs, kv_dtype=kv_dtype)
     agree = total = start = 0
     for p, s in zip(PROMPTS, seqs):
         n = len(hf_greedy_32[p])
@@ -2364,16 +2364,19 @@ def smol_int8():
 # issue's 95%, no more than 1% worse, and a floor that a broken kernel would fall through.
 INT8_TOP1_FLOOR, INT8_PPL_RATIO = 0.95, (0.97, 1.01)
 def assert_int8_accuracy(net, hf, tok, hf_greedy_32):
-    """quantization="int8"'s bounds on net: only int8 layers but lm_head, top-1 and perplexity."""
+    """quantization="int8"'s bounds on net: only int8 layers but lm_head, top-1 and perplexity, with the KV
+    cache the engine gives the path by default (kv_cache_dtype "auto": bfloat16, engine.kv_dtype_auto)."""
+    from engine import kv_dtype_auto
+    kv_dtype = kv_dtype_auto(torch.float32, "int8", torch.device("cpu"))
     linears = [m for m in net.modules() if isinstance(m, CL.Linear) and m is not net.lm_head]
     assert net.gguf_log.startswith(f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8")
     assert all(isinstance(m.quantized, CL.Q8Panels) and m.weight.stride() == (0, 0) for m in linears)   # no float copy
-    agree, total = teacher_forced_top1(net, tok, hf_greedy_32)
-    print(f"int8 ({torch.ops.nanoserve_linear.q8_dot()}): top-1 agreement with transformers' greedy tokens "
+    agree, total = teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype)
+    print(f"int8 ({torch.ops.nanoserve_linear.q8_dot()}, {kv_dtype} KV cache): top-1 agreement with transformers' greedy tokens "
           f"{agree / total:.3f} ({agree}/{total})")
     text = tok.encode(" ".join(CORPUS))
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
-    ours, ref = math.exp(nll(ragged_forward(net, [text]))), math.exp(nll(hf_forward(hf, text)))
+    ours, ref = math.exp(nll(ragged_forward(net, [text], kv_dtype=kv_dtype))), math.exp(nll(hf_forward(hf, text)))
     print(f"perplexity on CORPUS: int8 {ours:.4f}, float32 (transformers) {ref:.4f}, ratio {ours / ref:.4f}")
     assert agree / total >= INT8_TOP1_FLOOR
     assert INT8_PPL_RATIO[0] <= ours / ref <= INT8_PPL_RATIO[1]
@@ -2382,6 +2385,19 @@ def assert_int8_accuracy(net, hf, tok, hf_greedy_32):
 @pytest.mark.slow
 def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smollm, hf_greedy_32, tok):
     assert_int8_accuracy(smol_int8[0], hf_smollm, tok, hf_greedy_32)
+
+
+def test_kv_cache_dtype_auto_is_bfloat16_on_the_cpu_integer_paths_only(smol_int8):
+    # hand-written table: the 8-bit paths on a CPU get a 16-bit cache, every other "auto" the model dtype,
+    # and an explicit kv_cache_dtype is what runs
+    from engine import kv_dtype_auto
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kv_dtype_auto(torch.float32, "int8", cpu) == kv_dtype_auto(torch.float32, "gguf", cpu) == torch.bfloat16
+    assert kv_dtype_auto(torch.float32, None, cpu) == torch.float32
+    assert kv_dtype_auto(torch.bfloat16, None, cuda) == torch.bfloat16
+    for kv, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        q = LLM(loaded_model=smol_int8, kv_cache_memory=SMALL_KV, quantization="int8", kv_cache_dtype=kv, **CPU32)
+        assert q.engine.kv_pool.kv_caches[0][0].dtype == want
 
 
 @pytest.mark.slow
@@ -2393,7 +2409,7 @@ def test_quantization_int8_gives_the_same_tokens_alone_and_in_mixed_batches(smol
     # float attention's order of sums varies with the batch, and an 8-bit rounding can flip.)
     alone = LLM(loaded_model=smol_int8, kv_cache_memory=SMALL_KV, quantization="int8", batch_invariant=True, **CPU32)
     want = [token_ids(alone.generate([p], greedy(24)))[0] for p in PROMPTS[:6]]
-    mixed = LLM(loaded_model=smol_int8, kv_cache_memory=9 * 737280, max_num_batched_tokens=64,
+    mixed = LLM(loaded_model=smol_int8, kv_cache_memory=9 * 368640, max_num_batched_tokens=64,   # 9 bf16 blocks
                 quantization="int8", batch_invariant=True, **CPU32)
     assert token_ids(mixed.generate(PROMPTS[:6], greedy(24))) == want
     assert mixed.engine.scheduler.num_preemptions >= 1
