@@ -2122,7 +2122,8 @@ def test_quantization_gguf_keeps_only_blocks_and_with_float32_sums_gives_transfo
     # row count. With its 8-bit activations off (cpu_linear.GGUF_Q8_ACTIVATIONS, float32 sums: every
     # product the reference's) the oracle is exact: transformers on the GGUF (the float32 engine equals
     # it): logits one sequence at a time within 1e-3, and greedy tokens with mixed batches, chunked
-    # prefill (budget 64), prefix-cache hits (the second run) and preemption (9 KV blocks)
+    # prefill (budget 64), prefix-cache hits (the second run) and preemption (9 KV blocks,
+    # bfloat16: kv_dtype_auto)
     monkeypatch.setattr(CL, "GGUF_Q8_ACTIVATIONS", False)
     net, cfg, _ = W.load_model(None, quantization="gguf")
     linears = [m for m in net.modules() if isinstance(m, CL.Linear)]
@@ -2134,7 +2135,7 @@ def test_quantization_gguf_keeps_only_blocks_and_with_float32_sums_gives_transfo
     seqs = [[1, 504, 3458], [28, 9, 4433, 18, 7, 1000, 2]]
     for s in seqs:
         assert_logits_match(ragged_forward(net, [s]), [s], hf_smollm)
-    q = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, quantization="gguf", **CPU32)
+    q = LLM(kv_cache_memory=9 * 368640, max_num_batched_tokens=64, quantization="gguf", **CPU32)   # 9 bf16 blocks
     assert token_ids(q.generate(PROMPTS[:6], greedy(32))) == expected_32
     assert q.engine.scheduler.num_preemptions >= 1
     cached = LLM(loaded_model=(net, cfg, W.resolve_model_dir(None)), kv_cache_memory=SMALL_KV, quantization="gguf", **CPU32)
@@ -2153,8 +2154,9 @@ def test_quantization_gguf_engine_keeps_the_accuracy_bounds_in_mixed_batches(hf_
     # the default: 8-bit activations against the blocks at every row count, in every linear layer
     # and the lm_head (its Q8_0 blocks), so tokens differ from transformers' where logits nearly tie.
     # Oracle: transformers' float32 argmax teacher-forced on the engine's own greedy tokens, with mixed
-    # batches, chunked prefill (budget 64) and preemption (9 KV blocks): the same top-1 floor as below
-    q = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, quantization="gguf", **CPU32)
+    # batches, chunked prefill (budget 64) and preemption (9 KV blocks, bfloat16: kv_dtype_auto): the
+    # same top-1 floor as below
+    q = LLM(kv_cache_memory=9 * 368640, max_num_batched_tokens=64, quantization="gguf", **CPU32)   # 9 bf16 blocks
     linears = [m for m in q.engine.model.modules() if isinstance(m, CL.Linear)]
     assert all(m.q8_panels(rows) is not None for m in linears for rows in (1, 64))
     assert q.engine.model.lm_head.q8_panels(1)[1] == 32 and "8-bit activations per 32 values" in q.engine.model.gguf_log
@@ -2169,11 +2171,11 @@ def test_quantization_gguf_engine_keeps_the_accuracy_bounds_in_mixed_batches(hf_
     assert agree / total >= GGUF_Q8_TOP1_FLOOR
 
 
-def teacher_forced_top1(net, tok, hf_greedy_32) -> tuple[int, int]:
+def teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype=torch.float32) -> tuple[int, int]:
     """(positions where net's argmax is transformers' greedy token, positions): each parity prompt followed by
-    its 32 greedy tokens, in one ragged forward."""
+    its 32 greedy tokens, in one ragged forward (its KV cache in kv_dtype)."""
     seqs = [tok.encode(p) + hf_greedy_32[p] for p in PROMPTS]
-    logits = ragged_forward(net, seqs)
+    logits = ragged_forward(net, seqs, kv_dtype=kv_dtype)
     agree = total = start = 0
     for p, s in zip(PROMPTS, seqs):
         n = len(hf_greedy_32[p])
@@ -2202,8 +2204,10 @@ def teacher_forced_top1(net, tok, hf_greedy_32) -> tuple[int, int]:
 # to AVX2 0.973, 0.9931 (mean 1.0014), with bit-identical kernels: the spread is upstream of them.
 # Each build's kernel has exact int32 sums per block and one fixed float order across blocks.
 # requantized_pair runs the lm_head on its Q8_0 blocks with 8-bit activations, as quantization="gguf"
-# does (2026-11-28, same Xeon, native / AVX2 build): Q4_0 0.953 / 0.953 (244 of 256, one token above
-# the floor; 0.965 with a float32 lm_head), perplexity 1.0087 / 1.0024; Q8_0 0.969 / 0.977.
+# does; with a float32 KV cache (2026-11-28, same Xeon, native / AVX2 build) Q4_0 gave 0.953 / 0.953
+# (0.965 with a float32 lm_head), Q8_0 0.969 / 0.977; with the bfloat16 one the engine now gives
+# these paths (kv_dtype_auto, what the tests run) SmolLM2 0.988 / 0.984 (mean ratio 1.0057 / 1.0064),
+# Q4_0 0.973 / 0.969, Q8_0 0.969 / 0.961.
 GGUF_Q8_TOP1_FLOOR, GGUF_Q8_PPL_RATIO, GGUF_Q8_PPL_RATIO_ONE_RUN = 0.95, 1.01, 1.02
 GGUF_Q8_PERTURBED_SEEDS = 3
 
@@ -2211,13 +2215,16 @@ GGUF_Q8_PERTURBED_SEEDS = 3
 def gguf_8bit_accuracy(net, hf, tok, hf_greedy_32) -> tuple[float, list[float]]:
     """(teacher-forced top-1 agreement, [perplexity ratio to transformers' float32 on CORPUS: this
     build's float order, then GGUF_Q8_PERTURBED_SEEDS runs with the activations perturbed in their
-    last bit before 8-bit rounding]) for net, whose every linear layer runs 8-bit activations."""
+    last bit before 8-bit rounding]) for net, whose every linear layer runs 8-bit activations, with the
+    KV cache the engine gives quantization="gguf" by default (kv_cache_dtype "auto": engine.kv_dtype_auto)."""
+    from engine import kv_dtype_auto
+    kv_dtype = kv_dtype_auto(torch.float32, "gguf", torch.device("cpu"))
     assert all(m.q8_panels(1) is not None for m in net.modules() if isinstance(m, CL.Linear))
-    agree, total = teacher_forced_top1(net, tok, hf_greedy_32)
+    agree, total = teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype)
     text = tok.encode(" ".join(CORPUS))
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
     ref = math.exp(nll(hf_forward(hf, text)))
-    ratios = [math.exp(nll(ragged_forward(net, [text]))) / ref]
+    ratios = [math.exp(nll(ragged_forward(net, [text], kv_dtype=kv_dtype))) / ref]
     q8, g = CL.int8_linear, torch.Generator()
     def perturbed(x, w8, bias=None, group=None):
         return q8(x * (1 + 2.0 ** -23 * torch.randn(x.shape, generator=g)), w8, bias, group)
@@ -2225,7 +2232,7 @@ def gguf_8bit_accuracy(net, hf, tok, hf_greedy_32) -> tuple[float, list[float]]:
         mp.setattr(CL, "int8_linear", perturbed)
         for seed in range(GGUF_Q8_PERTURBED_SEEDS):
             g.manual_seed(seed)
-            ratios.append(math.exp(nll(ragged_forward(net, [text]))) / ref)
+            ratios.append(math.exp(nll(ragged_forward(net, [text], kv_dtype=kv_dtype))) / ref)
     return agree / total, ratios
 
 
@@ -2392,22 +2399,26 @@ def smol_int8():
 # noisy at the 1% level; per-token scales measured 0.883-0.895 and 1.001-1.015x). Bounds: the
 # issue's 95%, no more than 1% worse, and a floor that a broken kernel would fall through.
 # With the lm_head on the GGUF's Q8_0 blocks, 8-bit activations per 32 (2026-11-28, AVX-512/VNNI
-# Xeon, native / AVX2 build with torch held to AVX2): 0.961 / 0.969 and 0.983 / 0.987 (a float32
-# lm_head there: 0.961 / 0.965, 0.983 / 0.985).
+# Xeon, native / AVX2 build with torch held to AVX2), float32 KV cache: 0.961 / 0.969, perplexity
+# 0.983 / 0.987 (a float32 lm_head: 0.961 / 0.965); bfloat16 KV cache (the default here): 0.957 (245
+# of 256) / 0.965, 0.991 (a float32 lm_head: 0.969, 0.988).
 INT8_TOP1_FLOOR, INT8_PPL_RATIO = 0.95, (0.97, 1.01)
 def assert_int8_accuracy(net, hf, tok, hf_greedy_32):
-    """quantization="int8"'s bounds on net: only int8 layers but lm_head, which reads the GGUF's Q8_0
-    blocks with 8-bit activations per 32 (its float weight kept: the tied embedding's); top-1 and perplexity."""
+    """quantization="int8"'s bounds on net: only int8 layers but lm_head, which reads the GGUF's Q8_0 blocks
+    with 8-bit activations per 32 (its float weight kept: the tied embedding's); top-1 and perplexity, with the KV
+    cache the engine gives the path by default (kv_cache_dtype "auto": bfloat16, engine.kv_dtype_auto)."""
+    from engine import kv_dtype_auto
+    kv_dtype = kv_dtype_auto(torch.float32, "int8", torch.device("cpu"))
     linears = [m for m in net.modules() if isinstance(m, CL.Linear) and m is not net.lm_head]
     assert net.gguf_log.startswith(f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8")
     assert all(isinstance(m.quantized, CL.Q8Panels) and m.weight.stride() == (0, 0) for m in linears)   # no float copy
     assert net.lm_head.q8_panels(1)[1] == 32 and net.lm_head.weight is net.embed_tokens.weight
-    agree, total = teacher_forced_top1(net, tok, hf_greedy_32)
-    print(f"int8 ({torch.ops.nanoserve_linear.q8_dot()}): top-1 agreement with transformers' greedy tokens "
+    agree, total = teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype)
+    print(f"int8 ({torch.ops.nanoserve_linear.q8_dot()}, {kv_dtype} KV cache): top-1 agreement with transformers' greedy tokens "
           f"{agree / total:.3f} ({agree}/{total})")
     text = tok.encode(" ".join(CORPUS))
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
-    ours, ref = math.exp(nll(ragged_forward(net, [text]))), math.exp(nll(hf_forward(hf, text)))
+    ours, ref = math.exp(nll(ragged_forward(net, [text], kv_dtype=kv_dtype))), math.exp(nll(hf_forward(hf, text)))
     print(f"perplexity on CORPUS: int8 {ours:.4f}, float32 (transformers) {ref:.4f}, ratio {ours / ref:.4f}")
     assert agree / total >= INT8_TOP1_FLOOR
     assert INT8_PPL_RATIO[0] <= ours / ref <= INT8_PPL_RATIO[1]
@@ -2416,6 +2427,19 @@ def assert_int8_accuracy(net, hf, tok, hf_greedy_32):
 @pytest.mark.slow
 def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smollm, hf_greedy_32, tok):
     assert_int8_accuracy(smol_int8[0], hf_smollm, tok, hf_greedy_32)
+
+
+def test_kv_cache_dtype_auto_is_bfloat16_on_the_cpu_integer_paths_only(smol_int8):
+    # hand-written table: the 8-bit paths on a CPU get a 16-bit cache, every other "auto" the model dtype,
+    # and an explicit kv_cache_dtype is what runs
+    from engine import kv_dtype_auto
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kv_dtype_auto(torch.float32, "int8", cpu) == kv_dtype_auto(torch.float32, "gguf", cpu) == torch.bfloat16
+    assert kv_dtype_auto(torch.float32, None, cpu) == torch.float32
+    assert kv_dtype_auto(torch.bfloat16, None, cuda) == torch.bfloat16
+    for kv, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        q = LLM(loaded_model=smol_int8, kv_cache_memory=SMALL_KV, quantization="int8", kv_cache_dtype=kv, **CPU32)
+        assert q.engine.kv_pool.kv_caches[0][0].dtype == want
 
 
 @pytest.mark.slow
@@ -2427,7 +2451,7 @@ def test_quantization_int8_gives_the_same_tokens_alone_and_in_mixed_batches(smol
     # float attention's order of sums varies with the batch, and an 8-bit rounding can flip.)
     alone = LLM(loaded_model=smol_int8, kv_cache_memory=SMALL_KV, quantization="int8", batch_invariant=True, **CPU32)
     want = [token_ids(alone.generate([p], greedy(24)))[0] for p in PROMPTS[:6]]
-    mixed = LLM(loaded_model=smol_int8, kv_cache_memory=9 * 737280, max_num_batched_tokens=64,
+    mixed = LLM(loaded_model=smol_int8, kv_cache_memory=9 * 368640, max_num_batched_tokens=64,   # 9 bf16 blocks
                 quantization="int8", batch_invariant=True, **CPU32)
     assert token_ids(mixed.generate(PROMPTS[:6], greedy(24))) == want
     assert mixed.engine.scheduler.num_preemptions >= 1
