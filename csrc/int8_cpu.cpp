@@ -29,7 +29,7 @@
 // row), panels split over threads (at::parallel_for), rows in blocks that keep x's bytes in L2.
 // AVX2: each row's int32 sum is one chain of adds pinned in a register (keep): left free, GCC rebuilt a
 // block's 8 quads x 8 rows as a tree of partial sums that spilled AVX2's 16 ymm registers. One row
-// alone (decode) splits its chain over even and odd quads; the weights are prefetched 1 KB ahead.
+// alone (decode) splits its chain over even and odd quads; the weights are prefetched 2 KB ahead.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -59,7 +59,7 @@ constexpr int kCols = 8;     // output columns per panel (int32 lanes of a 256-b
 constexpr int kTileM = 8;    // rows of x per pass over a panel (AVX2 too, once nothing spills: 6 times the same)
 // bytes of weights prefetched ahead of the block being read: a panel's blocks, then the next
 // panel's, are one stream per thread, and at 1 row the pass waits on memory (~10% faster here)
-constexpr int64_t kAhead = 1024;
+constexpr int64_t kAhead = 2048;
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i bcast4(const int8_t* p) {   // x's 4 bytes at p in every lane
