@@ -316,11 +316,13 @@ def rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_hea
                     fused=False, backend="torch", one_op=True):
     """RoPE on q and k of qkv [T, (nh + 2 nkv) hd] in place, then each row's k and v into its slot of the
     paged cache (slot -1: not cached). Fused, one op (one_op=False: bench.py's before): the CUDA
-    library's kernel (a pass over qkv instead of two), or the CPU op where the cache has qkv's dtype;
+    library's kernel (a pass over qkv instead of two), or the CPU op where the cache has qkv's dtype (or
+    is bfloat16 under float32 qkv);
     else rope_ then the attention backend's reshape_and_cache, its reference."""
     if one_op and not isinstance(fused, bool):                                   # the CUDA ops
         return fused.rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads)
-    if fused is True and one_op and key_cache.dtype == value_cache.dtype == qkv.dtype:
+    if fused is True and one_op and key_cache.dtype == value_cache.dtype and (
+            key_cache.dtype == qkv.dtype or (qkv.dtype, key_cache.dtype) == (torch.float32, torch.bfloat16)):
         return torch.ops.nanoserve_fused.rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
                                                          num_heads, num_kv_heads, head_dim)
     rope_(qkv, cos, sin, num_heads + num_kv_heads, head_dim, fused)   # q and k sit side by side

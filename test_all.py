@@ -2653,17 +2653,19 @@ def test_fused_rope_in_place_matches_reference(fused_ops, dtype):
     torch.testing.assert_close(got[:, :64].float(), by_hand.view(21, 64), **FUSED_TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)],
+                         ids=["float32", "bfloat16", "float32-into-bfloat16-cache"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, rows", [(9, 3, 64, 1), (9, 3, 64, 21), (5, 1, 6, 7)],
                          ids=["smollm2-1-row", "smollm2-21-rows", "odd-5-heads-1-kv-dim-6"])
-def test_fused_rope_and_cache_matches_rope_then_reshape_and_cache(fused_ops, dtype, heads, kv_heads, head_dim, rows):
+def test_fused_rope_and_cache_matches_rope_then_reshape_and_cache(fused_ops, dtype, kv_dtype, heads, kv_heads,
+                                                                   head_dim, rows):
     # oracle: the plain-PyTorch RoPE, then paged_attention's reference cache write (index_copy_);
     # slots scattered over blocks, one row padding (-1: written nowhere), the cache's other slots untouched
     g = torch.Generator().manual_seed(rows)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     freqs = torch.randint(0, 2048, (rows, 1), generator=g).float() * (1e-4 ** (torch.arange(head_dim // 2) / (head_dim // 2)))
     cos, sin = freqs.cos(), freqs.sin()                                        # float32 [T, hd/2]
-    cache = torch.randn(2, 11, 4, kv_heads, head_dim, generator=g).to(dtype)  # (k, v) x [blocks, block_size, nkv, hd]
+    cache = torch.randn(2, 11, 4, kv_heads, head_dim, generator=g).to(kv_dtype)   # (k, v) x [blocks, block_size, nkv, hd]
     slots = torch.randperm(44, generator=g)[:rows]
     slots[rows // 2] = -1
     want_qkv, want_cache = qkv.clone(), cache.clone()
@@ -2671,11 +2673,13 @@ def test_fused_rope_and_cache_matches_rope_then_reshape_and_cache(fused_ops, dty
     T, kv = rows, kv_heads * head_dim
     k = want_qkv[:, heads * head_dim:heads * head_dim + kv].reshape(T, kv_heads, head_dim)
     v = want_qkv[:, heads * head_dim + kv:].reshape(T, kv_heads, head_dim)
-    pa.reshape_and_cache_reference(k, v, want_cache[0], want_cache[1], slots)
+    pa.reshape_and_cache_reference(k.to(kv_dtype), v.to(kv_dtype), want_cache[0], want_cache[1], slots)
     got_qkv, got_cache = qkv.clone(), cache.clone()
-    M.rope_and_cache_(got_qkv, cos, sin, got_cache[0], got_cache[1], slots, heads, kv_heads, head_dim, fused=True)
+    with RecordOps() as rec:                                                   # (defined with the GPU-path tests)
+        M.rope_and_cache_(got_qkv, cos, sin, got_cache[0], got_cache[1], slots, heads, kv_heads, head_dim, fused=True)
+    assert "nanoserve_fused::rope_and_cache_" in rec.launched                  # one op, not the two-op fallback
     torch.testing.assert_close(got_qkv, want_qkv, **FUSED_TOL[dtype])
-    torch.testing.assert_close(got_cache, want_cache, **FUSED_TOL[dtype])
+    torch.testing.assert_close(got_cache, want_cache, **FUSED_TOL[kv_dtype])
     untouched = torch.ones(44, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert torch.equal(got_cache.view(2, 44, -1)[:, untouched], cache.view(2, 44, -1)[:, untouched])

@@ -6,6 +6,7 @@
 //                                                     every row of qkv, in place (q and k, not v)
 //   rope_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
 //                                                     rope_ on q and k, then k and v into their cache slots
+//                                                     (a bfloat16 cache under float32 qkv too)
 //   silu_and_mul(gate_up) -> out                      out = silu(gate) * up, gate_up = [gate | up]
 //   argmax(logits) -> int64 [rows]                    torch.argmax(logits, -1): the sampler's greedy pick
 //   top_p_(logits, top_p)                             nucleus filter in place: -inf past each row's top_p
@@ -26,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -163,21 +165,29 @@ void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t
 // RoPE on q and k, then each row's k and v into its cache slot: what rope_ and paged_attention's
 // reshape_and_cache do, in one pass over the row while it is in cache, and without the copies the
 // cache write made of k and v (strided views of qkv). The cache is [blocks, block_size, kv_heads,
-// head_dim] in qkv's dtype, so a slot is one contiguous run of kv_heads x head_dim values.
-template <typename T>
+// head_dim], so a slot is one contiguous run of kv_heads x head_dim values, in qkv's dtype or in
+// bfloat16 under float32 qkv (the CPU integer paths' cache: engine.kv_dtype_auto), rounded on store.
+template <typename T, typename C>
 void rope_cache_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
                      at::Tensor& value_cache, const int64_t* slots, int64_t heads, int64_t kv_heads, int64_t D) {
   rope_rows<T>(qkv, cos, sin, heads + kv_heads, D);
   const int64_t row = kv_heads * D;
   T* qkv_data = qkv.mutable_data_ptr<T>();
-  T* kd = key_cache.mutable_data_ptr<T>();
-  T* vd = value_cache.mutable_data_ptr<T>();
+  C* kd = key_cache.mutable_data_ptr<C>();
+  C* vd = value_cache.mutable_data_ptr<C>();
   at::parallel_for(0, qkv.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;                 // -1: a padding row, not cached
       const T* k = qkv_data + t * qkv.stride(0) + heads * D;
-      std::memcpy(kd + slots[t] * row, k, row * sizeof(T));
-      std::memcpy(vd + slots[t] * row, k + row, row * sizeof(T));
+      if constexpr (std::is_same_v<T, C>) {
+        std::memcpy(kd + slots[t] * row, k, row * sizeof(T));
+        std::memcpy(vd + slots[t] * row, k + row, row * sizeof(T));
+      } else {
+        C* kc = kd + slots[t] * row;
+        C* vc = vd + slots[t] * row;
+        for (int64_t i = 0; i < row; ++i) store(kc + i, to_float(k[i]));
+        for (int64_t i = 0; i < row; ++i) store(vc + i, to_float(k[row + i]));
+      }
     }
   });
 }
@@ -188,10 +198,12 @@ void rope_and_cache_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& si
   check_rows(qkv, "qkv");
   TORCH_CHECK((num_heads + 2 * num_kv_heads) * head_dim == qkv.size(1), "qkv must be [num_tokens, (num_heads + 2 "
               "num_kv_heads) head_dim]");
+  const bool to_bf16 = qkv.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
   for (const auto* c : {&key_cache, &value_cache})
-    TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->scalar_type() == qkv.scalar_type() &&
-                c->size(2) == num_kv_heads && c->size(3) == head_dim,
-                "key/value cache must be contiguous [blocks, block_size, num_kv_heads, head_dim] in qkv's dtype");
+    TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->scalar_type() == key_cache.scalar_type() &&
+                (c->scalar_type() == qkv.scalar_type() || to_bf16) && c->size(2) == num_kv_heads && c->size(3) == head_dim,
+                "key/value cache must be contiguous [blocks, block_size, num_kv_heads, head_dim] in qkv's dtype "
+                "(or bfloat16 under float32 qkv)");
   const auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == qkv.size(0), "slot_mapping must have one slot per row of qkv");
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
@@ -202,10 +214,13 @@ void rope_and_cache_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& si
   for (const auto* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == qkv.size(0) &&
                 t->size(1) == head_dim / 2, "cos/sin must be float32 [num_tokens, head_dim / 2]");
-  if (qkv.scalar_type() == at::kFloat)
-    rope_cache_rows<float>(qkv, cos, sin, key_cache, value_cache, s, num_heads, num_kv_heads, head_dim);
+  if (to_bf16)
+    rope_cache_rows<float, at::BFloat16>(qkv, cos, sin, key_cache, value_cache, s, num_heads, num_kv_heads, head_dim);
+  else if (qkv.scalar_type() == at::kFloat)
+    rope_cache_rows<float, float>(qkv, cos, sin, key_cache, value_cache, s, num_heads, num_kv_heads, head_dim);
   else
-    rope_cache_rows<at::BFloat16>(qkv, cos, sin, key_cache, value_cache, s, num_heads, num_kv_heads, head_dim);
+    rope_cache_rows<at::BFloat16, at::BFloat16>(qkv, cos, sin, key_cache, value_cache, s, num_heads, num_kv_heads,
+                                                head_dim);
 }
 
 template <typename T>
