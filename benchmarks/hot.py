@@ -164,15 +164,19 @@ def step_breakdown(engine=None, batch=1, prompt_len=32, steps=12, rounds=3, call
     attn = [m for m in net.modules() if isinstance(m, M.Attention)]
     steps_ms = {m: [] for m in ("before", "after")}
     fwd = {m: [] for m in steps_ms}
-    for _ in range(rounds):                                    # interleaved: the same load on each
-        for mode in steps_ms:
-            for a in attn:
-                a.fused_cache = mode == "after"
-            r = decode_steps(engine, batch, prompt_len=prompt_len, steps=steps)
-            steps_ms[mode].append(r["step_ms_median"])
-            fwd[mode].append(r["phase_ms"]["forward"])
-    for a in attn:
-        a.fused_cache = True
+    M.DecoderLayer.layer_op = False                            # both sides the Python layers (layer_op_breakdown: the op)
+    try:
+        for _ in range(rounds):                                # interleaved: the same load on each
+            for mode in steps_ms:
+                for a in attn:
+                    a.fused_cache = mode == "after"
+                r = decode_steps(engine, batch, prompt_len=prompt_len, steps=steps)
+                steps_ms[mode].append(r["step_ms_median"])
+                fwd[mode].append(r["phase_ms"]["forward"])
+    finally:
+        M.DecoderLayer.layer_op = True
+        for a in attn:
+            a.fused_cache = True
     matmul = matmul_only_ms(engine, batch, repeats=5)
     ops = _layer_op_us(engine, batch, prompt_len + steps, calls)
     L = cfg.num_hidden_layers
