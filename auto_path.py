@@ -7,7 +7,8 @@ the gguf tests), so the fastest of them is picked: the float weights at the dtyp
 (bfloat16 where the CPU multiplies it natively, float32 elsewhere), quantization="int8", and
 quantization="gguf" (the file's own blocks). Which is fastest depends on the CPU and on the kernels
 of the day, so it is measured here, on one decoder layer's real weights and the lm_head at 1, 64 and
-256 rows, and the answer cached on disk per CPU flags, torch, kernel sources and model (like
+256 rows, each path's layers made and run as the engine's (weights.quantize_linear, Linear.forward:
+the integer paths' 8-bit activations, the float path's GGUF blocks at a few rows), and the answer cached on disk per CPU flags, torch, kernel sources and model (like
 extensions.py's builds): a machine keeps its pick, and so its tokens, until one of those changes.
 Owns the measurement, the rule and the cache; the engine calls choose() once and logs its line.
 """
@@ -67,14 +68,16 @@ def cache_dir() -> Path:
 
 def cache_key(model_dir: str, float_dtype: torch.dtype) -> str:
     """What the measurement depends on: the CPU (flags, torch's and oneDNN's ISA caps, threads),
-    torch, the linear kernels' sources and build flags, this file, the model and the float dtype."""
+    torch, the linear kernels' sources and build flags, the files that say which kernel each layer
+    runs (cpu_linear.py, weights.py) and this one, the model and the float dtype."""
+    import weights
     h = hashlib.sha1(f"{sorted(CL.cpu_flags())} {torch.__version__} {torch.get_num_threads()} {float_dtype} "
                      f"{os.path.realpath(model_dir)} {sorted(extensions.BUILDS['linear_cpu'].items())} "
                      f"{[os.environ.get(v) for v in ('ATEN_CPU_CAPABILITY', 'ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA')]}"
                      .encode())
     for src in extensions.BUILDS["linear_cpu"]["sources"]:
         h.update((extensions.CSRC / src).read_bytes())
-    for f in (CL.__file__, __file__):
+    for f in (CL.__file__, weights.__file__, __file__):
         h.update(Path(f).read_bytes())
     return h.hexdigest()[:16]
 
@@ -82,56 +85,71 @@ def cache_key(model_dir: str, float_dtype: torch.dtype) -> str:
 def measure(model_dir: str, float_dtype: torch.dtype, repeats: int = 3) -> dict[str, dict[int, float]]:
     """candidate -> rows -> ms of every linear layer of the model at that many rows, estimated as
     num_layers x layer 0's (fused q/k/v and gate/up, as model.py runs them) + the lm_head, each
-    candidate on the weights it would run ("float", and "int8" and "gguf" where their kernels built and
-    the file has the blocks), the candidates taking turns, best of `repeats`."""
+    candidate's layers made as the engine makes them (layer(): "float", and "int8" and "gguf" where
+    their kernels built and the file has the blocks) and run through their own forward, the
+    candidates taking turns, best of `repeats`."""
+    num_layers, parts, (head, head_blocks) = layer0_and_head(model_dir)
+    candidates = {"float": None}
+    if CL._cpu_linear_kernels()[0]:               # the integer kernels built (else only the float path runs)
+        candidates["int8"] = "int8"
+        if all(b is not None for _, b in parts):
+            candidates["gguf"] = "gguf"
+    layers = {c: [layer(w, b, q, float_dtype) for w, b in parts] for c, q in candidates.items()}
+    lm_head = {c: [layer(head, head_blocks, q, float_dtype, lm_head=True)] for c, q in candidates.items()}
+    dtypes = {c: torch.float32 if q else float_dtype for c, q in candidates.items()}
+    xs = {(r, dt): {k: torch.randn(r, k).to(dt) for k in {w.shape[1] for w, _ in parts}}
+          for r in ROWS for dt in set(dtypes.values())}
+    heads = {(r, dt): {head.shape[1]: torch.randn(min(r, HEAD_ROWS), head.shape[1]).to(dt)}
+             for r in ROWS for dt in set(dtypes.values())}
+    best = {(c, r, part): float("inf") for c in candidates for r in ROWS for part in ("layer", "head")}
+    with torch.inference_mode():
+        for _ in range(repeats):                  # interleaved: the same load on each
+            for c in candidates:
+                for r in ROWS:
+                    for part, mods, x in (("layer", layers[c], xs[r, dtypes[c]]), ("head", lm_head[c], heads[r, dtypes[c]])):
+                        run = lambda: [m(x[m.in_features], float_out=part == "head") for m in mods]   # noqa: E731
+                        run()                     # warm: the weights in cache as in a step
+                        t = time.perf_counter()
+                        run()
+                        best[c, r, part] = min(best[c, r, part], time.perf_counter() - t)
+    return {c: {r: (num_layers * best[c, r, "layer"] + best[c, r, "head"]) * 1e3 for r in ROWS} for c in candidates}
+
+
+def layer0_and_head(model_dir: str):
+    """-> (num_layers, [(weight [N, K] float32, its GGUFBlocks or None)] for layer 0's qkv, o, gate_up
+    and down, fused as model.py runs them, (lm_head's weight, its GGUFBlocks or None)), read from the
+    converted GGUF in model_dir (weights.convert_gguf's float32 weights and write_gguf_blocks' blocks)."""
     from safetensors import safe_open
     from weights import GGUF_BLOCKS
     with open(os.path.join(model_dir, "config.json")) as f:
         num_layers = json.load(f)["num_hidden_layers"]
     with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as st:
         w = {n: st.get_tensor(f"model.layers.0.{n}.weight") for n in LAYER}
-        head = st.get_tensor("lm_head.weight" if "lm_head.weight" in st.keys() else "model.embed_tokens.weight")
+        head_name = "lm_head.weight" if "lm_head.weight" in st.keys() else "model.embed_tokens.weight"
+        head = st.get_tensor(head_name)
     with safe_open(os.path.join(model_dir, GGUF_BLOCKS), "pt") as sb:
-        blk = {n: [sb.get_tensor(f"model.layers.0.{n}.weight.{p}") if f"model.layers.0.{n}.weight.{p}" in sb.keys()
-                   else None for p in ("qs", "scales", "mins")] for n in LAYER}
-    fused = [LAYER[:3], LAYER[3:4], LAYER[4:6], LAYER[6:]]                # qkv, o, gate_up, down
-    weights = [torch.cat([w[n] for n in g]) for g in fused]               # [N, K] float32 each
-    blocks = [CL.GGUFBlocks(*(None if blk[g[0]][i] is None else torch.cat([blk[n][i] for n in g]) for i in range(3)))
-              for g in fused]
-    layer = {"float": _float_layers(weights, float_dtype)}
-    lm_head = {"float": _float_layers([head], float_dtype)}
-    if CL._cpu_linear_kernels()[0]:               # the integer kernels built (else only the float path runs)
-        layer["int8"], lm_head["int8"] = _int8_layers(weights), _float_layers([head], torch.float32)
-        if all(b.qs is not None and b.scales is not None for b in blocks):
-            # the lm_head: float32 sums over the embedding's blocks cost about what float32 does
-            layer["gguf"], lm_head["gguf"] = _gguf_layers(blocks), lm_head["int8"]
-    best = {(c, r, part): float("inf") for c in layer for r in ROWS for part in ("layer", "head")}
-    xs = {r: {k: torch.randn(r, k) for k in {t.shape[1] for t in weights}} for r in ROWS}
-    heads = {r: {head.shape[1]: torch.randn(min(r, HEAD_ROWS), head.shape[1])} for r in ROWS}
-    for _ in range(repeats):                      # interleaved: the same load on each
-        for c in layer:
-            for r in ROWS:
-                for part, run, x in (("layer", layer[c], xs[r]), ("head", lm_head[c], heads[r])):
-                    run(x)                        # warm: the weights in cache as in a step
-                    t = time.perf_counter()
-                    run(x)
-                    best[c, r, part] = min(best[c, r, part], time.perf_counter() - t)
-    return {c: {r: (num_layers * best[c, r, "layer"] + best[c, r, "head"]) * 1e3 for r in ROWS} for c in layer}
+        def blocks(names):                        # GGUFBlocks of the rows of `names` concatenated, or None
+            got = [[sb.get_tensor(f"{n}.{p}") if f"{n}.{p}" in sb.keys() else None for n in names]
+                   for p in ("qs", "scales", "mins")]
+            if any(t is None for t in got[0] + got[1]):
+                return None
+            return CL.GGUFBlocks(*(None if any(t is None for t in ts) else torch.cat(ts) for ts in got))
+        fused = [LAYER[:3], LAYER[3:4], LAYER[4:6], LAYER[6:]]            # qkv, o, gate_up, down
+        parts = [(torch.cat([w[n] for n in g]), blocks([f"model.layers.0.{n}.weight" for n in g])) for g in fused]
+        return num_layers, parts, (head, blocks([head_name]))
 
 
-def _float_layers(weights, dtype):
-    """The float path: model.linear on the prepacked weight at `dtype`, as the engine's Linear runs it."""
-    ws = [w.to(dtype) for w in weights]
-    packed = [CL.pack_weight(w) for w in ws]
-    return lambda xs: [CL.linear(xs[w.shape[1]].to(dtype), w, None, p) for w, p in zip(ws, packed)]
-
-
-def _int8_layers(weights):
-    w8 = [CL.quantize_int8(w) for w in weights]
-    return lambda xs: [CL.int8_linear(xs[w.shape[1]], q) for w, q in zip(weights, w8)]
-
-
-def _gguf_layers(blocks):
-    """quantization="gguf"'s kernel, with the 8-bit activation rows the engine's choose_gguf_path would set."""
-    q8_rows, _ = CL.choose_gguf_path(max(blocks, key=lambda b: b.qs.numel()), repeats=1)
-    return lambda xs: [CL.gguf_linear(xs[b.scales.shape[1] * 32], b, None, q8_rows) for b in blocks]
+def layer(weight: torch.Tensor, blocks: "CL.GGUFBlocks | None", quantization: str | None, float_dtype: torch.dtype,
+           lm_head: bool = False) -> CL.Linear:
+    """One Linear as the engine makes it on a path: quantization None, the float weight at float_dtype
+    with the GGUF's blocks attached in float32 (weights.attach_gguf_blocks; linear() reads them at a
+    few rows); "int8" or "gguf", those blocks attached and then weights.quantize_linear, as load_model does."""
+    from weights import quantize_linear
+    dtype = torch.float32 if quantization else float_dtype
+    lin = CL.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+    if blocks is not None and dtype == torch.float32:
+        lin._gguf = (lin.weight_key(), blocks)
+    if quantization:
+        quantize_linear(lin, quantization, lm_head=lm_head, keep_weight=lm_head)
+    return lin

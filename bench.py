@@ -306,9 +306,9 @@ def print_int8(d):
         section_header(title, [f"skipped: {d['skipped']}"])
         return
     isa = d.get("isa", {})
-    section_header(title, [d["log"], f"one pass over the {d['layers']} layers int8 quantizes (lm_head left out: "
-                   f"float32 in both), the kernels taking turns, best of {d['repeats']}; GGUF blocks: float32 sums "
-                   f"(quantization=\"gguf\"'s kernel) and 8-bit activations against them; decode step: an int8 and a "
+    section_header(title, [d["log"], f"one pass over the {d['layers']} layers int8 quantizes (lm_head left out), "
+                   f"the kernels taking turns, best of {d['repeats']}; GGUF blocks: 8-bit activations against them "
+                   f"(quantization=\"gguf\") and float32 sums (the float32 engine's kernel at 1-2 rows); decode step: an int8 and a "
                    f"float32 engine, taking turns, best median of {d['rounds']} rounds",
                    f"integer dot product: {isa.get('q8_dot', '-')} (NANOSERVE_CPU_ISA={isa.get('NANOSERVE_CPU_ISA', '-')}); "
                    f"float32: {isa.get('float32', '-')}, torch CPU capability {isa.get('torch_capability', '-')}"])

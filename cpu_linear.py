@@ -2,10 +2,11 @@
 Linear layers on the CPU: which kernel multiplies x by a weight, and the weight copies it reads.
 
 Owns the choice between csrc/linear_cpu.cpp's kernels (a GEMM on weight panels, a small-M
-kernel that streams the weight once, the GGUF's Q4_1/Q4_0/Q8_0 blocks at a few rows, int8 weights
-against 8-bit activations for quantization="int8") and oneDNN on a
+kernel that streams the weight once, the GGUF's Q4_1/Q4_0/Q8_0 blocks at a few rows) and oneDNN on a
 prepacked weight, made once per weight (`pack_weight`); `linear()` is F.linear with that choice,
-and `Linear` is nn.Linear that keeps its packed copy. Also what this CPU multiplies natively
+and `Linear` is nn.Linear that keeps its packed copy. The integer paths (quantization="int8" and
+"gguf") run csrc/int8_cpu.cpp's linear_q8, 8-bit activations against int8 weights or the GGUF's
+blocks, at every row count: `Linear.q8_panels` is the rule. Also what this CPU multiplies natively
 (`cpu_bf16_native`, read by model.resolve_dtype). Every choice below was measured; the numbers
 are in the comments and in results/. On other devices and dtypes linear() is plain F.linear.
 Batch-invariant mode (`invariant=True`, docs/batch-invariance.md) takes one kernel at every row
@@ -268,49 +269,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], N)                                 # [..., N]
 
 
-def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None,
-                q8_rows: int | None = None) -> torch.Tensor:
-    """x [..., K] float32 against a weight's GGUF blocks at any row count (quantization="gguf")
-    -> [..., N] float32: float32 sums (the reference's products), or from q8_rows rows on (where
-    choose_gguf_path found them faster) 8-bit activations against the blocks."""
+def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 against a weight's GGUF blocks at any row count, float32 sums
+    (csrc/linear_cpu.cpp's linear_gguf: every product the float32 reference's, only the order of
+    the sums differs) -> [..., N] float32. quantization="gguf" with GGUF_Q8_ACTIVATIONS off."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # [M, K]
-    if q8_rows is not None and len(x2) >= q8_rows:
-        out = gguf_linear_q8(x2, blocks, bias)
-    else:
-        out = torch.ops.nanoserve_linear.linear_gguf(x2, blocks.qs, blocks.scales, blocks.mins, bias)
+    out = torch.ops.nanoserve_linear.linear_gguf(x2, blocks.qs, blocks.scales, blocks.mins, bias)
     return out.view(*x.shape[:-1], out.shape[-1])                     # [..., N]
 
 
-# quantization="gguf" at a few rows always sums in float32 (batch-1 logits are the float32
-# engine's up to summation order); from GGUF_Q8_ROWS rows on it could take 8-bit activations where
-# they are faster at start-up (choose_gguf_path). On SmolLM2 they keep 96-98% of greedy top-1
-# agreement and perplexity within 1% (test_all.py). csrc/int8_cpu.cpp's kernel is now faster than
-# the float32 sums at every row count measured (1-64 rows, both the AVX2 and the AVX512_VNNI build:
-# docs/quantization.md), but they stay off (GGUF_Q8_ACTIVATIONS): they change the tokens, which
-# quantization="gguf"'s tests hold to transformers', and a path picked by a timing at start-up would
-# make a run's tokens depend on that timing.
-GGUF_Q8_ROWS = 16
-GGUF_Q8_ACTIVATIONS = False
-
-
-def choose_gguf_path(blocks: GGUFBlocks, rows: int = 64, repeats: int = 3) -> tuple[int | None, str]:
-    """Time one layer's blocks at `rows` rows, float32 sums against 8-bit activations, taking turns;
-    -> (q8_rows for gguf_linear: GGUF_Q8_ROWS if 8-bit activations are on and won, else None; a log line)."""
-    import time
-    x = torch.randn(rows, blocks.scales.shape[1] * 32)
-    runs = {"float32 sums": lambda: torch.ops.nanoserve_linear.linear_gguf(x, blocks.qs, blocks.scales, blocks.mins, None),
-            "8-bit activations": lambda: gguf_linear_q8(x, blocks)}
-    best = {k: float("inf") for k in runs}
-    for _ in range(repeats):
-        for k, f in runs.items():
-            t = time.perf_counter()
-            f()
-            best[k] = min(best[k], time.perf_counter() - t)
-    q8 = GGUF_Q8_ACTIVATIONS and best["8-bit activations"] < best["float32 sums"]
-    line = (f"from {GGUF_Q8_ROWS} rows {'8-bit activations' if q8 else 'float32 sums'} (measured now at {rows} rows: "
-            f"float32 sums {best['float32 sums'] * 1e3:.2f} ms, 8-bit activations {best['8-bit activations'] * 1e3:.2f} ms, "
-            f"{torch.ops.nanoserve_linear.q8_dot()}{'' if GGUF_Q8_ACTIVATIONS else '; 8-bit activations off: they change the tokens'})")
-    return (GGUF_Q8_ROWS if q8 else None), line
+# The integer paths (quantization="gguf", and "int8"'s lm_head where the GGUF's blocks are attached)
+# read the GGUF's blocks with 8-bit activations (csrc/int8_cpu.cpp's linear_q8, llama.cpp's Q8_1
+# against Q4_1 / Q8_0) at every row count, so a row's result never depends on its batch. ms per pass
+# over a quantization="gguf" engine's 121 linear layers (benchmarks/hot.py's matmul_only_ms), 2
+# threads of an AVX-512/VNNI Xeon, quiet, 2026-11-28, at 1 / 64 rows: 8.8 / 74 against 21.2 / 194
+# with the float32 sums; the AVX2 build, torch held to AVX2, 10.5 / 118 against 20.2 / 202 (the
+# lm_head alone at 1 row 0.7 against 1.6 ms). They change the tokens: the bounds they hold instead
+# (teacher-forced top-1 >= 0.95 against transformers' float32 greedy tokens, perplexity within 1%,
+# for Q4_1, Q4_0 and Q8_0, on the AVX2 and the VNNI build) are in test_all.py and docs/quantization.md.
+# False: the float32 sums (gguf_linear) there instead, the float32 reference's products; read when
+# the model is loaded (weights.quantize_linear).
+GGUF_Q8_ACTIVATIONS = True
+GGUF_Q8_GROUP = 32                        # a GGUF block: one activation scale per 32 values, as the weight's
 
 
 def gguf_linear_q8(x2: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,8 +300,7 @@ def gguf_linear_q8(x2: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | No
     the *rounded* x, so the result is the rounded x times the weight (d q + m). (Summing x itself
     there leaves the rounding error times d q, with q in 0..15 never centred: 2.6% perplexity on
     SmolLM2 against 0.6%, docs/quantization.md.)"""
-    p = gguf_q8_panels(blocks)
-    return torch.ops.nanoserve_linear.linear_q8(x2, p.w, p.d, p.m, None, p.out_features, 32, bias)
+    return int8_linear(x2, gguf_q8_panels(blocks), bias, GGUF_Q8_GROUP)
 
 
 @dataclass
@@ -336,6 +315,11 @@ class Q8Panels:
     d: torch.Tensor | None = None
     m: torch.Tensor | None = None
     sw: torch.Tensor | None = None
+
+    @property
+    def group(self) -> int:
+        """x's values per 8-bit scale this weight runs with: a GGUF block (d given), else INT8_GROUP."""
+        return GGUF_Q8_GROUP if self.d is not None else INT8_GROUP
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor | None = None, m: torch.Tensor | None = None,
@@ -388,13 +372,14 @@ INT8_GROUP = 64
 
 def int8_linear(x: torch.Tensor, w8: Q8Panels, bias: torch.Tensor | None = None,
                 group: int | None = None) -> torch.Tensor:
-    """x [..., K] float32 against quantize_int8's weight -> [..., N] float32: each row of x quantized
-    to 8 bits with a scale per `group` values (a multiple of 32, or >= K for one per row; max |x| /
-    127; default INT8_GROUP), exact int32 dot products per group, summed in float32 in a fixed order
+    """x [..., K] float32 against a Q8Panels (quantize_int8's, or the GGUF blocks' gguf_q8_panels)
+    -> [..., N] float32: each row of x quantized to 8 bits with a scale per `group` values (a
+    multiple of 32, or >= K for one per row; max |x| / 127; default w8.group: INT8_GROUP, or 32 for
+    the GGUF's blocks), exact int32 dot products per group, summed in float32 in a fixed order
     (csrc/int8_cpu.cpp's linear_q8). A row's result never depends on the rows beside it."""
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()               # [M, K]
-    out = torch.ops.nanoserve_linear.linear_q8(x2, w8.w, None, None, w8.sw, w8.out_features,
-                                               group or INT8_GROUP, bias)
+    out = torch.ops.nanoserve_linear.linear_q8(x2, w8.w, w8.d, w8.m, w8.sw, w8.out_features,
+                                               group or w8.group, bias)
     return out.view(*x.shape[:-1], w8.out_features)                  # [..., N]
 
 
@@ -418,19 +403,29 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) whose forward is linear() above, with the
     weight's packed copy (pack_weight) made at the first call and remade if the weight is
     replaced or changed, and the GGUF blocks weights.attach_gguf_blocks gave it (dropped if the
-    weight changes)."""
+    weight changes); or, where weights.quantize_linear set `quantized`, only that."""
     _packed = (None, None)                    # (which weight it was made from, packed copy)
     _packed_invariant = (None, None)          # the same for batch-invariant mode, where the copy may differ
     _gguf = (None, None)                      # (the weight it matches, GGUFBlocks): weights.py
-    quantized: "GGUFBlocks | Q8Panels | None" = None   # quantization="gguf" / "int8": only these, at every row count (weights.py)
-    q8_rows: int | None = None                # and 8-bit activations from this many rows (choose_gguf_path)
+    # what forward reads instead of `weight`, at every row count (weights.quantize_linear): Q8Panels
+    # (int8, or the GGUF's blocks with 8-bit activations) or GGUFBlocks (float32 sums)
+    quantized: "GGUFBlocks | Q8Panels | None" = None
     batch_invariant = False                   # model.Llama.set_batch_invariant sets it
 
+    def q8_panels(self, rows: int) -> tuple[Q8Panels, int] | None:
+        """(the packed weight, x's values per 8-bit scale) this layer runs csrc/int8_cpu.cpp's
+        linear_q8 with at `rows` rows, else None (linear() or the GGUF's float32 sums). The one
+        rule forward and any fused op follow; today the same answer at every row count, so a row's
+        result never depends on its batch."""
+        q = self.quantized
+        return (q, q.group) if isinstance(q, Q8Panels) else None
+
     def forward(self, x, float_out=False):
-        if isinstance(self.quantized, Q8Panels):
-            return int8_linear(x, self.quantized, self.bias)
+        q8 = self.q8_panels(x.numel() // x.shape[-1])
+        if q8 is not None:                    # float32 out, the logits included
+            return int8_linear(x, q8[0], self.bias, q8[1])
         if self.quantized is not None:
-            return gguf_linear(x, self.quantized, self.bias, self.q8_rows)
+            return gguf_linear(x, self.quantized, self.bias)
         return linear(x, self.weight, self.bias, *self.prepared(), float_out=float_out,
                       invariant=self.batch_invariant)
 
@@ -443,8 +438,8 @@ class Linear(nn.Linear):
         """(the packed copy, GGUF blocks) for the current weight, checked with one key per
         call (at batch 1 a step makes 121 of these calls): the copy is remade and the blocks
         dropped once the weight is replaced or changed."""
-        if self.quantized is not None:        # no float32 weight to pack
-            return None, self.quantized if isinstance(self.quantized, GGUFBlocks) else None
+        if self.quantized is not None:        # no float32 weight read
+            return None, self.gguf_blocks()
         key = self.weight_key()
         slot, other = ("_packed_invariant", self._packed) if self.batch_invariant else ("_packed", self._packed_invariant)
         if getattr(self, slot)[0] != key:
@@ -452,10 +447,13 @@ class Linear(nn.Linear):
             # shared by engines of both modes (bench.py) neither repacks per step nor holds it twice
             same = other[0] == key and pack_kind(self.weight, True) == pack_kind(self.weight, False)
             setattr(self, slot, (key, other[1] if same else pack_weight(self.weight, self.batch_invariant)))
-        return getattr(self, slot)[1], (self._gguf[1] if self._gguf[0] == key else None)
+        return getattr(self, slot)[1], self.gguf_blocks()
 
     def packed_weight(self) -> torch.Tensor | None:
         return self.prepared()[0]
 
     def gguf_blocks(self) -> GGUFBlocks | None:
-        return self.prepared()[1]
+        """The GGUF blocks this layer reads or was given for its current weight (packs nothing)."""
+        if self.quantized is not None:
+            return self.quantized if isinstance(self.quantized, GGUFBlocks) else None
+        return self._gguf[1] if self._gguf[0] == self.weight_key() else None

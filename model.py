@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import paged_attention
-from cpu_linear import INT8_GROUP, GGUFBlocks, Linear, Q8Panels, cpu_bf16_native, gguf_q8_panels
+from cpu_linear import Linear, Q8Panels, cpu_bf16_native
 from extensions import decoder_layer_op_available, fused_ops_available
 from paged_attention import AttentionMetadata
 
@@ -214,16 +214,11 @@ class DecoderLayer(nn.Module):
 
 
 def q8_linear_args(linear: Linear, rows: int) -> tuple[Q8Panels, int] | None:
-    """(packed weight, activation group) where `linear` runs csrc/int8_cpu.cpp's linear_q8 at `rows`
-    rows, as Linear.forward picks it, else None: quantization="int8" (Q8Panels, groups of INT8_GROUP)
-    at every row count; the GGUF's blocks (their 32-value blocks) from q8_rows rows on. The one
-    place the decoder layer op asks whether a linear is on 8-bit activations."""
-    q = getattr(linear, "quantized", None)
-    if isinstance(q, Q8Panels):
-        return q, INT8_GROUP
-    if isinstance(q, GGUFBlocks) and linear.q8_rows is not None and rows >= linear.q8_rows:
-        return gguf_q8_panels(q), 32
-    return None
+    """(packed weight, x's values per 8-bit scale) where `linear` runs csrc/int8_cpu.cpp's linear_q8 at
+    `rows` rows, else None: cpu_linear.Linear.q8_panels, the rule its forward follows (int8, and the
+    GGUF's blocks), so the layer op runs exactly the linears' own path. Other linear classes: None."""
+    q8_panels = getattr(linear, "q8_panels", None)
+    return q8_panels(rows) if q8_panels is not None else None
 
 
 class Llama(nn.Module):

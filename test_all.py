@@ -2116,20 +2116,26 @@ def test_gguf_block_kernel_matches_float64_dequantize_then_matmul(kind):
 
 
 @pytest.mark.slow
-def test_quantization_gguf_keeps_only_blocks_and_gives_transformers_outputs(hf_smollm, expected_32):
+def test_quantization_gguf_keeps_only_blocks_and_with_float32_sums_gives_transformers_outputs(hf_smollm, expected_32,
+                                                                                               monkeypatch):
     # quantization="gguf": every linear layer and the embedding read only the file's blocks, at every
-    # row count; oracle: transformers on the GGUF (the float32 engine equals it): logits one
-    # sequence at a time within 1e-3, and greedy tokens with mixed batches, chunked prefill
-    # (budget 64), prefix-cache hits (the second run) and preemption (9 KV blocks)
+    # row count. With its 8-bit activations off (cpu_linear.GGUF_Q8_ACTIVATIONS, float32 sums: every
+    # product the reference's) the oracle is exact: transformers on the GGUF (the float32 engine equals
+    # it): logits one sequence at a time within 1e-3, and greedy tokens with mixed batches, chunked
+    # prefill (budget 64), prefix-cache hits (the second run) and preemption (9 KV blocks,
+    # bfloat16: kv_dtype_auto)
+    monkeypatch.setattr(CL, "GGUF_Q8_ACTIVATIONS", False)
     net, cfg, _ = W.load_model(None, quantization="gguf")
     linears = [m for m in net.modules() if isinstance(m, CL.Linear)]
     assert net.gguf_log.startswith(f"quantization gguf: {len(linears)} of {len(linears)} linear layers and the embedding")
-    assert all(m.quantized is not None and m.weight.stride() == (0, 0) for m in linears)   # no float32 copy
+    assert net.gguf_log.endswith("float32 sums (cpu_linear.GGUF_Q8_ACTIVATIONS off)")
+    assert all(isinstance(m.quantized, CL.GGUFBlocks) and m.q8_panels(64) is None and m.weight.stride() == (0, 0)
+               for m in linears)                                         # no float32 copy
     assert isinstance(net.embed_tokens, W.GGUFEmbedding) and net.embed_tokens.weight.stride() == (0, 0)
     seqs = [[1, 504, 3458], [28, 9, 4433, 18, 7, 1000, 2]]
     for s in seqs:
         assert_logits_match(ragged_forward(net, [s]), [s], hf_smollm)
-    q = LLM(kv_cache_memory=9 * 737280, max_num_batched_tokens=64, quantization="gguf", **CPU32)
+    q = LLM(kv_cache_memory=9 * 368640, max_num_batched_tokens=64, quantization="gguf", **CPU32)   # 9 bf16 blocks
     assert token_ids(q.generate(PROMPTS[:6], greedy(32))) == expected_32
     assert q.engine.scheduler.num_preemptions >= 1
     cached = LLM(loaded_model=(net, cfg, W.resolve_model_dir(None)), kv_cache_memory=SMALL_KV, quantization="gguf", **CPU32)
@@ -2143,11 +2149,33 @@ def test_quantization_gguf_keeps_only_blocks_and_gives_transformers_outputs(hf_s
     assert e.value.field == "quantization"
 
 
-def teacher_forced_top1(net, tok, hf_greedy_32, backend="torch") -> tuple[int, int]:
+@pytest.mark.slow
+def test_quantization_gguf_engine_keeps_the_accuracy_bounds_in_mixed_batches(hf_smollm, tok):
+    # the default: 8-bit activations against the blocks at every row count, in every linear layer
+    # and the lm_head (its Q8_0 blocks), so tokens differ from transformers' where logits nearly tie.
+    # Oracle: transformers' float32 argmax teacher-forced on the engine's own greedy tokens, with mixed
+    # batches, chunked prefill (budget 64) and preemption (9 KV blocks, bfloat16: kv_dtype_auto): the
+    # same top-1 floor as below
+    q = LLM(kv_cache_memory=9 * 368640, max_num_batched_tokens=64, quantization="gguf", **CPU32)   # 9 bf16 blocks
+    linears = [m for m in q.engine.model.modules() if isinstance(m, CL.Linear)]
+    assert all(m.q8_panels(rows) is not None for m in linears for rows in (1, 64))
+    assert q.engine.model.lm_head.q8_panels(1)[1] == 32 and "8-bit activations per 32 values" in q.engine.model.gguf_log
+    outs = token_ids(q.generate(PROMPTS[:6], greedy(32)))
+    assert q.engine.scheduler.num_preemptions >= 1
+    agree = total = 0
+    for p, out in zip(PROMPTS[:6], outs):
+        ids = tok.encode(p)
+        picks = hf_forward(hf_smollm, ids + out)[len(ids) - 1:-1].argmax(-1).tolist()
+        agree, total = agree + sum(a == b for a, b in zip(picks, out)), total + len(out)
+    print(f"quantization gguf, engine greedy tokens: transformers' top-1 at {agree}/{total}")
+    assert agree / total >= GGUF_Q8_TOP1_FLOOR
+
+
+def teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype=torch.float32, backend="torch") -> tuple[int, int]:
     """(positions where net's argmax is transformers' greedy token, positions): each parity prompt followed by
-    its 32 greedy tokens, in one ragged forward."""
+    its 32 greedy tokens, in one ragged forward (its KV cache in kv_dtype)."""
     seqs = [tok.encode(p) + hf_greedy_32[p] for p in PROMPTS]
-    logits = ragged_forward(net, seqs, backend=backend)
+    logits = ragged_forward(net, seqs, kv_dtype=kv_dtype, backend=backend)
     agree = total = start = 0
     for p, s in zip(PROMPTS, seqs):
         n = len(hf_greedy_32[p])
@@ -2158,8 +2186,8 @@ def teacher_forced_top1(net, tok, hf_greedy_32, backend="torch") -> tuple[int, i
     return agree, total
 
 
-# 8-bit activations against the blocks (quantization="gguf" from GGUF_Q8_ROWS rows, where on and
-# faster at start-up), forced at every row count. The perplexity on CORPUS (388 tokens) is noisy at
+# 8-bit activations against the blocks (quantization="gguf"'s default, at every row count, the
+# lm_head's Q8_0 blocks included). The perplexity on CORPUS (388 tokens) is noisy at
 # the 1% level: which values round up or down in 8 bits hangs on the last bit of the float32 norms,
 # attention and RoPE before them, and those differ from build to build (AVX2 or AVX-512 sums, torch's
 # kernels). Measured on one AVX-512/VNNI/AMX Xeon, 2 threads, 2026-11-27: the ratio to float32 is
@@ -2175,6 +2203,11 @@ def teacher_forced_top1(net, tok, hf_greedy_32, backend="torch") -> tuple[int, i
 # (2026-11-28, same Xeon, 2 threads): native 0.992, 1.0069 (mean 1.0036), AVX2 build with torch held
 # to AVX2 0.973, 0.9931 (mean 1.0014), with bit-identical kernels: the spread is upstream of them.
 # Each build's kernel has exact int32 sums per block and one fixed float order across blocks.
+# requantized_pair runs the lm_head on its Q8_0 blocks with 8-bit activations, as quantization="gguf"
+# does; with a float32 KV cache (2026-11-28, same Xeon, native / AVX2 build) Q4_0 gave 0.953 / 0.953
+# (0.965 with a float32 lm_head), Q8_0 0.969 / 0.977; with the bfloat16 one the engine now gives
+# these paths (kv_dtype_auto, what the tests run) SmolLM2 0.988 / 0.984 (mean ratio 1.0057 / 1.0064),
+# Q4_0 0.973 / 0.969, Q8_0 0.969 / 0.961.
 GGUF_Q8_TOP1_FLOOR, GGUF_Q8_PPL_RATIO, GGUF_Q8_PPL_RATIO_ONE_RUN = 0.95, 1.01, 1.02
 GGUF_Q8_PERTURBED_SEEDS = 3
 
@@ -2182,23 +2215,24 @@ GGUF_Q8_PERTURBED_SEEDS = 3
 def gguf_8bit_accuracy(net, hf, tok, hf_greedy_32) -> tuple[float, list[float]]:
     """(teacher-forced top-1 agreement, [perplexity ratio to transformers' float32 on CORPUS: this
     build's float order, then GGUF_Q8_PERTURBED_SEEDS runs with the activations perturbed in their
-    last bit before 8-bit rounding]) for net with 8-bit activations at every row count."""
-    for m in net.modules():
-        if isinstance(m, CL.Linear):
-            m.q8_rows = 1                                                # 8-bit activations at every row count
-    agree, total = teacher_forced_top1(net, tok, hf_greedy_32)
+    last bit before 8-bit rounding]) for net, whose every linear layer runs 8-bit activations, with the
+    KV cache the engine gives quantization="gguf" by default (kv_cache_dtype "auto": engine.kv_dtype_auto)."""
+    from engine import kv_dtype_auto
+    kv_dtype = kv_dtype_auto(torch.float32, "gguf", torch.device("cpu"))
+    assert all(m.q8_panels(1) is not None for m in net.modules() if isinstance(m, CL.Linear))
+    agree, total = teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype)
     text = tok.encode(" ".join(CORPUS))
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
     ref = math.exp(nll(hf_forward(hf, text)))
-    ratios = [math.exp(nll(ragged_forward(net, [text]))) / ref]
-    q8, g = CL.gguf_linear_q8, torch.Generator()
-    def perturbed(x2, blocks, bias=None):
-        return q8(x2 * (1 + 2.0 ** -23 * torch.randn(x2.shape, generator=g)), blocks, bias)
+    ratios = [math.exp(nll(ragged_forward(net, [text], kv_dtype=kv_dtype))) / ref]
+    q8, g = CL.int8_linear, torch.Generator()
+    def perturbed(x, w8, bias=None, group=None):
+        return q8(x * (1 + 2.0 ** -23 * torch.randn(x.shape, generator=g)), w8, bias, group)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(CL, "gguf_linear_q8", perturbed)
+        mp.setattr(CL, "int8_linear", perturbed)
         for seed in range(GGUF_Q8_PERTURBED_SEEDS):
             g.manual_seed(seed)
-            ratios.append(math.exp(nll(ragged_forward(net, [text]))) / ref)
+            ratios.append(math.exp(nll(ragged_forward(net, [text], kv_dtype=kv_dtype))) / ref)
     return agree / total, ratios
 
 
@@ -2218,9 +2252,10 @@ def test_gguf_8bit_activations_keep_greedy_tokens_and_perplexity(hf_smollm, hf_g
 
 def requantized_pair(hf, kind):
     """SmolLM2 with every linear layer but lm_head (the tied Q8_0 embedding) requantized by gguf-py
-    to `kind` from the file's float32 weights -> (our net on those blocks, transformers' model with
-    the same weights in float32: the oracle for that block type). A block is 32 values along one
-    row, so our fused q/k/v and gate/up rows quantize as transformers' separate ones do."""
+    to `kind` from the file's float32 weights -> (our net on those blocks with 8-bit activations,
+    the lm_head on its own blocks as quantization="gguf" runs it; transformers' model with the same
+    weights in float32: the oracle for that block type). A block is 32 values along one row, so our
+    fused q/k/v and gate/up rows quantize as transformers' separate ones do."""
     from gguf import GGMLQuantizationType, quants
     t = GGMLQuantizationType[kind]
     def requant(w):                                                   # float32 [N, K] -> (blocks, their weight)
@@ -2234,7 +2269,8 @@ def requantized_pair(hf, kind):
                 mod.weight.copy_(requant(mod.weight.float())[1])
         for lin in net.modules():
             if isinstance(lin, CL.Linear) and lin is not net.lm_head:
-                lin.quantized = requant(lin.weight.float())[0]
+                lin.quantized = CL.gguf_q8_panels(requant(lin.weight.float())[0])
+    W.quantize_linear(net.lm_head, "gguf", keep_weight=True)          # the embedding looks rows up in it
     return net, ref
 
 
@@ -2362,20 +2398,30 @@ def smol_int8():
 # prompts x 32 tokens), perplexity on CORPUS 0.983x float32's (lower: this short, odd text is
 # noisy at the 1% level; per-token scales measured 0.883-0.895 and 1.001-1.015x). Bounds: the
 # issue's 95%, no more than 1% worse, and a floor that a broken kernel would fall through.
+# With the lm_head on the GGUF's Q8_0 blocks, 8-bit activations per 32 (2026-11-28, AVX-512/VNNI
+# Xeon, native / AVX2 build with torch held to AVX2), float32 KV cache: 0.961 / 0.969, perplexity
+# 0.983 / 0.987 (a float32 lm_head: 0.961 / 0.965); bfloat16 KV cache (the default here): 0.957 (245
+# of 256) / 0.965, 0.991 (a float32 lm_head: 0.969, 0.988).
 INT8_TOP1_FLOOR, INT8_PPL_RATIO = 0.95, (0.97, 1.01)
 def assert_int8_accuracy(net, hf, tok, hf_greedy_32):
-    """quantization="int8"'s bounds on net: only int8 layers but lm_head, top-1 and perplexity."""
+    """quantization="int8"'s bounds on net: only int8 layers but lm_head, which reads the GGUF's Q8_0 blocks
+    with 8-bit activations per 32 (its float weight kept: the tied embedding's); top-1 and perplexity, with the KV
+    cache the engine gives the path by default (kv_cache_dtype "auto": bfloat16, engine.kv_dtype_auto)."""
+    from engine import kv_dtype_auto
+    kv_dtype = kv_dtype_auto(torch.float32, "int8", torch.device("cpu"))
     linears = [m for m in net.modules() if isinstance(m, CL.Linear) and m is not net.lm_head]
     assert net.gguf_log.startswith(f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8")
     assert all(isinstance(m.quantized, CL.Q8Panels) and m.weight.stride() == (0, 0) for m in linears)   # no float copy
+    assert net.lm_head.q8_panels(1)[1] == 32 and net.lm_head.weight is net.embed_tokens.weight
     # the CPU attention backend: the engine's path, where each layer runs as one op (decoder_layer_cpu.cpp)
     backend = "cpu" if extensions.decoder_layer_op_available() else "torch"
-    agree, total = teacher_forced_top1(net, tok, hf_greedy_32, backend)
-    print(f"int8 ({torch.ops.nanoserve_linear.q8_dot()}, {backend} attention): top-1 agreement with transformers' greedy tokens "
-          f"{agree / total:.3f} ({agree}/{total})")
+    agree, total = teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype, backend)
+    print(f"int8 ({torch.ops.nanoserve_linear.q8_dot()}, {kv_dtype} KV cache, {backend} attention): top-1 agreement "
+          f"with transformers' greedy tokens {agree / total:.3f} ({agree}/{total})")
     text = tok.encode(" ".join(CORPUS))
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
-    ours, ref = math.exp(nll(ragged_forward(net, [text], backend=backend))), math.exp(nll(hf_forward(hf, text)))
+    ours = math.exp(nll(ragged_forward(net, [text], kv_dtype=kv_dtype, backend=backend)))
+    ref = math.exp(nll(hf_forward(hf, text)))
     print(f"perplexity on CORPUS: int8 {ours:.4f}, float32 (transformers) {ref:.4f}, ratio {ours / ref:.4f}")
     assert agree / total >= INT8_TOP1_FLOOR
     assert INT8_PPL_RATIO[0] <= ours / ref <= INT8_PPL_RATIO[1]
@@ -2384,6 +2430,19 @@ def assert_int8_accuracy(net, hf, tok, hf_greedy_32):
 @pytest.mark.slow
 def test_quantization_int8_keeps_greedy_tokens_and_perplexity(smol_int8, hf_smollm, hf_greedy_32, tok):
     assert_int8_accuracy(smol_int8[0], hf_smollm, tok, hf_greedy_32)
+
+
+def test_kv_cache_dtype_auto_is_bfloat16_on_the_cpu_integer_paths_only(smol_int8):
+    # hand-written table: the 8-bit paths on a CPU get a 16-bit cache, every other "auto" the model dtype,
+    # and an explicit kv_cache_dtype is what runs
+    from engine import kv_dtype_auto
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kv_dtype_auto(torch.float32, "int8", cpu) == kv_dtype_auto(torch.float32, "gguf", cpu) == torch.bfloat16
+    assert kv_dtype_auto(torch.float32, None, cpu) == torch.float32
+    assert kv_dtype_auto(torch.bfloat16, None, cuda) == torch.bfloat16
+    for kv, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        q = LLM(loaded_model=smol_int8, kv_cache_memory=SMALL_KV, quantization="int8", kv_cache_dtype=kv, **CPU32)
+        assert q.engine.kv_pool.kv_caches[0][0].dtype == want
 
 
 @pytest.mark.slow
@@ -2395,7 +2454,7 @@ def test_quantization_int8_gives_the_same_tokens_alone_and_in_mixed_batches(smol
     # float attention's order of sums varies with the batch, and an 8-bit rounding can flip.)
     alone = LLM(loaded_model=smol_int8, kv_cache_memory=SMALL_KV, quantization="int8", batch_invariant=True, **CPU32)
     want = [token_ids(alone.generate([p], greedy(24)))[0] for p in PROMPTS[:6]]
-    mixed = LLM(loaded_model=smol_int8, kv_cache_memory=9 * 737280, max_num_batched_tokens=64,
+    mixed = LLM(loaded_model=smol_int8, kv_cache_memory=9 * 368640, max_num_batched_tokens=64,   # 9 bf16 blocks
                 quantization="int8", batch_invariant=True, **CPU32)
     assert token_ids(mixed.generate(PROMPTS[:6], greedy(24))) == want
     assert mixed.engine.scheduler.num_preemptions >= 1
@@ -2461,6 +2520,31 @@ def test_auto_path_follows_the_measurement_and_names_it_at_start_up(monkeypatch,
     assert (f32.config.quantization, f32.dtype) == (None, torch.float32)
 
 
+@pytest.mark.slow
+def test_auto_path_times_each_path_with_the_engines_own_kernels():
+    # what auto_path times is what the engine runs: layer 0's linear layers and the lm_head as
+    # auto_path.layer makes them give the same bits as those of the model load_model builds on each
+    # path (float32 with the GGUF's blocks attached, quantization="int8", "gguf"), at 1 row (the float
+    # path's blocks, the integer paths' 8-bit activations, the lm_head's Q8_0 blocks) and at 64
+    import auto_path
+    num_layers, parts, (head, head_blocks) = auto_path.layer0_and_head(W.resolve_model_dir(None))
+    g = torch.Generator().manual_seed(0)
+    for q in (None, "int8", "gguf"):
+        net = W.load_model(None, quantization=q)[0]
+        assert num_layers == net.config.num_hidden_layers
+        l0 = net.layers[0]
+        ours = [l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj, net.lm_head]
+        timed = ([auto_path.layer(w, b, q, torch.float32) for w, b in parts]
+                 + [auto_path.layer(head, head_blocks, q, torch.float32, lm_head=True)])
+        assert (timed[-1].q8_panels(1) is None) == (q is None) and (timed[0].gguf_blocks() is None) == (q is not None)
+        for rows in (1, 64):
+            for a, b in zip(timed, ours):
+                x = torch.randn(rows, a.in_features, generator=g)
+                with torch.inference_mode():
+                    assert torch.equal(a(x, float_out=True), b(x, float_out=True)), (q, rows, a.out_features)
+        del net
+
+
 def test_quantization_int8_runs_a_safetensors_checkpoint_with_biases(tmp_path):
     # "from any float checkpoint": a tiny random Qwen2 (q/k/v biases, N = 96 and 160: not multiples
     # of the panel's 16 everywhere) in int8 against transformers in float32 on the same weights. The
@@ -2474,6 +2558,7 @@ def test_quantization_int8_runs_a_safetensors_checkpoint_with_biases(tmp_path):
     ref_model.save_pretrained(tmp_path, safe_serialization=True)
     net, _, _ = W.load_model(str(tmp_path), quantization="int8")
     assert net.layers[0].self_attn.qkv_proj.bias is not None
+    assert net.lm_head.q8_panels(1) is None and "lm_head float32" in net.gguf_log   # no GGUF blocks: float32
     seqs = [list(range(3, 40)), [5, 6, 7]]
     ours = ragged_forward(net, seqs, block_size=8)
     with torch.no_grad():
@@ -2829,9 +2914,9 @@ def test_decoder_layer_op_matches_the_reference_layer_and_its_cache_writes(layer
 
 
 def test_decoder_layer_op_applies_only_where_every_linear_runs_8_bit_activations(layer_op, fused_ops):
-    # model.q8_linear_args is the rule: int8 panels at every row count, GGUF blocks from q8_rows rows
-    # on; one float linear, the torch attention backend, bfloat16 activations or the plain ops keep
-    # the Python layer path
+    # model.q8_linear_args asks cpu_linear.Linear.q8_panels (int8's panels, groups of INT8_GROUP; the
+    # GGUF's blocks repacked, blocks of 32); one float linear, the torch attention backend, bfloat16
+    # activations or the plain ops keep the Python layer path
     layer, _ = int8_layer(False)
     meta, *_ = layer_step([1], [5])
     x = torch.randn(1, 576)
@@ -2843,10 +2928,8 @@ def test_decoder_layer_op_applies_only_where_every_linear_runs_8_bit_activations
     w8, o_proj.quantized = o_proj.quantized, None
     assert layer.layer_op_weights(x, meta, True) is None
     q = torch.randint(-127, 128, tuple(o_proj.weight.shape), dtype=torch.int8)
-    o_proj.quantized = CL.GGUFBlocks(CL.to_lanes(q, False), torch.rand(576, 576 // 32) * 1e-3)
-    o_proj.q8_rows = 4
-    assert layer.layer_op_weights(x, meta, True) is None                                   # 1 row < q8_rows
-    assert layer.layer_op_weights(torch.randn(4, 576), meta, True)[1][2:4] == [576, 32]   # blocks of 32
+    o_proj.quantized = CL.pack_q8(q, d=torch.rand(576, 576 // 32) * 1e-3)          # a Q8_0 weight
+    assert layer.layer_op_weights(x, meta, True)[1][2:4] == [576, 32]               # blocks of 32
     o_proj.quantized = w8
     assert layer.layer_op_weights(x, meta, True)[1][2:4] == [576, CL.INT8_GROUP]
 

@@ -7,10 +7,11 @@ A GGUF file is dequantized once into a cached safetensors directory, so later st
 about a second. Beside the float32 weights that directory keeps the file's own Q4_1/Q4_0/Q8_0
 blocks, laid out for csrc/linear_cpu.cpp: at a few rows (decode at small batch) a linear layer
 is a stream over its weight, and the blocks are a sixth of the bytes for the same values.
-load_model hands each Linear its blocks; model.linear decides when to read them. With
+load_model hands each Linear its blocks; cpu_linear.linear decides when to read them. With
 quantization="gguf" (keep_only_blocks) the blocks are all that is kept, the embedding included
-(GGUFEmbedding); with quantization="int8" any checkpoint's linear layers are quantized to int8
-here (quantize_linears_int8): docs/quantization.md.
+(GGUFEmbedding); with quantization="int8" any checkpoint's linear layers but lm_head are quantized
+to int8 here (quantize_linears_int8). quantize_linear says what one layer reads on each path (both
+run 8-bit activations, a GGUF's lm_head on its blocks): docs/quantization.md.
 Under tensor parallelism (parallel.py) each rank reads only its slice of every tensor (safetensors'
 get_slice), so no rank ever holds the whole model.
 """
@@ -23,8 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import extensions
-from cpu_linear import (GGUF_ROWS, GGUFBlocks, Linear, _cpu_linear_kernels, choose_gguf_path, cpu_linear_path,
-                        INT8_GROUP, from_lanes, quantize_int8, to_lanes)
+from cpu_linear import (GGUF_Q8_GROUP, GGUF_ROWS, GGUFBlocks, Linear, _cpu_linear_kernels, cpu_linear_path,
+                        INT8_GROUP, from_lanes, gguf_q8_panels, quantize_int8, to_lanes)
+import cpu_linear as CL
 from model import Llama, ModelConfig
 from sequence import InvalidRequest
 
@@ -147,58 +149,82 @@ def _stand_in(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape), requires_grad=False)
 
 
+def quantize_linear(lin: Linear, quantization: str, lm_head: bool = False, keep_weight: bool = False) -> None:
+    """One Linear as `quantization` runs it; load_model's passes below and auto_path's timing both
+    call this, so what is timed is what runs. "gguf": only its GGUF blocks, repacked for linear_q8
+    (8-bit activations, cpu_linear.gguf_q8_panels), or with GGUF_Q8_ACTIVATIONS off the blocks
+    themselves (float32 sums). "int8": quantize_int8 of its weight; but the lm_head reads the GGUF's
+    blocks with 8-bit activations where it has them (their values are its weight's, exactly), and
+    stays float32 where not. The float weight is then dropped (a stand-in keeps its shape) unless
+    keep_weight (a tied embedding still looks rows up in it), and the blocks' float32-sum copy too."""
+    blocks = lin.gguf_blocks()
+    if quantization == "int8" and not lm_head:
+        lin.quantized = quantize_int8(lin.weight)
+    elif blocks is not None and (quantization == "gguf" or CL.GGUF_Q8_ACTIVATIONS):
+        lin.quantized = gguf_q8_panels(blocks) if CL.GGUF_Q8_ACTIVATIONS else blocks
+    if lin.quantized is not None:
+        lin._gguf = (None, None)
+        if not keep_weight:
+            lin.weight = _stand_in(lin.weight)
+
+
+def _mib(*tensors) -> float:
+    """MiB of distinct tensors (a tied embedding's blocks counted once)."""
+    seen = {id(t): t for t in tensors if t is not None}
+    return sum(t.numel() * t.element_size() for t in seen.values()) / 2**20
+
+
+def _q8_kernel() -> str:
+    return f"8-bit activations per {GGUF_Q8_GROUP} values, exact int32 sums (csrc {torch.ops.nanoserve_linear.q8_dot()})"
+
+
 def keep_only_blocks(net: "Llama") -> str:
     """quantization="gguf": every Linear with GGUF blocks reads them at every row count and drops
-    its float32 weight, and the embedding (tied to lm_head or not) becomes a GGUFEmbedding.
-    -> the line for the log: what reads blocks and the bytes kept."""
+    its float32 weight (quantize_linear), and the embedding (tied to lm_head or not) becomes a
+    GGUFEmbedding. -> the line for the log: what reads blocks, how, and the bytes kept."""
     linears = [m for m in net.modules() if isinstance(m, Linear)]
     quantized = [m for m in linears if m.gguf_blocks() is not None]
     if not quantized:
         raise InvalidRequest("quantization", "'gguf' needs a .gguf model whose layers are Q4_0, Q4_1 or Q8_0 "
                              f"(K a multiple of 64); here: {net.gguf_log}")
-    # timed on the largest Q4 layer (an MLP's, ~20 ms at 64 rows), else the largest one
-    q8_rows, path = choose_gguf_path(max((m.gguf_blocks() for m in quantized),
-                                         key=lambda b: (b.mins is not None, -b.qs.numel() if b.mins is None else b.qs.numel())))
     for lin in quantized:
-        lin.quantized = lin.gguf_blocks()
-        lin.q8_rows = q8_rows
-        lin.weight = _stand_in(lin.weight)
+        quantize_linear(lin, "gguf")
     emb = getattr(net, "gguf_embedding", None)
     if emb is not None:
         net.embed_tokens = GGUFEmbedding(emb, _stand_in(net.embed_tokens.weight))
-    blocks = {id(t): t for m in quantized for t in (m.quantized.qs, m.quantized.scales, m.quantized.mins) if t is not None}
-    if emb is not None:
-        blocks.update({id(t): t for t in (emb.qs, emb.scales, emb.mins) if t is not None})
-    mib = sum(t.numel() * t.element_size() for t in blocks.values()) / 2**20
+    parts = [t for m in quantized for t in vars(m.quantized).values() if isinstance(t, torch.Tensor)]
+    mib = _mib(*parts, *([] if emb is None else (emb.qs, emb.scales, emb.mins)))
     rest = sum(m.weight.numel() for m in linears if m.quantized is None) * 4 / 2**20
+    how = _q8_kernel() if CL.GGUF_Q8_ACTIVATIONS else "float32 sums (cpu_linear.GGUF_Q8_ACTIVATIONS off)"
     return (f"quantization gguf: {len(quantized)} of {len(linears)} linear layers"
             f"{' and the embedding' if emb is not None else ''} read the GGUF's blocks at every row count "
-            f"({mib:.0f} MiB of blocks, {rest:.0f} MiB of float32 linear weights kept): float32 sums at few rows, {path}")
+            f"({mib:.0f} MiB of blocks, {rest:.0f} MiB of float32 linear weights kept): {how}")
 
 
 def quantize_linears_int8(net: "Llama") -> str:
     """quantization="int8" (vLLM's dynamic W8A8): every linear layer but lm_head becomes int8
     with per-output-channel scales (cpu_linear.quantize_int8), made here from the float weight,
     which is then dropped (a stand-in keeps its shape); activations are quantized at run time,
-    per row and group of cpu_linear.INT8_GROUP values. lm_head stays float32 (the panels): it is
-    tied to the embedding in SmolLM2, whose lookups need the float rows, and the logits are the
-    most sensitive layer (int8 there measured top-1 agreement 0.945 against 0.973 without,
-    2026-11-27, for 1.6 against 12 ms per batch-1 call).
+    per row and group of cpu_linear.INT8_GROUP values. lm_head is not requantized (int8 there
+    measured top-1 agreement 0.945 against 0.973 without, 2026-11-27): where the GGUF's blocks are
+    attached (SmolLM2's tied Q8_0 embedding: the float32 weight is those values, exactly) it reads
+    them with 8-bit activations per 32 (quantize_linear), else it stays float32 (the panels). A
+    tied lm_head keeps the float weight, which the embedding looks rows up in.
     -> the line for the log."""
     if not _cpu_linear_kernels()[0]:
         raise InvalidRequest("quantization", "'int8' needs csrc/linear_cpu.cpp's kernel, which did not build")
     linears = [m for m in net.modules() if isinstance(m, Linear) and m is not net.lm_head]
     for lin in linears:
-        lin.quantized = quantize_int8(lin.weight)
-        lin.weight = _stand_in(lin.weight)
-        lin._gguf = (None, None)                                   # a GGUF's blocks: not read, not kept
-    net.__dict__.pop("gguf_embedding", None)                       # (the embedding's too)
+        quantize_linear(lin, "int8")                               # (a GGUF's blocks: not read, not kept)
+    head = net.lm_head
+    quantize_linear(head, "int8", lm_head=True, keep_weight=head.weight is net.embed_tokens.weight)
+    net.__dict__.pop("gguf_embedding", None)                       # (the embedding's blocks: not read)
     mib = sum(m.quantized.w.numel() + 4 * m.quantized.sw.numel() for m in linears) / 2**20
+    head_path = (f"the GGUF's blocks, {_q8_kernel()}" if head.quantized is not None
+                 else f"float32 ({cpu_linear_path(torch.float32)})")
     return (f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8 ({mib:.0f} MiB; "
             f"per-channel weight scales, dynamic activation scales per row and {INT8_GROUP} values, exact int32 "
-            f"sums: csrc "
-            f"{torch.ops.nanoserve_linear.q8_dot()}); lm_head float32 "
-            f"({cpu_linear_path(torch.float32)})")
+            f"sums: csrc {torch.ops.nanoserve_linear.q8_dot()}); lm_head {head_path}")
 
 
 GGUF_BLOCKS = os.path.join("gguf_blocks", "blocks.safetensors")   # inside a converted directory

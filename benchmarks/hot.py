@@ -355,9 +355,9 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 5, 8, 16), batches=(1, 4), engine=None
 
 def int8_vs_float32(rows=(1, 4, 16, 64), batches=(1, 16), steps=6, repeats=3, rounds=2) -> dict:
     """quantization="int8" (csrc/int8_cpu.cpp's linear_q8) against the float32 engine's kernel (panels
-    or oneDNN) and the GGUF's blocks (float32 sums, quantization="gguf"'s kernel, and 8-bit activations
-    against them, linear_q8 too) on the same layers: ms of one pass
-    over the 120 linear layers int8 quantizes (lm_head, float32 in both engines, left out) at each
+    or oneDNN) and the GGUF's blocks (8-bit activations against them, quantization="gguf"'s linear_q8, and float32
+    sums, the float32 engine's kernel at 1-2 rows) on the same layers: ms of one pass
+    over the 120 linear layers int8 quantizes (lm_head left out) at each
     row count, the three taking turns; then a decode step at each batch, an int8 engine and a
     float32 one taking turns `rounds` times."""
     from weights import quantization_unavailable

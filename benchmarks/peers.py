@@ -206,7 +206,7 @@ def nanoserve_runs(sz, reqs, b1_prompt):
     if cpu and cpu_bf16_native()[0]:
         others["bfloat16"] = dict(dtype="bfloat16")
     skipped = quantized_rows_skipped()
-    for q in ("gguf", "int8"):                      # the GGUF's own blocks and int8, float32 sums on the CPU
+    for q in ("gguf", "int8"):                      # the GGUF's own blocks and int8: 8-bit activations, float32 outputs
         if q not in skipped:
             others[q] = dict(dtype="float32", quantization=q)
     for name, over in others.items():

@@ -27,6 +27,9 @@
 // per quad.
 // Tiles: up to kTileM rows of x per pass over a panel's K (each loaded weight vector feeds every
 // row), panels split over threads (at::parallel_for), rows in blocks that keep x's bytes in L2.
+// AVX2: each row's int32 sum is one chain of adds pinned in a register (keep): left free, GCC rebuilt a
+// block's 8 quads x 8 rows as a tree of partial sums that spilled AVX2's 16 ymm registers. One row
+// alone (decode) splits its chain over even and odd quads; the weights are prefetched 2 KB ahead.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -53,13 +56,23 @@ constexpr bool kVnni = false;
 
 enum Kind { kInt8 = 0, kQ8 = 1, kQ4 = 2 };
 constexpr int kCols = 8;     // output columns per panel (int32 lanes of a 256-bit vector)
-constexpr int kTileM = 8;    // rows of x per pass over a panel
+constexpr int kTileM = 8;    // rows of x per pass over a panel (AVX2 too, once nothing spills: 6 times the same)
+// bytes of weights prefetched ahead of the block being read: a panel's blocks, then the next
+// panel's, are one stream per thread, and at 1 row the pass waits on memory (~10% faster here)
+constexpr int64_t kAhead = 2048;
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i bcast4(const int8_t* p) {   // x's 4 bytes at p in every lane
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
+}
+// A register the compiler must hold as is here: the accumulators' adds stay one chain per row, in
+// order, instead of GCC reassociating a block's products into a tree whose partial sums (8 quads x
+// MR rows) outnumber AVX2's 16 ymm registers and spill to the stack.
+// (AVX2 only: vpdpbusd's 5-cycle latency wants the tree's parallel chains, and 32 registers hold it.)
+inline void keep(__m256i& v) {
+  if constexpr (!kVnni) asm("" : "+x"(v));
 }
 inline __m256 halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
@@ -134,15 +147,16 @@ template <Kind KD, int MR>
 inline void quad(__m256i (&acc)[MR], __m256i w, const int8_t* const (&xr)[MR], int64_t off) {
   if constexpr (kVnni) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_dpbusd_epi32(acc[i], w, bcast4(xr[i] + off));
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_dpbusd_epi32(acc[i], w, bcast4(xr[i] + off)), keep(acc[i]);
 #endif
   } else if constexpr (KD == kQ4) {
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(w, bcast4(xr[i] + off)));
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(w, bcast4(xr[i] + off))), keep(acc[i]);
   } else {
     const __m256i s = _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80))), a = _mm256_abs_epi8(s);
     for (int i = 0; i < MR; ++i) {
       const __m256i pr = _mm256_maddubs_epi16(a, _mm256_sign_epi8(bcast4(xr[i] + off), s));
       acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(pr, _mm256_set1_epi16(1)));
+      keep(acc[i]);
     }
   }
 }
@@ -158,41 +172,52 @@ void tile(const Rows& x, int64_t m0, const uint8_t* w, const uint16_t* d, const 
   __m256 accf[MR];
   for (int i = 0; i < MR; ++i) accf[i] = _mm256_setzero_ps();
   const __m256i nib = _mm256_set1_epi8(0x0F);
+  // One row alone (decode) splits its sum over two accumulators, even and odd quads, so the adds do
+  // not wait on one another (vpdpbusd takes 5 cycles); the int32 sums are exact, so this changes no bit.
+  constexpr int kSplit = MR == 1 ? 2 : 1;
   for (int64_t g = 0; g < x.ng; ++g) {
-    __m256i acc[MR];
-    for (int i = 0; i < MR; ++i)   // VNNI's 8-bit weights carry +128: start at -128 sum p
-      acc[i] = kVnni && KD != kQ4 ? _mm256_set1_epi32(-128 * x.ps[(m0 + i) * x.ng + g]) : _mm256_setzero_si256();
+    __m256i acc[kSplit][MR];
+    for (int i = 0; i < MR; ++i) {   // VNNI's 8-bit weights carry +128: start at -128 sum p
+      acc[0][i] = kVnni && KD != kQ4 ? _mm256_set1_epi32(-128 * x.ps[(m0 + i) * x.ng + g]) : _mm256_setzero_si256();
+      if constexpr (kSplit == 2) acc[1][i] = _mm256_setzero_si256();
+    }
     for (int64_t b = g * bpg; b < std::min(nb, (g + 1) * bpg); ++b) {
       const uint8_t* wb = w + b * kBlockBytes;
+      for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kAhead + l), _MM_HINT_T0);
       if constexpr (KD == kQ4) {
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) {
           const __m256i v = load32(wb + 32 * t);
-          quad<KD, MR>(acc, _mm256_and_si256(v, nib), xr, 32 * b + 4 * t);
-          quad<KD, MR>(acc, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), xr, 32 * b + 4 * t + 16);
+          quad<KD, MR>(acc[0], _mm256_and_si256(v, nib), xr, 32 * b + 4 * t);
+          quad<KD, MR>(acc[kSplit - 1], _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), xr, 32 * b + 4 * t + 16);
         }
         const __m256 vd = halves(d + b * kCols), vm = halves(mn + b * kCols);
-        for (int i = 0; i < MR; ++i) {
-          const __m256i s = kVnni ? acc[i] : _mm256_madd_epi16(acc[i], _mm256_set1_epi16(1));
+        for (int i = 0; i < MR; ++i) {   // AVX2: each half at most 4 * 3810 in an int16 pair, so their sum fits
+          const __m256i a = kSplit == 2 ? (kVnni ? _mm256_add_epi32(acc[0][i], acc[1][i]) : _mm256_add_epi16(acc[0][i], acc[1][i]))
+                                        : acc[0][i];
+          const __m256i s = kVnni ? a : _mm256_madd_epi16(a, _mm256_set1_epi16(1));
           const int64_t r = (m0 + i) * x.ng + b;
           accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(vd, _mm256_set1_ps(x.dx[r])), accf[i]);
           accf[i] = _mm256_fmadd_ps(vm, _mm256_set1_ps(x.sx[r]), accf[i]);
         }
       } else {
 #pragma GCC unroll 8
-        for (int t = 0; t < 8; ++t) quad<KD, MR>(acc, load32(wb + 32 * t), xr, 32 * b + 4 * t);
+        for (int t = 0; t < 8; ++t) quad<KD, MR>(acc[t % kSplit], load32(wb + 32 * t), xr, 32 * b + 4 * t);
         if constexpr (KD == kQ8) {
           const __m256 vd = halves(d + b * kCols);
           for (int i = 0; i < MR; ++i) {
+            const __m256i a = kSplit == 2 ? _mm256_add_epi32(acc[0][i], acc[1][i]) : acc[0][i];
             const int64_t r = (m0 + i) * x.ng + b;
-            accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(vd, _mm256_set1_ps(x.dx[r])), accf[i]);
+            accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(vd, _mm256_set1_ps(x.dx[r])), accf[i]);
           }
         }
       }
     }
     if constexpr (KD == kInt8)
-      for (int i = 0; i < MR; ++i)
-        accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(x.dx[(m0 + i) * x.ng + g]), accf[i]);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i a = kSplit == 2 ? _mm256_add_epi32(acc[0][i], acc[1][i]) : acc[0][i];
+        accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(x.dx[(m0 + i) * x.ng + g]), accf[i]);
+      }
   }
   alignas(32) float tmp[kCols];
   for (int i = 0; i < MR; ++i) {
@@ -265,12 +290,14 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, const std::option
   const int64_t ng = (Kp + G - 1) / G;
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out;
-  at::Tensor xq = at::empty({M, Kp}, x.options().dtype(at::kChar)), f = at::empty({2, M, ng}, x.options());
-  at::Tensor ps = at::empty({M, ng}, x.options().dtype(at::kInt));
-  Rows rows{xq.mutable_data_ptr<int8_t>(), f.mutable_data_ptr<float>(), f.mutable_data_ptr<float>() + M * ng,
-            ps.mutable_data_ptr<int32_t>(), Kp, ng};
-  quantize_rows(x.const_data_ptr<float>(), M, K, G, kind != kInt8, const_cast<int8_t*>(rows.xq),
-                const_cast<float*>(rows.dx), const_cast<float*>(rows.sx), const_cast<int32_t*>(rows.ps), Kp, ng);
+  // one scratch allocation (a decode step makes ~200 of these calls): dx, sx float32 and ps int32
+  // [M, ng] each, then x's bytes [M, Kp]
+  at::Tensor scratch = at::empty({3 * M * ng * 4 + M * Kp}, x.options().dtype(at::kByte));
+  auto* f = reinterpret_cast<float*>(scratch.mutable_data_ptr<uint8_t>());
+  auto* ps = reinterpret_cast<int32_t*>(f + 2 * M * ng);
+  auto* xq = reinterpret_cast<int8_t*>(ps + M * ng);
+  quantize_rows(x.const_data_ptr<float>(), M, K, G, kind != kInt8, xq, f, f + M * ng, ps, Kp, ng);
+  const Rows rows{xq, f, f + M * ng, ps, Kp, ng};
   at::Tensor b8;   // a bias padded to the panels, so the last one's 8 loads stay in bounds
   if (bias.has_value()) {
     b8 = at::zeros({P * kCols}, x.options());
