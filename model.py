@@ -157,8 +157,8 @@ class DecoderLayer(nn.Module):
     the GGUF's blocks from q8_rows rows on) on the CPU attention backend, the whole layer runs as ONE
     op, csrc/decoder_layer_cpu.cpp's decoder_layer, which calls the same kernels in the same order:
     at one row a layer's int8 matmuls take ~400 us, and the ~10 ops, views and 9 module calls around
-    them cost ~145 us of Python and dispatch, ~100 us as one op (this Xeon, `bench.py step`; ~250 us a
-    layer on the bf16 path earlier). forward() below is that op's readable reference, and the path
+    them cost ~145-220 us a layer of Python and dispatch, ~90-140 us as one op (this Xeon, native and
+    held to AVX2, `bench.py step`, results/*-4ccfb78*; ~250 us a layer on the bf16 path earlier). forward() below is that op's readable reference, and the path
     everywhere else."""
     layer_op = True                           # the one-op path where it applies (bench.py step turns it off)
 
