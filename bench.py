@@ -185,6 +185,32 @@ def bench_step(sz, seed, results):
     for op in dict.fromkeys([*before["ops_us"], *after["ops_us"]]):
         rows.append([f"  {op} (us per layer)", before["ops_us"].get(op, "-"), after["ops_us"].get(op, "-")])
     print(md_table(["measurement", "before", "after"], rows))
+    print_layer_op(results, sz)
+
+
+def print_layer_op(results, sz):
+    """The int8 engine's batch-1 step outside its matmuls: each layer as Python modules, then as one op."""
+    title = "Hot path: the int8 engine's batch-1 decode step, each layer as Python modules or as one op (bench_hot.py)"
+    try:                                       # int8 runs on the CPU only (the engine refuses it elsewhere)
+        engine = make_engine(kv_cache_memory="256MiB", enable_prefix_caching=False, quantization="int8", dtype="float32")
+    except Exception as e:
+        section_header(title, [f"skipped: {e}"])
+        results["layer_op"] = {"skipped": str(e)}
+        return
+    d = results["layer_op"] = optional("benchmarks.hot", "layer_op_breakdown")[0](
+        engine, rounds=sz.fused_rounds, steps=2 * sz.b1_tokens // 8 or 4)
+    before, after = d["modes"]["before"], d["modes"]["after"]
+    section_header(title, [
+        f"quantization {d['path']}, float32 activations, {d['layers']} layers, batch {d['batch']}, {d['context']} tokens of "
+        f"context; step: median of the engine's decode steps, best of {d['rounds']} rounds taking turns; matmuls: every "
+        f"linear layer alone at the same rows",
+        "before: each layer as model.py's modules (~10 ops, views, 9 module calls); after: one op a layer "
+        f"(csrc/decoder_layer_cpu.cpp{'' if d['layer_op'] else ': NOT BUILT, both columns are the Python layers'})"])
+    rows = [["decode step (ms)", before["step_ms"], after["step_ms"]],
+            ["matmuls alone (ms)", d["matmul_ms"], d["matmul_ms"]],
+            ["outside the matmuls (ms)", before["outside_ms"], after["outside_ms"]],
+            ["outside the matmuls, per layer (us)", before["outside_per_layer_us"], after["outside_per_layer_us"]]]
+    print(md_table(["measurement", "before", "after"], rows))
 
 
 def bench_hot_path(sz, seed, results):

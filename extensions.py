@@ -41,6 +41,9 @@ BUILDS = {   # torch.utils.cpp_extension.load arguments per library
         name="nanoserve_fused_cpu", sources=["fused_cpu.cpp"],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
         extra_ldflags=["-fopenmp"]),
+    # model.py's decoder layer as one op on the int8 path: calls the three libraries above (loaded first)
+    "layer_cpu": dict(
+        name="nanoserve_decoder_layer_cpu", sources=["decoder_layer_cpu.cpp"], extra_cflags=["-O3"]),
     # not the model: structured_output.py's grammar mask, applied from llguidance's packed bitmask
     "grammar_cpu": dict(
         name="nanoserve_grammar_cpu", sources=["grammar_mask_cpu.cpp"],
@@ -142,3 +145,11 @@ def _fused_cpu_built() -> bool:
 def fused_ops_available(device, dtype) -> bool:
     """csrc/fused_cpu.cpp runs here: the per-layer ops (model.py) and the sampler's row kernels."""
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _fused_cpu_built()
+
+
+@functools.cache
+def decoder_layer_op_available() -> bool:
+    """csrc/decoder_layer_cpu.cpp runs here (model.DecoderLayer's one-op path). It calls the ops of the
+    attention, fused and linear libraries through the dispatcher, so those load first."""
+    why = "decoder layers run as separate ops from Python (slower at a few rows)"
+    return all(try_load(kind, why) for kind in ("cpu", "fused_cpu", "linear_cpu", "layer_cpu"))

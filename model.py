@@ -20,8 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import paged_attention
-from cpu_linear import Linear, cpu_bf16_native
-from extensions import fused_ops_available
+from cpu_linear import Linear, Q8Panels, cpu_bf16_native
+from extensions import decoder_layer_op_available, fused_ops_available
 from paged_attention import AttentionMetadata
 
 
@@ -153,23 +153,72 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Norm, attention, norm, MLP. Where every linear of the layer runs 8-bit activations (int8, or
+    the GGUF's blocks from q8_rows rows on) on the CPU attention backend, the whole layer runs as ONE
+    op, csrc/decoder_layer_cpu.cpp's decoder_layer, which calls the same kernels in the same order:
+    at one row a layer's int8 matmuls take ~400 us, and the ~10 ops, views and 9 module calls around
+    them cost ~145-220 us a layer of Python and dispatch, ~90-140 us as one op (this Xeon, native and
+    held to AVX2, `bench.py step`, results/*-4ccfb78*; ~250 us a layer on the bf16 path earlier). forward() below is that op's readable reference, and the path
+    everywhere else."""
+    layer_op = True                           # the one-op path where it applies (bench.py step turns it off)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self._op_weights = None               # (the Q8Panels they came from, weights, ints): layer_op_weights
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, fused=False, keep=None):
         """x: the last block's output, not yet added to residual (None before the first layer).
         keep: rows to carry past attention (the last layer passes the rows that get logits).
         -> (this layer's MLP output, residual stream without it): the add is fused into the next norm."""
+        op = self.layer_op_weights(x, meta, fused)
+        if op is not None:
+            attn = self.self_attn
+            return torch.ops.nanoserve_layer.decoder_layer(
+                x, residual, *op, self.input_layernorm.eps, cos, sin, *kv_cache, meta.slot_mapping,
+                meta.block_tables, meta.context_lens, meta.query_start_loc, attn.scale, attn.n_heads, attn.n_kv,
+                attn.head_dim, attn.batch_invariant, keep)
         x, residual = self.input_layernorm(x, residual, fused)
         x = self.self_attn(x, cos, sin, kv_cache, meta, fused)
         if keep is not None:                  # [T, hidden] -> [num_sampled, hidden]
             x, residual = x[keep], residual[keep]
         x, residual = self.post_attention_layernorm(x, residual, fused)
         return self.mlp(x, fused), residual
+
+    def linears(self) -> tuple[Linear, ...]:
+        return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
+    def layer_op_weights(self, x, meta, fused) -> tuple[list, list[int]] | None:
+        """(weights, ints) for csrc/decoder_layer_cpu.cpp where the layer runs as one op, else None: CPU
+        attention and fused ops, float32 activations, the two norms on one eps, and every linear on
+        linear_q8 at x's rows (q8_linear_args). weights: the two norms', then each linear's
+        (w, d, m, sw, bias); ints: each linear's (out_features, group). Made once, kept while the
+        layer holds the same packed weights."""
+        if not (self.layer_op and fused is True and meta.backend == "cpu" and x.dtype == torch.float32
+                and self.self_attn.fused_cache and decoder_layer_op_available()
+                and self.input_layernorm.eps == self.post_attention_layernorm.eps):
+            return None
+        args = [q8_linear_args(linear, x.shape[0]) for linear in self.linears()]
+        if None in args:
+            return None
+        panels = [p for p, _ in args]
+        if self._op_weights is None or any(a is not b for a, b in zip(self._op_weights[0], panels)):
+            weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+            for (p, _), linear in zip(args, self.linears()):
+                weights += [p.w, p.d, p.m, p.sw, linear.bias]
+            self._op_weights = panels, weights, [v for p, group in args for v in (p.out_features, group)]
+        return self._op_weights[1:]
+
+
+def q8_linear_args(linear: Linear, rows: int) -> tuple[Q8Panels, int] | None:
+    """(packed weight, x's values per 8-bit scale) where `linear` runs csrc/int8_cpu.cpp's linear_q8 at
+    `rows` rows, else None: cpu_linear.Linear.q8_panels, the rule its forward follows (int8, and the
+    GGUF's blocks), so the layer op runs exactly the linears' own path. Other linear classes: None."""
+    q8_panels = getattr(linear, "q8_panels", None)
+    return q8_panels(rows) if q8_panels is not None else None
 
 
 class Llama(nn.Module):

@@ -2171,11 +2171,11 @@ def test_quantization_gguf_engine_keeps_the_accuracy_bounds_in_mixed_batches(hf_
     assert agree / total >= GGUF_Q8_TOP1_FLOOR
 
 
-def teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype=torch.float32) -> tuple[int, int]:
+def teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype=torch.float32, backend="torch") -> tuple[int, int]:
     """(positions where net's argmax is transformers' greedy token, positions): each parity prompt followed by
     its 32 greedy tokens, in one ragged forward (its KV cache in kv_dtype)."""
     seqs = [tok.encode(p) + hf_greedy_32[p] for p in PROMPTS]
-    logits = ragged_forward(net, seqs, kv_dtype=kv_dtype)
+    logits = ragged_forward(net, seqs, kv_dtype=kv_dtype, backend=backend)
     agree = total = start = 0
     for p, s in zip(PROMPTS, seqs):
         n = len(hf_greedy_32[p])
@@ -2413,12 +2413,15 @@ def assert_int8_accuracy(net, hf, tok, hf_greedy_32):
     assert net.gguf_log.startswith(f"quantization int8: {len(linears)} of {len(linears) + 1} linear layers int8")
     assert all(isinstance(m.quantized, CL.Q8Panels) and m.weight.stride() == (0, 0) for m in linears)   # no float copy
     assert net.lm_head.q8_panels(1)[1] == 32 and net.lm_head.weight is net.embed_tokens.weight
-    agree, total = teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype)
-    print(f"int8 ({torch.ops.nanoserve_linear.q8_dot()}, {kv_dtype} KV cache): top-1 agreement with transformers' greedy tokens "
-          f"{agree / total:.3f} ({agree}/{total})")
+    # the CPU attention backend: the engine's path, where each layer runs as one op (decoder_layer_cpu.cpp)
+    backend = "cpu" if extensions.decoder_layer_op_available() else "torch"
+    agree, total = teacher_forced_top1(net, tok, hf_greedy_32, kv_dtype, backend)
+    print(f"int8 ({torch.ops.nanoserve_linear.q8_dot()}, {kv_dtype} KV cache, {backend} attention): top-1 agreement "
+          f"with transformers' greedy tokens {agree / total:.3f} ({agree}/{total})")
     text = tok.encode(" ".join(CORPUS))
     nll = lambda lg: torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(text[1:])).item()   # noqa: E731
-    ours, ref = math.exp(nll(ragged_forward(net, [text], kv_dtype=kv_dtype))), math.exp(nll(hf_forward(hf, text)))
+    ours = math.exp(nll(ragged_forward(net, [text], kv_dtype=kv_dtype, backend=backend)))
+    ref = math.exp(nll(hf_forward(hf, text)))
     print(f"perplexity on CORPUS: int8 {ours:.4f}, float32 (transformers) {ref:.4f}, ratio {ours / ref:.4f}")
     assert agree / total >= INT8_TOP1_FLOOR
     assert INT8_PPL_RATIO[0] <= ours / ref <= INT8_PPL_RATIO[1]
@@ -2456,6 +2459,27 @@ def test_quantization_int8_gives_the_same_tokens_alone_and_in_mixed_batches(smol
     assert token_ids(mixed.generate(PROMPTS[:6], greedy(24))) == want
     assert mixed.engine.scheduler.num_preemptions >= 1
     smol_int8[0].set_batch_invariant(False)
+
+
+@pytest.mark.slow
+def test_quantization_int8_engine_gives_the_same_tokens_with_the_decoder_layer_op(smol_int8, monkeypatch):
+    # oracle: the same int8 engine with every layer on the Python path (DecoderLayer.layer_op off);
+    # mixed batches and chunked prefill (budget 64): decode rows and prompt chunks through the op,
+    # which must have run (counted) in the default mode
+    if not extensions.decoder_layer_op_available():
+        pytest.skip(f"csrc/decoder_layer_cpu.cpp unavailable: {extensions.failed}")
+    llm = LLM(loaded_model=smol_int8, kv_cache_memory=SMALL_KV, max_num_batched_tokens=64, quantization="int8", **CPU32)
+    monkeypatch.setattr(M.DecoderLayer, "layer_op", False)
+    want = token_ids(llm.generate(PROMPTS[:4], greedy(16)))
+    monkeypatch.setattr(M.DecoderLayer, "layer_op", True)
+    calls, op = [], M.DecoderLayer.layer_op_weights
+    def counted(*args):
+        out = op(*args)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(M.DecoderLayer, "layer_op_weights", counted)
+    assert token_ids(llm.generate(PROMPTS[:4], greedy(16))) == want
+    assert all(calls) and len(calls) >= 16 * smol_int8[1].num_hidden_layers
 
 
 # ---- dtype "auto" on a GGUF: the fastest path within the accuracy bounds (auto_path.py) ----------
@@ -2762,6 +2786,156 @@ def test_model_fused_and_plain_ops_give_the_same_logits(fused_ops):
     net.use_fused_ops = False
     plain = ragged_forward(net, seqs)
     assert (fused - plain).abs().max().item() <= 1e-3
+
+
+# ---- one decoder layer as one op on the int8 path (csrc/decoder_layer_cpu.cpp)
+
+@pytest.fixture(scope="module")
+def layer_op():
+    if not extensions.decoder_layer_op_available():
+        pytest.skip(f"csrc/decoder_layer_cpu.cpp or a library it calls did not build: {extensions.failed}")
+
+
+def int8_layer(bias, seed=0):
+    """A SmolLM2-shaped DecoderLayer with int8 linears and random norms -> (layer, {name: (q int8 [N, K],
+    sw [N], bias)}): the integer weights the oracle multiplies."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = M.ModelConfig(attention_bias=bias)
+    layer, weights = M.DecoderLayer(cfg), {}
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data = torch.rand(cfg.hidden_size, generator=g) + 0.5
+    for name, lin in zip(("qkv", "o", "gate_up", "down"), layer.linears()):
+        N, K = lin.weight.shape
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        q[torch.arange(N), torch.randint(0, K, (N,), generator=g)] = 127     # each row's max: quantize_int8 keeps q
+        sw = (torch.rand(N, generator=g) + 0.5) / (127 * K ** 0.5)
+        lin.quantized = CL.quantize_int8(q.double() * sw.double()[:, None])
+        if lin.bias is not None:
+            lin.bias.data = torch.randn(N, generator=g) * 0.1
+        weights[name] = (q, sw, lin.bias)
+    return layer, weights
+
+
+def reference_int8_layer(weights, norms, eps, x, residual, cos, sin, key_cache, value_cache, meta, keep, heads):
+    """model.DecoderLayer.forward from the references: rms_norm_reference, apply_rope,
+    reshape_and_cache_reference, paged_attention_reference, SwiGLU in PyTorch, and each linear as
+    float64 sums of the 8-bit rows (int8_rows, from this reference's own activations) times the int8
+    weights. Writes this step's K/V into the caches. -> (MLP output, residual)."""
+    def linear(h, name):
+        q, sw, bias = weights[name]
+        p, sx = int8_rows(h, CL.INT8_GROUP)
+        out = ((p * sx) @ q.double().T) * sw.double()[None]
+        return (out if bias is None else out + bias.double()).float()
+    nh, nkv, hd = heads
+    T = x.shape[0]
+    residual = x if residual is None else residual + x
+    qkv = linear(M.rms_norm_reference(residual, norms[0], eps), "qkv").view(T, nh + 2 * nkv, hd)
+    c, s = cos[:, None], sin[:, None]
+    q, k, v = M.apply_rope(qkv[:, :nh], c, s), M.apply_rope(qkv[:, nh:nh + nkv], c, s), qkv[:, nh + nkv:]
+    pa.reshape_and_cache_reference(k, v, key_cache, value_cache, meta.slot_mapping)
+    o = pa.paged_attention_reference(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
+                                     meta.query_start_loc, hd ** -0.5)
+    out = linear(o.reshape(T, nh * hd), "o")
+    if keep is not None:
+        out, residual = out[keep], residual[keep]
+    residual = residual + out
+    gate, up = linear(M.rms_norm_reference(residual, norms[1], eps), "gate_up").chunk(2, dim=-1)
+    return linear(torch.nn.functional.silu(gate) * up, "down"), residual
+
+
+def layer_step(new, cached, block_size=16, seed=1):
+    """A step's AttentionMetadata and a KV pool (float32, SmolLM2's 3 KV heads of 64) for sequences
+    with `cached[i]` tokens already in the pool (random K/V) and `new[i]` this step, blocks handed out
+    in reverse; -> (meta, key_cache, value_cache, positions [T])."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [n + c for n, c in zip(new, cached)]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 1
+    kc, vc = (torch.randn(num_blocks, block_size, 3, 64, generator=g) for _ in range(2))
+    free, tables, slots, positions = list(range(num_blocks - 1, -1, -1)), [], [], []
+    width = max(-(-n // block_size) for n in lens)
+    for n, c, total in zip(new, cached, lens):
+        table = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(table + [0] * (width - len(table)))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, total)]
+        positions += range(c, total)
+    meta = pa.AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
+                                torch.tensor(lens, dtype=torch.int32),
+                                torch.tensor([0] + new).cumsum(0).int(), "cpu")
+    return meta, kc, vc, torch.tensor(positions)
+
+
+# The reference's float32 sums (norms, attention) run in other orders than the kernels', so now and
+# then an activation lands on the other side of an 8-bit rounding: one step of a group's scale times
+# the weights, ~0.3% of the outputs' range at 64 rows measured (a wrong weight or slot is ~100%).
+LAYER_OP_TOL = 5e-3
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-qkv-bias"])
+@pytest.mark.parametrize("new, cached, first, keep", [
+    ([1], [36], False, None),                      # a batch-1 decode step
+    ([1, 1, 1], [4, 16, 39], False, None),         # three sequences at decode
+    ([1, 1, 1], [4, 16, 39], True, [2, 0]),        # the first layer (no residual yet) and the last (keep)
+    ([24, 40], [10, 0], False, None),              # a prefill chunk: one sequence resumed, one fresh
+], ids=["T1", "T3", "T3-first-last", "prefill-64"])
+def test_decoder_layer_op_matches_the_reference_layer_and_its_cache_writes(layer_op, fused_ops, monkeypatch, bias,
+                                                                           new, cached, first, keep):
+    # oracle: reference_int8_layer (PyTorch references, float64 integer sums of the int8 weights and
+    # of 8-bit rows quantized here from the reference's own activations), on SmolLM2's shapes; the
+    # op's output, residual and every KV slot it writes (and none other) match; the layer takes the
+    # op (the Python path is never called) and gives the Python layer path's bits
+    layer, weights = int8_layer(bias)
+    eps = layer.input_layernorm.eps
+    meta, kc, vc, positions = layer_step(new, cached)
+    T, g = sum(new), torch.Generator().manual_seed(2)
+    x = torch.randn(T, 576, generator=g)
+    residual = None if first else torch.randn(T, 576, generator=g) * 4
+    freqs = positions[:, None].float() * M.rope_inv_freq(M.ModelConfig())
+    cos, sin = freqs.cos(), freqs.sin()
+    keep_t = None if keep is None else torch.tensor(keep)
+    norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    want = reference_int8_layer(weights, norms, eps, x, residual, cos, sin, ref_kc, ref_vc, meta, keep_t, (9, 3, 64))
+    with torch.inference_mode():
+        assert layer.layer_op_weights(x, meta, True) is not None
+        op_kc, op_vc = kc.clone(), vc.clone()
+        with monkeypatch.context() as mp:
+            mp.setattr(M.RMSNorm, "forward", lambda *a: pytest.fail("the op path ran Python's layers"))
+            got = layer(x.clone(), None if first else residual.clone(), cos, sin, (op_kc, op_vc), meta, True, keep_t)
+        layer.layer_op = False
+        plain_kc, plain_vc = kc.clone(), vc.clone()
+        plain = layer(x.clone(), None if first else residual.clone(), cos, sin, (plain_kc, plain_vc), meta, True, keep_t)
+    for name, a, b in (("MLP output", got[0], want[0]), ("residual", got[1], want[1])):
+        err, scale = (a - b).abs().max().item(), b.abs().max().item()
+        assert a.shape == b.shape and err <= LAYER_OP_TOL * scale, f"{name}: max error {err} of {scale}"
+    written = torch.zeros(kc.shape[:2], dtype=torch.bool).view(-1)
+    written[meta.slot_mapping] = True
+    for got_c, ref_c, old in ((op_kc, ref_kc, kc), (op_vc, ref_vc, vc)):
+        err, scale = (got_c - ref_c).abs().max().item(), ref_c.view(-1, 192)[written].abs().max().item()
+        assert err <= LAYER_OP_TOL * scale, f"KV cache: max error {err} of {scale}"
+        assert torch.equal(got_c.view(-1, 192)[~written], old.view(-1, 192)[~written])   # no other slot touched
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    assert torch.equal(op_kc, plain_kc) and torch.equal(op_vc, plain_vc)
+
+
+def test_decoder_layer_op_applies_only_where_every_linear_runs_8_bit_activations(layer_op, fused_ops):
+    # model.q8_linear_args asks cpu_linear.Linear.q8_panels (int8's panels, groups of INT8_GROUP; the
+    # GGUF's blocks repacked, blocks of 32); one float linear, the torch attention backend, bfloat16
+    # activations or the plain ops keep the Python layer path
+    layer, _ = int8_layer(False)
+    meta, *_ = layer_step([1], [5])
+    x = torch.randn(1, 576)
+    assert layer.layer_op_weights(x, meta, True) is not None
+    assert layer.layer_op_weights(x, dataclasses.replace(meta, backend="torch"), True) is None
+    assert layer.layer_op_weights(x, meta, False) is None
+    assert layer.layer_op_weights(x.bfloat16(), meta, True) is None
+    o_proj = layer.self_attn.o_proj
+    w8, o_proj.quantized = o_proj.quantized, None
+    assert layer.layer_op_weights(x, meta, True) is None
+    q = torch.randint(-127, 128, tuple(o_proj.weight.shape), dtype=torch.int8)
+    o_proj.quantized = CL.pack_q8(q, d=torch.rand(576, 576 // 32) * 1e-3)          # a Q8_0 weight
+    assert layer.layer_op_weights(x, meta, True)[1][2:4] == [576, 32]               # blocks of 32
+    o_proj.quantized = w8
+    assert layer.layer_op_weights(x, meta, True)[1][2:4] == [576, CL.INT8_GROUP]
 
 
 SMOLLM2_LINEAR_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]   # (in, out)

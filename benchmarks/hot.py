@@ -164,15 +164,19 @@ def step_breakdown(engine=None, batch=1, prompt_len=32, steps=12, rounds=3, call
     attn = [m for m in net.modules() if isinstance(m, M.Attention)]
     steps_ms = {m: [] for m in ("before", "after")}
     fwd = {m: [] for m in steps_ms}
-    for _ in range(rounds):                                    # interleaved: the same load on each
-        for mode in steps_ms:
-            for a in attn:
-                a.fused_cache = mode == "after"
-            r = decode_steps(engine, batch, prompt_len=prompt_len, steps=steps)
-            steps_ms[mode].append(r["step_ms_median"])
-            fwd[mode].append(r["phase_ms"]["forward"])
-    for a in attn:
-        a.fused_cache = True
+    M.DecoderLayer.layer_op = False                            # both sides the Python layers (layer_op_breakdown: the op)
+    try:
+        for _ in range(rounds):                                # interleaved: the same load on each
+            for mode in steps_ms:
+                for a in attn:
+                    a.fused_cache = mode == "after"
+                r = decode_steps(engine, batch, prompt_len=prompt_len, steps=steps)
+                steps_ms[mode].append(r["step_ms_median"])
+                fwd[mode].append(r["phase_ms"]["forward"])
+    finally:
+        M.DecoderLayer.layer_op = True
+        for a in attn:
+            a.fused_cache = True
     matmul = matmul_only_ms(engine, batch, repeats=5)
     ops = _layer_op_us(engine, batch, prompt_len + steps, calls)
     L = cfg.num_hidden_layers
@@ -188,6 +192,29 @@ def step_breakdown(engine=None, batch=1, prompt_len=32, steps=12, rounds=3, call
     return {"batch": batch, "dtype": str(engine.dtype).removeprefix("torch."),
             "path": engine.config.quantization or str(engine.dtype).removeprefix("torch."), "layers": L,
             "context": prompt_len + steps, "rounds": rounds, "matmul_ms": matmul, "modes": modes}
+
+
+def layer_op_breakdown(engine=None, batch=1, prompt_len=32, steps=12, rounds=3) -> dict:
+    """The int8 engine's decode step at `batch` outside its matmuls, per layer, before (each layer as
+    Python modules and ~10 ops) and after (each layer one op, csrc/decoder_layer_cpu.cpp:
+    model.DecoderLayer.layer_op), taking turns `rounds` times (best median), minus the matmul-only time.
+    -> {"path", "layers", "matmul_ms", "layer_op", "modes": {"before" | "after": {"step_ms", "outside_ms",
+    "outside_per_layer_us"}}}"""
+    engine = engine or _engine(quantization="int8", dtype="float32")
+    L = engine.model_config.num_hidden_layers
+    steps_ms = {"before": [], "after": []}
+    try:
+        for _ in range(rounds):                                # interleaved: the same load on each
+            for mode in steps_ms:
+                M.DecoderLayer.layer_op = mode == "after"
+                steps_ms[mode].append(decode_steps(engine, batch, prompt_len=prompt_len, steps=steps)["step_ms_median"])
+    finally:
+        M.DecoderLayer.layer_op = True
+    matmul = matmul_only_ms(engine, batch, repeats=5)
+    modes = {m: {"step_ms": min(t), "outside_ms": min(t) - matmul, "outside_per_layer_us": (min(t) - matmul) / L * 1e3}
+             for m, t in steps_ms.items()}
+    return {"batch": batch, "path": engine.config.quantization, "layers": L, "context": prompt_len + steps,
+            "rounds": rounds, "matmul_ms": matmul, "layer_op": extensions.decoder_layer_op_available(), "modes": modes}
 
 
 def _layer_op_us(engine, batch, ctx, calls) -> dict:
