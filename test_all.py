@@ -2843,14 +2843,14 @@ def reference_int8_layer(weights, norms, eps, x, residual, cos, sin, key_cache, 
     return linear(torch.nn.functional.silu(gate) * up, "down"), residual
 
 
-def layer_step(new, cached, block_size=16, seed=1):
-    """A step's AttentionMetadata and a KV pool (float32, SmolLM2's 3 KV heads of 64) for sequences
+def layer_step(new, cached, block_size=16, seed=1, kv_dtype=torch.float32):
+    """A step's AttentionMetadata and a KV pool (kv_dtype, SmolLM2's 3 KV heads of 64) for sequences
     with `cached[i]` tokens already in the pool (random K/V) and `new[i]` this step, blocks handed out
     in reverse; -> (meta, key_cache, value_cache, positions [T])."""
     g = torch.Generator().manual_seed(seed)
     lens = [n + c for n, c in zip(new, cached)]
     num_blocks = sum(-(-n // block_size) for n in lens) + 1
-    kc, vc = (torch.randn(num_blocks, block_size, 3, 64, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(num_blocks, block_size, 3, 64, generator=g).to(kv_dtype) for _ in range(2))
     free, tables, slots, positions = list(range(num_blocks - 1, -1, -1)), [], [], []
     width = max(-(-n // block_size) for n in lens)
     for n, c, total in zip(new, cached, lens):
@@ -2877,15 +2877,16 @@ LAYER_OP_TOL = 5e-3
     ([1, 1, 1], [4, 16, 39], True, [2, 0]),        # the first layer (no residual yet) and the last (keep)
     ([24, 40], [10, 0], False, None),              # a prefill chunk: one sequence resumed, one fresh
 ], ids=["T1", "T3", "T3-first-last", "prefill-64"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["float32-cache", "bf16-cache"])
 def test_decoder_layer_op_matches_the_reference_layer_and_its_cache_writes(layer_op, fused_ops, monkeypatch, bias,
-                                                                           new, cached, first, keep):
+                                                                           new, cached, first, keep, kv_dtype):
     # oracle: reference_int8_layer (PyTorch references, float64 integer sums of the int8 weights and
     # of 8-bit rows quantized here from the reference's own activations), on SmolLM2's shapes; the
     # op's output, residual and every KV slot it writes (and none other) match; the layer takes the
     # op (the Python path is never called) and gives the Python layer path's bits
     layer, weights = int8_layer(bias)
     eps = layer.input_layernorm.eps
-    meta, kc, vc, positions = layer_step(new, cached)
+    meta, kc, vc, positions = layer_step(new, cached, kv_dtype=kv_dtype)   # bf16: the integer paths' own cache
     T, g = sum(new), torch.Generator().manual_seed(2)
     x = torch.randn(T, 576, generator=g)
     residual = None if first else torch.randn(T, 576, generator=g) * 4
@@ -2910,6 +2911,7 @@ def test_decoder_layer_op_matches_the_reference_layer_and_its_cache_writes(layer
     written = torch.zeros(kc.shape[:2], dtype=torch.bool).view(-1)
     written[meta.slot_mapping] = True
     for got_c, ref_c, old in ((op_kc, ref_kc, kc), (op_vc, ref_vc, vc)):
+        got_c, ref_c = got_c.float(), ref_c.float()
         err, scale = (got_c - ref_c).abs().max().item(), ref_c.view(-1, 192)[written].abs().max().item()
         assert err <= LAYER_OP_TOL * scale, f"KV cache: max error {err} of {scale}"
         assert torch.equal(got_c.view(-1, 192)[~written], old.view(-1, 192)[~written])   # no other slot touched

@@ -106,10 +106,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   // attention: norm, qkv, RoPE and the KV-cache write, paged attention over the cache, o_proj
   at::Tensor h = add_norm(x, residual, required(weights, 0, "input_layernorm"), eps);
   at::Tensor qkv = linear(h, weights, ints, kQkv);                            // [T, (nh + 2 nkv) hd]
-  if (key_cache.scalar_type() == qkv.scalar_type() && value_cache.scalar_type() == qkv.scalar_type()) {
+  const auto kv = key_cache.scalar_type();
+  if (value_cache.scalar_type() == kv && (kv == qkv.scalar_type() || kv == at::kBFloat16)) {   // one pass (fused_cpu.cpp)
     ops().rope_and_cache_.call(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads,
                                head_dim);
-  } else {                                    // a cache in another dtype: the write converts
+  } else {                                    // another cache dtype (float16): the write converts
     ops().rope_.call(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
     ops().reshape_and_cache.call(qkv.narrow(1, q_width, kv_width).view({T, num_kv_heads, head_dim}),
                                  qkv.narrow(1, q_width + kv_width, kv_width).view({T, num_kv_heads, head_dim}),
