@@ -692,8 +692,8 @@ def kv_dtype_auto(dtype: torch.dtype, quantization: str | None, device: torch.de
     """kv_cache_dtype "auto": the model's dtype, but bfloat16 where quantization="int8" or "gguf" runs on
     the CPU. Those paths take float32 activations only because their kernels do (the weights and the
     activations they multiply are 8-bit), and a decode batch's attention reads its whole cache every
-    step: a 16-bit cache halves those bytes (attention 15.3 -> 9.6 ms of a batch-32 SmolLM2 step, 2
-    cores) and keeps the paths' accuracy bounds (test_quantization_int8_keeps_greedy_tokens_and_perplexity).
+    step: a 16-bit cache halves those bytes, which bound it (it streams the cache near memory speed),
+    and keeps the paths' accuracy bounds (test_quantization_int8_keeps_greedy_tokens_and_perplexity).
     llama.cpp's default cache is 16-bit too. Ask for float32 to get float32."""
     return torch.bfloat16 if quantization and device.type == "cpu" and dtype == torch.float32 else dtype
 
