@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import paged_attention
-from cpu_linear import Linear, Q8Panels, cpu_bf16_native
+from cpu_linear import Linear, cpu_bf16_native
 from extensions import decoder_layer_op_available, fused_ops_available
 from paged_attention import AttentionMetadata
 
@@ -194,14 +194,15 @@ class DecoderLayer(nn.Module):
     def layer_op_weights(self, x, meta, fused) -> tuple[list, list[int]] | None:
         """(weights, ints) for csrc/decoder_layer_cpu.cpp where the layer runs as one op, else None: CPU
         attention and fused ops, float32 activations, the two norms on one eps, and every linear on
-        linear_q8 at x's rows (q8_linear_args). weights: the two norms', then each linear's
+        linear_q8 at x's rows (cpu_linear.Linear.q8_panels, the rule each linear's own forward follows;
+        other linear classes keep the Python path). weights: the two norms', then each linear's
         (w, d, m, sw, bias); ints: each linear's (out_features, group). Made once, kept while the
         layer holds the same packed weights."""
         if not (self.layer_op and fused is True and meta.backend == "cpu" and x.dtype == torch.float32
                 and self.self_attn.fused_cache and decoder_layer_op_available()
                 and self.input_layernorm.eps == self.post_attention_layernorm.eps):
             return None
-        args = [q8_linear_args(linear, x.shape[0]) for linear in self.linears()]
+        args = [linear.q8_panels(x.shape[0]) if isinstance(linear, Linear) else None for linear in self.linears()]
         if None in args:
             return None
         panels = [p for p, _ in args]
@@ -211,14 +212,6 @@ class DecoderLayer(nn.Module):
                 weights += [p.w, p.d, p.m, p.sw, linear.bias]
             self._op_weights = panels, weights, [v for p, group in args for v in (p.out_features, group)]
         return self._op_weights[1:]
-
-
-def q8_linear_args(linear: Linear, rows: int) -> tuple[Q8Panels, int] | None:
-    """(packed weight, x's values per 8-bit scale) where `linear` runs csrc/int8_cpu.cpp's linear_q8 at
-    `rows` rows, else None: cpu_linear.Linear.q8_panels, the rule its forward follows (int8, and the
-    GGUF's blocks), so the layer op runs exactly the linears' own path. Other linear classes: None."""
-    q8_panels = getattr(linear, "q8_panels", None)
-    return q8_panels(rows) if q8_panels is not None else None
 
 
 class Llama(nn.Module):

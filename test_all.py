@@ -2920,7 +2920,7 @@ def test_decoder_layer_op_matches_the_reference_layer_and_its_cache_writes(layer
 
 
 def test_decoder_layer_op_applies_only_where_every_linear_runs_8_bit_activations(layer_op, fused_ops):
-    # model.q8_linear_args asks cpu_linear.Linear.q8_panels (int8's panels, groups of INT8_GROUP; the
+    # DecoderLayer.layer_op_weights asks cpu_linear.Linear.q8_panels (int8's panels, groups of INT8_GROUP; the
     # GGUF's blocks repacked, blocks of 32); one float linear, the torch attention backend, bfloat16
     # activations or the plain ops keep the Python layer path
     layer, _ = int8_layer(False)

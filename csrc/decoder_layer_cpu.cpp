@@ -9,7 +9,7 @@
 // x [T, hidden] float32 is the last layer's MLP output, residual the stream without it (None before
 // the first layer: then x is the embedding, the residual it). weights: the two norms' weights, then
 // per linear (qkv, o, gate_up, down) its linear_q8 tensors w, d, m, sw and its bias; ints: per
-// linear its out_features and activation group (cpu_linear.Q8Panels, model.q8_linear_args).
+// linear its out_features and activation group (cpu_linear.Q8Panels, Linear.q8_panels).
 // keep: the rows to carry past attention (the last layer's rows that get logits), or None.
 // x and residual are rewritten in place, as model.py's fused add + RMSNorm does.
 //
