@@ -2866,8 +2866,9 @@ def layer_step(new, cached, block_size=16, seed=1, kv_dtype=torch.float32):
 
 # The reference's float32 sums (norms, attention) run in other orders than the kernels', so now and
 # then an activation lands on the other side of an 8-bit rounding: one step of a group's scale times
-# the weights, ~0.3% of the outputs' range at 64 rows measured (a wrong weight or slot is ~100%).
-LAYER_OP_TOL = 5e-3
+# a weight, measured 0.3% of the outputs' range at 64 rows natively and 0.6% on the AVX2 build (whose
+# sums run in another order again). 1% allows one or two such flips; a wrong weight or slot is ~100%.
+LAYER_OP_TOL = 1e-2
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-qkv-bias"])
@@ -3187,6 +3188,23 @@ def test_cpu_kernel_matches_reference_on_mixed_batches(cpu_backend, kv_dtype, bl
     batch = make_batch(*MIXED, num_kv_heads=2, group=group, head_dim=head_dim,
                        block_size=block_size, kv_dtype=kv_dtype, seed=block_size + group)
     check_against_reference(cpu_backend, batch, ATOL[kv_dtype])
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])   # the generic path, and the SIMD decode and prefill paths
+def test_cpu_kernel_reads_the_query_as_a_view_of_qkv(cpu_backend, head_dim):
+    """The layer passes q as a strided view of its fused qkv rows [T, (nh + 2 nkv) hd]; the kernel reads
+    it in place (no copy: the profiler sees no copy op) and gives the reference's output on the same
+    values. The columns after q hold NaN, so a read past a row's q would show."""
+    query, *rest = make_batch(*MIXED, num_kv_heads=2, group=3, head_dim=head_dim, seed=5)
+    T, nh, hd = query.shape
+    qkv = torch.full((T, (nh + 4) * hd), float("nan"))
+    qkv[:, :nh * hd] = query.reshape(T, -1)
+    view = qkv[:, :nh * hd].view(T, nh, hd)
+    assert not view.is_contiguous()
+    check_against_reference(cpu_backend, (view, *rest), ATOL[torch.float32])
+    with torch.profiler.profile() as prof:
+        cpu_backend(view, *rest)
+    assert not {"aten::contiguous", "aten::clone", "aten::copy_"} & {e.key for e in prof.key_averages()}
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())

@@ -160,12 +160,14 @@ void scores_by_query(const float* q_t, int padded_m, const float* k, int64_t k_s
 // ---- one work item ------------------------------------------------------------------------
 
 struct Batch {                      // raw views of the call's tensors
-  const float* query;               // [num_tokens, num_heads, head_dim], float32
-  float* out;                       // same shape
+  const float* query;               // [num_tokens, num_heads, head_dim], float32, rows q_stride apart
+  float* out;                       // [num_tokens, num_heads, head_dim], contiguous
   const int* block_tables;          // [num_seqs, max_blocks]
   int64_t max_blocks;
   int num_heads, num_kv_heads, head_dim, block_size, group;
   float scale;
+  int64_t q_stride;                 // query's row stride: a view of the fused qkv is read in place
+  const float* q(int64_t row, int head) const { return query + row * q_stride + (int64_t)head * head_dim; }
 };
 
 struct WorkItem {
@@ -194,7 +196,7 @@ void attend_tile(const Batch& b, const KV* key_cache, const KV* value_cache, con
   const int D = b.head_dim, G = b.group, bs = b.block_size;
   const int rows = w.row_end - w.row_begin, M = rows * G;
   for (int m = 0; m < M; ++m) {
-    const float* src = b.query + ((int64_t)(w.row_begin + m / G) * b.num_heads + w.kv_head * G + m % G) * D;
+    const float* src = b.q(w.row_begin + m / G, w.kv_head * G + m % G);
     for (int d = 0; d < D; ++d) s.q[m * D + d] = src[d] * b.scale;  // fold the scale into q once
     s.row_max[m] = kNegInf;
     s.row_sum[m] = 0.f;
@@ -652,12 +654,12 @@ void attend_small(const Batch& b, const KV* key_cache, const KV* value_cache, co
   constexpr int D = W * C;
   const int G = b.group, H = w.num_heads;
   const int rows = w.row_end - w.row_begin, M = rows * G;    // query vectors per KV head, < 16
-  auto query_row = [&](int h, int m) {                       // [D] of query vector (h, m)
+  auto out_row = [&](int h, int m) {                       // the output [D] of query vector (h, m)
     return (int64_t)(w.row_begin + m / G) * b.num_heads + (w.kv_head + h) * G + m % G;
   };
   for (int h = 0; h < H; ++h)
     for (int m = 0; m < M; ++m) {
-      const float* src = b.query + query_row(h, m) * D;
+      const float* src = b.q(w.row_begin + m / G, (w.kv_head + h) * G + m % G);
       for (int c = 0; c < C; ++c)
         for (int l = 0; l < W; ++l) s.q[(h * M + m) * D + W * c + l] = src[R::dim(c, l)] * b.scale;
       s.row_max[h * M + m] = kNegInf;
@@ -704,7 +706,7 @@ void attend_small(const Batch& b, const KV* key_cache, const KV* value_cache, co
   }
   for (int h = 0; h < H; ++h)
     for (int m = 0; m < M; ++m) {
-      float* dst = b.out + query_row(h, m) * D;
+      float* dst = b.out + out_row(h, m) * D;
       const float inv = 1.f / s.row_sum[h * M + m];   // row_sum >= 1: the row always sees itself
       for (int c = 0; c < C; ++c)
         for (int l = 0; l < W; ++l) dst[R::dim(c, l)] = s.acc[(h * M + m) * D + W * c + l] * inv;
@@ -842,13 +844,15 @@ void attend_prefill(const Batch& b, const KV* key_cache, const KV* value_cache, 
   const int D = b.head_dim, G = b.group;
   const int rows = w.row_end - w.row_begin, M = rows * G, Mp = (M + W - 1) / W * W;
   const int kv_len = w.first_pos + rows;
-  auto query_row = [&](int m) { return (int64_t)(w.row_begin + m / G) * b.num_heads + w.kv_head * G + m % G; };
+  auto out_row = [&](int m) {   // the output row of query vector m
+    return (int64_t)(w.row_begin + m / G) * b.num_heads + w.kv_head * G + m % G; };
   float *qT = s.q_t.data(), *accT = s.acc.data(), *S = s.score.data(), *k = s.k.data(), *v = s.v.data();
   for (int m0 = 0; m0 < Mp; m0 += W)       // qT [D][Mp]: W x W tiles of q transposed, scale folded in
     for (int d0 = 0; d0 < D; d0 += W) {
       Vec r[W];
       for (int i = 0; i < W; ++i)
-        r[i] = m0 + i < M ? Simd::mul(Simd::load(b.query + query_row(m0 + i) * D + d0), Simd::set1(b.scale))
+        r[i] = m0 + i < M ? Simd::mul(Simd::load(b.q(w.row_begin + (m0 + i) / G, w.kv_head * G + (m0 + i) % G) + d0),
+                                      Simd::set1(b.scale))
                           : Simd::zero();
       Simd::transpose(r);
       for (int i = 0; i < W; ++i) Simd::store(qT + (d0 + i) * Mp + m0, r[i]);
@@ -879,7 +883,7 @@ void attend_prefill(const Batch& b, const KV* key_cache, const KV* value_cache, 
       Vec r[W];
       for (int i = 0; i < W; ++i) r[i] = Simd::mul(Simd::load(accT + (d0 + i) * Mp + m0), Simd::load(&s.corr[m0]));
       Simd::transpose(r);
-      for (int i = 0; i < W && m0 + i < M; ++i) Simd::store(b.out + query_row(m0 + i) * D + d0, r[i]);
+      for (int i = 0; i < W && m0 + i < M; ++i) Simd::store(b.out + out_row(m0 + i) * D + d0, r[i]);
     }
 }
 
@@ -976,17 +980,19 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   TORCH_CHECK(head_dim % kLanes == 0, "head_dim must be a multiple of ", kLanes, ", got ", head_dim);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " must be a multiple of num_kv_heads ",
               num_kv_heads);
-  const auto q = query.to(at::kFloat).contiguous();
+  // a [T, heads, head_dim] view with contiguous heads (the q of a fused qkv) is read in place
+  auto q = query.to(at::kFloat);
+  if (q.stride(2) != 1 || q.stride(1) != head_dim) q = q.contiguous();
   const auto tables = block_tables.to(at::kInt).contiguous();
   const auto ctx = context_lens.to(at::kInt).contiguous();
   const auto qsl = query_start_loc.to(at::kInt).contiguous();
   const int num_seqs = ctx.numel();
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs, "block_tables must be [num_seqs, max_blocks]");
   TORCH_CHECK(qsl.numel() == num_seqs + 1, "query_start_loc must have num_seqs + 1 entries");
-  auto out = at::empty(q.sizes(), q.options());
+  auto out = at::empty(q.sizes(), q.options());   // contiguous
   Batch b{q.const_data_ptr<float>(), out.mutable_data_ptr<float>(), tables.const_data_ptr<int>(),
           tables.size(1), num_heads, num_kv_heads, head_dim, block_size, num_heads / num_kv_heads,
-          (float)scale};
+          (float)scale, q.stride(0)};
 
   // Flatten (sequence, KV head, query tile) into work items; validate what the kernel will read.
   const int tile_rows = batch_invariant ? invariant_tile_rows(b.group) : kTileRows;
