@@ -167,7 +167,7 @@ def decode_kernel_inputs(batch, ctx, kv_dtype, heads=9, kv_heads=3, head_dim=64,
 # ----------------------------------------------------------------------------- engines
 
 ENGINE_OVERRIDES = {}   # bench.py's engine flags (--async-scheduling), under each section's own settings
-_weights = {}   # (model, dtype, device) -> (model, model_config, model_dir), loaded by the first engine
+_weights = {}   # make_engine's key -> (model, model_config, model_dir), loaded by the first engine
 
 
 def make_engine(**overrides):
@@ -179,7 +179,11 @@ def make_engine(**overrides):
     """
     from engine import Engine, EngineConfig
     cfg = EngineConfig(num_threads=os.cpu_count(), **{**ENGINE_OVERRIDES, **overrides})
-    key = (cfg.model, cfg.dtype, cfg.device, cfg.quantization)   # quantization="gguf" keeps other weights
+    # quantization="gguf" keeps other weights; and an engine that may take the automatic path (dtype
+    # and quantization left to it: engine.auto_path) runs what the first one picked, so it shares only
+    # with those: batch-invariant mode takes no automatic path, and runs the plain weights
+    auto = cfg.dtype == "auto" and cfg.quantization is None and not cfg.batch_invariant
+    key = (cfg.model, cfg.dtype, cfg.device, cfg.quantization, auto)
     engine = Engine(cfg, loaded_model=_weights.get(key))
     _weights.setdefault(key, (engine.model, engine.model_config, engine.model_dir))
     return engine

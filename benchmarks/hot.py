@@ -326,7 +326,9 @@ def gguf_blocks_vs_float32(rows=(1, 2, 4, 5, 8, 16), batches=(1, 4), engine=None
     float32 kernel, or oneDNN on the prepacked weight): ms of one pass over every Linear of the
     model at each row count, then a decode step at each batch, the engine with and without
     blocks taking turns `rounds` times."""
-    engine = engine or _engine()
+    # on the dtype auto picks, named: dtype auto alone may take the integer path (engine.auto_path),
+    # whose layers hold 8-bit panels, not the float32 path through the blocks timed here
+    engine = engine or _engine(dtype=str(M.resolve_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch."))
     layers = [m for m in engine.model.modules() if isinstance(m, CL.Linear)]
     if not any(m.gguf_blocks() is not None for m in layers):
         return {"skipped": engine.model.gguf_log or "no layer has GGUF blocks"}
