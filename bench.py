@@ -204,7 +204,7 @@ def print_layer_op(results, sz):
         f"quantization {d['path']}, float32 activations, {d['layers']} layers, batch {d['batch']}, {d['context']} tokens of "
         f"context; step: median of the engine's decode steps, best of {d['rounds']} rounds taking turns; matmuls: every "
         f"linear layer alone at the same rows",
-        "before: each layer as model.py's modules (~10 ops, views, 9 module calls); after: one op a layer "
+        "before: each layer as model.py's modules (~10 ops, views, 9 module calls); after: the layers as one op "
         f"(csrc/decoder_layer_cpu.cpp{'' if d['layer_op'] else ': NOT BUILT, both columns are the Python layers'})"])
     rows = [["decode step (ms)", before["step_ms"], after["step_ms"]],
             ["matmuls alone (ms)", d["matmul_ms"], d["matmul_ms"]],

@@ -231,6 +231,7 @@ class Llama(nn.Module):
         self.gguf_log = ""            # which layers read GGUF blocks: weights.load_model says
         self.batch_invariant = False  # set_batch_invariant
         self.rope_table = None        # batch-invariant mode: (cos, sin) [max_position_embeddings, head_dim/2]
+        self._layers_op = None        # (each layer's op weights, joined weights, joined ints): layers_op_args
 
     def set_batch_invariant(self, on: bool):
         """Batch-invariant mode (docs/batch-invariance.md): every linear layer and attention call takes
@@ -262,6 +263,20 @@ class Llama(nn.Module):
                 layer.prepared()
         fused_ops_available(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
 
+    def layers_op_args(self, x, meta, fused) -> tuple[list, list[int]] | None:
+        """(weights, ints) for csrc/decoder_layer_cpu.cpp's decoder_layers where every layer runs as one
+        op (DecoderLayer.layer_op_weights), else None: each layer's in turn, joined once and kept while
+        the layers keep the same ones. A loop of one op per layer from Python cost ~90 us a layer here
+        between the ops, in statements that run slowly after a layer's matmuls (bench.py step)."""
+        per_layer = [layer.layer_op_weights(x, meta, fused) for layer in self.layers]
+        if any(op is None for op in per_layer):
+            return None
+        cached = self._layers_op
+        if cached is None or any(a is not b for a, (b, _) in zip(cached[0], per_layer)):
+            weights = [t for w, _ in per_layer for t in w]
+            self._layers_op = cached = ([w for w, _ in per_layer], weights, [v for _, ints in per_layer for v in ints])
+        return cached[1], cached[2]
+
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
         """input_ids, positions: [num_tokens]; kv_caches: per layer (k_cache, v_cache);
@@ -274,13 +289,21 @@ class Llama(nn.Module):
         else:
             freqs = positions.unsqueeze(1).float() * self.inv_freq        # [T, head_dim/2]
             cos, sin = freqs.cos(), freqs.sin()                           # float32 [T, head_dim/2]
-        residual = None
         # Past the last layer's attention only the rows that get logits matter: every token's K
         # and V are cached by then, so a prompt chunk's other rows skip that layer's MLP.
-        last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            keep = logits_indices if i == last else None
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, fused, keep)
+        one_op = self.layers_op_args(x, meta, fused)
+        if one_op is not None:                # every layer as one op: the loop below, in C++
+            attn = self.layers[0].self_attn
+            x, residual = torch.ops.nanoserve_layer.decoder_layers(
+                x, *one_op, self.layers[0].input_layernorm.eps, cos, sin, [k for k, _ in kv_caches],
+                [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.context_lens,
+                meta.query_start_loc, attn.scale, attn.n_heads, attn.n_kv, attn.head_dim, attn.batch_invariant,
+                logits_indices)
+        else:
+            residual, last = None, len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                keep = logits_indices if i == last else None
+                x, residual = layer(x, residual, cos, sin, kv_cache, meta, fused, keep)
         x, _ = self.norm(x, residual, fused)                              # [num_sampled, hidden]
         return self.lm_head(x, float_out=True)                            # [num_sampled, vocab]
 

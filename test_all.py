@@ -2920,6 +2920,27 @@ def test_decoder_layer_op_matches_the_reference_layer_and_its_cache_writes(layer
     assert torch.equal(op_kc, plain_kc) and torch.equal(op_vc, plain_vc)
 
 
+@pytest.mark.parametrize("seqs", [[[1, 504, 3458, 282]], [list(range(100, 140)), [7], [9, 10, 11]]],
+                         ids=["decode-like", "mixed"])
+def test_decoder_layers_op_runs_the_model_as_one_op_with_the_layers_bits(layer_op, fused_ops, monkeypatch, seqs):
+    # the int8 model over a ragged batch three ways: every layer in one op (the default where each layer
+    # takes the op), one op per layer, and the Python layers (the readable path, whose kernels are
+    # checked against PyTorch references above): the same logits bit for bit; the default makes one
+    # decoder_layers call and no per-layer one
+    net, _, _ = W.load_model(None, quantization="int8")
+    with torch.profiler.profile() as prof:
+        one = ragged_forward(net, seqs, kv_dtype=torch.bfloat16, backend="cpu")
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("nanoserve_layer::decoder_layers") == 1 and "nanoserve_layer::decoder_layer" not in calls
+    with monkeypatch.context() as mp:
+        mp.setattr(M.Llama, "layers_op_args", lambda *a: None)
+        per_layer = ragged_forward(net, seqs, kv_dtype=torch.bfloat16, backend="cpu")
+    with monkeypatch.context() as mp:
+        mp.setattr(M.DecoderLayer, "layer_op", False)
+        python = ragged_forward(net, seqs, kv_dtype=torch.bfloat16, backend="cpu")
+    assert torch.equal(one, per_layer) and torch.equal(one, python)
+
+
 def test_decoder_layer_op_applies_only_where_every_linear_runs_8_bit_activations(layer_op, fused_ops):
     # DecoderLayer.layer_op_weights asks cpu_linear.Linear.q8_panels (int8's panels, groups of INT8_GROUP; the
     # GGUF's blocks repacked, blocks of 32); one float linear, the torch attention backend, bfloat16

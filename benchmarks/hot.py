@@ -196,7 +196,7 @@ def step_breakdown(engine=None, batch=1, prompt_len=32, steps=12, rounds=3, call
 
 def layer_op_breakdown(engine=None, batch=1, prompt_len=32, steps=12, rounds=3) -> dict:
     """The int8 engine's decode step at `batch` outside its matmuls, per layer, before (each layer as
-    Python modules and ~10 ops) and after (each layer one op, csrc/decoder_layer_cpu.cpp:
+    Python modules and ~10 ops) and after (the layers as one op, csrc/decoder_layer_cpu.cpp:
     model.DecoderLayer.layer_op), taking turns `rounds` times (best median), minus the matmul-only time.
     -> {"path", "layers", "matmul_ms", "layer_op", "modes": {"before" | "after": {"step_ms", "outside_ms",
     "outside_per_layer_us"}}}"""

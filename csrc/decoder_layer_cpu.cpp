@@ -13,6 +13,11 @@
 // keep: the rows to carry past attention (the last layer's rows that get logits), or None.
 // x and residual are rewritten in place, as model.py's fused add + RMSNorm does.
 //
+//   decoder_layers(x, weights, ints, ..., key_caches, value_caches, ..., keep) -> (mlp out, residual)
+//
+// is every layer of a step in one op (model.Llama.forward's loop): x the embedding, weights and ints
+// each layer's in turn, one key and value cache per layer, keep for the last layer.
+//
 // It holds no math of its own: it calls the ops that model.py's Python path calls, through the
 // dispatcher (each handle looked up once), so the kernels stay in their files (int8_cpu.cpp,
 // fused_cpu.cpp, paged_attention_cpu.cpp) and this file is only the layer's order of calls. Those
@@ -66,17 +71,26 @@ const Ops& ops() {
 constexpr int kNorms = 2, kPerLinear = 5, kLinears = 4;   // weights: 2 norms, then (w, d, m, sw, bias) x 4
 enum Linear { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 
-at::Tensor required(const c10::List<OptTensor>& weights, int i, const char* what) {
+at::Tensor required(const c10::List<OptTensor>& weights, int64_t i, const char* what) {
   OptTensor t = weights.get(i);
   TORCH_CHECK(t.has_value(), "decoder_layer: weights[", i, "] (", what, ") is None");
   return *t;
 }
 
+// One layer's slice of the op's arguments: its tensors start at weights[w0], its ints at ints[0].
+struct LayerArgs {
+  const c10::List<OptTensor>& weights;
+  int64_t w0;
+  at::IntArrayRef ints;
+  at::Tensor get(int i, const char* what) const { return required(weights, w0 + i, what); }
+};
+
 // x [T, K] -> [T, out_features of linear i]: linear_q8 with that linear's tensors.
-at::Tensor linear(const at::Tensor& x, const c10::List<OptTensor>& weights, at::IntArrayRef ints, int i) {
-  const int base = kNorms + kPerLinear * i;
-  return ops().linear_q8.call(x, required(weights, base, "w"), weights.get(base + 1), weights.get(base + 2),
-                              weights.get(base + 3), ints[2 * i], ints[2 * i + 1], weights.get(base + 4));
+at::Tensor linear(const at::Tensor& x, const LayerArgs& a, int i) {
+  const int64_t base = a.w0 + kNorms + kPerLinear * i;
+  const auto& w = a.weights;
+  return ops().linear_q8.call(x, required(w, base, "w"), w.get(base + 1), w.get(base + 2), w.get(base + 3),
+                              a.ints[2 * i], a.ints[2 * i + 1], w.get(base + 4));
 }
 
 // residual += x, x = RMSNorm(residual) in place; before the first layer (no residual) the norm of x
@@ -90,36 +104,39 @@ at::Tensor add_norm(at::Tensor& x, std::optional<at::Tensor>& residual, const at
   return x;
 }
 
-std::tuple<at::Tensor, at::Tensor> decoder_layer(
-    at::Tensor x, std::optional<at::Tensor> residual, const c10::List<OptTensor>& weights,
-    at::IntArrayRef ints, double eps, const at::Tensor& cos, const at::Tensor& sin, at::Tensor key_cache,
-    at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, const at::Tensor& query_start_loc, double scale, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, bool batch_invariant, const std::optional<at::Tensor>& keep) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decoder_layer: x must be float32 [T, hidden]");
-  TORCH_CHECK(weights.size() == kNorms + kPerLinear * kLinears && ints.size() == 2 * kLinears,
-              "decoder_layer: weights must hold 2 norms and 5 tensors per linear, ints 2 per linear");
-  const int64_t T = x.size(0), q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
-  TORCH_CHECK(ints[2 * kQkv] == q_width + 2 * kv_width, "decoder_layer: qkv_proj's out_features ", ints[0],
+// What every layer of a step shares: where its tokens go in the caches and the attention's shape.
+struct Step {
+  const at::Tensor &cos, &sin, &slot_mapping, &block_tables, &context_lens, &query_start_loc;
+  double eps, scale;
+  int64_t num_heads, num_kv_heads, head_dim;
+  bool batch_invariant;
+};
+
+// One layer: model.DecoderLayer.forward's calls in its order -> (MLP out, residual).
+std::tuple<at::Tensor, at::Tensor> layer(at::Tensor x, std::optional<at::Tensor> residual, const LayerArgs& a,
+                                         const Step& st, at::Tensor key_cache, at::Tensor value_cache,
+                                         const std::optional<at::Tensor>& keep) {
+  const int64_t T = x.size(0), nh = st.num_heads, nkv = st.num_kv_heads, hd = st.head_dim;
+  const int64_t q_width = nh * hd, kv_width = nkv * hd;
+  TORCH_CHECK(a.ints[2 * kQkv] == q_width + 2 * kv_width, "decoder_layer: qkv_proj's out_features ", a.ints[0],
               " != (num_heads + 2 num_kv_heads) head_dim");
 
   // attention: norm, qkv, RoPE and the KV-cache write, paged attention over the cache, o_proj
-  at::Tensor h = add_norm(x, residual, required(weights, 0, "input_layernorm"), eps);
-  at::Tensor qkv = linear(h, weights, ints, kQkv);                            // [T, (nh + 2 nkv) hd]
+  at::Tensor h = add_norm(x, residual, a.get(0, "input_layernorm"), st.eps);
+  at::Tensor qkv = linear(h, a, kQkv);                                        // [T, (nh + 2 nkv) hd]
   const auto kv = key_cache.scalar_type();
   if (value_cache.scalar_type() == kv && (kv == qkv.scalar_type() || kv == at::kBFloat16)) {   // one pass (fused_cpu.cpp)
-    ops().rope_and_cache_.call(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads,
-                               head_dim);
+    ops().rope_and_cache_.call(qkv, st.cos, st.sin, key_cache, value_cache, st.slot_mapping, nh, nkv, hd);
   } else {                                    // another cache dtype (float16): the write converts
-    ops().rope_.call(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
-    ops().reshape_and_cache.call(qkv.narrow(1, q_width, kv_width).view({T, num_kv_heads, head_dim}),
-                                 qkv.narrow(1, q_width + kv_width, kv_width).view({T, num_kv_heads, head_dim}),
-                                 key_cache, value_cache, slot_mapping);
+    ops().rope_.call(qkv, st.cos, st.sin, nh + nkv, hd);
+    ops().reshape_and_cache.call(qkv.narrow(1, q_width, kv_width).view({T, nkv, hd}),
+                                 qkv.narrow(1, q_width + kv_width, kv_width).view({T, nkv, hd}),
+                                 key_cache, value_cache, st.slot_mapping);
   }
-  const at::Tensor q = qkv.narrow(1, 0, q_width).view({T, num_heads, head_dim});   // a view of qkv
-  at::Tensor o = ops().paged_attention.call(q, key_cache, value_cache, block_tables, context_lens,
-                                            query_start_loc, scale, batch_invariant);   // [T, nh, hd]
-  at::Tensor out = linear(o.view({T, q_width}), weights, ints, kO);          // [T, hidden]
+  const at::Tensor q = qkv.narrow(1, 0, q_width).view({T, nh, hd});          // a view of qkv
+  at::Tensor o = ops().paged_attention.call(q, key_cache, value_cache, st.block_tables, st.context_lens,
+                                            st.query_start_loc, st.scale, st.batch_invariant);   // [T, nh, hd]
+  at::Tensor out = linear(o.view({T, q_width}), a, kO);                      // [T, hidden]
   at::Tensor res = *residual;
   if (keep) {                                 // [T, hidden] -> [num_sampled, hidden]
     out = at::index_select(out, 0, *keep);
@@ -128,9 +145,55 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 
   // MLP: norm, gate_up, SwiGLU, down
   std::optional<at::Tensor> r = res;
-  h = add_norm(out, r, required(weights, 1, "post_attention_layernorm"), eps);
-  at::Tensor act = ops().silu_and_mul.call(linear(h, weights, ints, kGateUp));   // [T, inter]
-  return {linear(act, weights, ints, kDown), res};                           // [T, hidden], residual
+  h = add_norm(out, r, a.get(1, "post_attention_layernorm"), st.eps);
+  at::Tensor act = ops().silu_and_mul.call(linear(h, a, kGateUp));           // [T, inter]
+  return {linear(act, a, kDown), res};                                        // [T, hidden], residual
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decoder_layer: x must be float32 [T, hidden]");
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    at::Tensor x, std::optional<at::Tensor> residual, const c10::List<OptTensor>& weights,
+    at::IntArrayRef ints, double eps, const at::Tensor& cos, const at::Tensor& sin, at::Tensor key_cache,
+    at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, const at::Tensor& query_start_loc, double scale, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, bool batch_invariant, const std::optional<at::Tensor>& keep) {
+  check_x(x);
+  TORCH_CHECK(weights.size() == kNorms + kPerLinear * kLinears && ints.size() == 2 * kLinears,
+              "decoder_layer: weights must hold 2 norms and 5 tensors per linear, ints 2 per linear");
+  const Step st{cos, sin, slot_mapping, block_tables, context_lens, query_start_loc, eps, scale,
+                num_heads, num_kv_heads, head_dim, batch_invariant};
+  return layer(x, residual, LayerArgs{weights, 0, ints}, st, key_cache, value_cache, keep);
+}
+
+// Every layer of the model in one op: model.Llama.forward's loop over them. Between two layers' ops
+// the Python loop spent ~90 us a layer here, each trivial statement slow to run once the layer's
+// matmuls had streamed megabytes of weights through the caches (bench.py step). weights, ints: the
+// layers' decoder_layer arguments one after another; key_caches, value_caches: one per layer.
+// The first layer starts the residual stream (x is the embedding), and keep applies to the last.
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    at::Tensor x, const c10::List<OptTensor>& weights, at::IntArrayRef ints, double eps, const at::Tensor& cos,
+    const at::Tensor& sin, const c10::List<at::Tensor>& key_caches, const c10::List<at::Tensor>& value_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
+    const at::Tensor& query_start_loc, double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    bool batch_invariant, const std::optional<at::Tensor>& keep) {
+  check_x(x);
+  const int64_t L = key_caches.size(), per_layer = kNorms + kPerLinear * kLinears;
+  TORCH_CHECK(L > 0 && value_caches.size() == L && (int64_t)weights.size() == L * per_layer &&
+              (int64_t)ints.size() == L * 2 * kLinears,
+              "decoder_layers: one key and value cache per layer, and decoder_layer's weights and ints per layer");
+  const Step st{cos, sin, slot_mapping, block_tables, context_lens, query_start_loc, eps, scale,
+                num_heads, num_kv_heads, head_dim, batch_invariant};
+  std::optional<at::Tensor> residual;
+  for (int64_t i = 0; i < L; ++i) {
+    const LayerArgs a{weights, i * per_layer, ints.slice(i * 2 * kLinears, 2 * kLinears)};
+    auto [out, res] = layer(x, residual, a, st, key_caches.get(i), value_caches.get(i),
+                            i == L - 1 ? keep : std::nullopt);
+    x = out, residual = res;
+  }
+  return {x, *residual};
 }
 
 }  // namespace
@@ -140,8 +203,13 @@ TORCH_LIBRARY(nanoserve_layer, m) {
         "Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, Tensor query_start_loc, float scale, int num_heads, int num_kv_heads, int head_dim, "
         "bool batch_invariant, Tensor? keep) -> (Tensor, Tensor)");
+  m.def("decoder_layers(Tensor(a!) x, Tensor?[] weights, int[] ints, float eps, Tensor cos, Tensor sin, "
+        "Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor context_lens, Tensor query_start_loc, float scale, int num_heads, int num_kv_heads, int head_dim, "
+        "bool batch_invariant, Tensor? keep) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(nanoserve_layer, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layers", &decoder_layers);
 }
